@@ -1,0 +1,74 @@
+"""Decode image bytes into a fully loaded RGB PIL image, under a MediaPolicy.
+
+Pixels are kept as stored (no EXIF transpose) and converted with a plain ``convert("RGB")``,
+as transformers' ``convert_rgb`` does, so images reach the processor exactly as they would
+through transformers itself.
+"""
+
+from __future__ import annotations
+
+import io
+
+from PIL import Image, UnidentifiedImageError
+
+from vlmd.errors import MediaError
+from vlmd.media.fetch import fetch_bytes
+from vlmd.media.policy import MediaPolicy
+
+# Formats clients send in practice. Restricting Image.open keeps rarely exercised decoders
+# (and EPS, which runs Ghostscript) away from untrusted bytes. JPEG also opens MPO (phones).
+_WANTED_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
+ALLOWED_FORMATS = tuple(f for f in _WANTED_FORMATS if f in Image.registered_extensions().values())
+
+
+def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
+    """Return ``data`` decoded as an RGB image with its pixels loaded, or raise MediaError."""
+    if not data:
+        raise MediaError("image data is empty")
+    try:
+        # Image.open reads only the header: the size checks below run before any pixel is
+        # decoded, so a small file that declares a huge image is refused without allocating.
+        img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except UnidentifiedImageError:
+        raise MediaError(
+            f"cannot identify image data; supported formats: {', '.join(ALLOWED_FORMATS)}"
+        ) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        # PIL's own global limit, reached when the policy allows more than PIL does.
+        raise MediaError(_too_many_pixels_message(None, policy)) from None
+    except Exception as exc:  # a malformed header can raise almost anything from a plugin
+        raise MediaError(f"invalid image data: {_reason(exc)}") from None
+    with img:
+        width, height = img.size
+        if width * height > policy.max_image_pixels:
+            raise MediaError(_too_many_pixels_message(img.size, policy))
+        side = policy.min_image_side
+        if width < side or height < side:
+            raise MediaError(
+                f"image is too small: {width}x{height}; the minimum is {side}x{side}"
+            )
+        try:
+            img.load()  # decode now, so a truncated file fails here and not in a worker
+            # A plain convert, also for RGBA (alpha dropped, not composited), like
+            # transformers' convert_rgb. convert returns a new image independent of the file.
+            return img.convert("RGB")
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise MediaError(_too_many_pixels_message(img.size, policy)) from None
+        except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ...
+            raise MediaError(f"cannot decode {img.format} image: {_reason(exc)}") from None
+
+
+def load_image(url: str, policy: MediaPolicy) -> Image.Image:
+    """Fetch ``url`` (data:, http(s)://, file://) and decode it; blocking, run off the loop."""
+    return decode_image(fetch_bytes(url, policy), policy)
+
+
+def _too_many_pixels_message(size: tuple[int, int] | None, policy: MediaPolicy) -> str:
+    dims = f" ({size[0]}x{size[1]})" if size else ""
+    return f"image is too large{dims}: the limit is {policy.max_image_pixels} pixels"
+
+
+def _reason(exc: Exception) -> str:
+    # PIL messages are short and path-free for in-memory data; fall back to the type name.
+    text = str(exc).strip()
+    return text[:200] if text else type(exc).__name__
