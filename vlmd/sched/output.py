@@ -1,0 +1,58 @@
+"""What the scheduler hands the runner each step, and what comes back. Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlmd.types import MultiModalItem, SamplingParams, TokenLogprob
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or has dropped, after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt plus any output sampled before a preemption
+    num_prompt_tokens: int
+    mm_items: list[MultiModalItem]
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids: tuple[int, ...]  # eos + stop ids, masked out until min_tokens
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already tracks: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Batch order: request id -> tokens to compute this step.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Request id -> indices into its mm_items that must be encoded this step.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # Encoder outputs the runner may drop now.
+    evicted_encoder_identifiers: list[str] = field(default_factory=list)
+    # Requests the runner must forget (finished, aborted or preempted).
+    dropped_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens for the requests whose scheduled chunk reached their last token."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    encoder_seconds: float = 0.0

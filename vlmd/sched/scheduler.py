@@ -1,0 +1,271 @@
+"""Continuous batching with chunked prefill under a token budget and an encoder budget.
+
+Each step: running requests first (decodes and unfinished prefill chunks), then waiting
+requests in arrival order while budget, sequence slots and KV blocks last. When blocks
+run out for a running request, the most recently admitted request is preempted: its
+blocks are freed and it later recomputes from scratch. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vlmd.sched.encoder_cache import EncoderCacheManager
+from vlmd.sched.kv_manager import KVCacheManager, blocks_needed
+from vlmd.sched.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from vlmd.sched.request import Request, RequestStatus
+from vlmd.types import EngineRequest, FinishReason, RequestDelta
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_encoder_input_tokens: int
+    encoder_cache_size: int
+    disable_chunked_mm_input: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._dropped: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        request = Request(engine_request)
+        needed = blocks_needed(request.num_tokens + 1, self.config.block_size)
+        if needed > self.config.num_kv_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks, the cache has {self.config.num_kv_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestDelta]:
+        deltas = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            deltas.append(RequestDelta(request_id, [], FinishReason.ABORT))
+        return deltas
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget.tokens > 0:
+            request = self.running[index]
+            num_new, encoder_inputs = self._plan_chunk(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            new_blocks, preempted_any = self._allocate_or_preempt(request, num_new)
+            preempted = preempted or preempted_any
+            if new_blocks is None:  # the request preempted itself
+                break
+            out.cached_requests.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            )
+            self._commit_chunk(out, request, num_new, encoder_inputs, budget)
+            index += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget.tokens > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new, encoder_inputs = self._plan_chunk(request, budget)
+            if num_new == 0:
+                break
+            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_requests.append(self._new_request_data(request))
+            self._commit_chunk(out, request, num_new, encoder_inputs, budget)
+
+        out.evicted_encoder_identifiers = self.encoder_cache.take_evicted()
+        out.dropped_request_ids, self._dropped = self._dropped, []
+        return out
+
+    def _plan_chunk(self, request: Request, budget: "_Budget") -> tuple[int, list[int]]:
+        """How many tokens of ``request`` to compute now, and which items to encode."""
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget.tokens)
+        end = start + num_new
+        to_encode: list[int] = []
+        pending = 0
+        for index, item in enumerate(request.mm_items):
+            if item.offset >= end:
+                break
+            if item.end <= start or item.identifier in request.held_encoder_items:
+                continue
+            if self.encoder_cache.acquire_if_resident(request.request_id, item.identifier):
+                request.held_encoder_items.add(item.identifier)
+                continue
+            if self.config.disable_chunked_mm_input and item.offset >= start and item.end > end:
+                return item.offset - start, to_encode
+            if not self.encoder_cache.can_allocate(item.length, budget.encoder - pending, pending):
+                # Compute the text before the item now; if the chunk already starts inside
+                # the item (a prefix hit past its start), this request waits for room.
+                return max(item.offset - start, 0), to_encode
+            pending += item.length
+            to_encode.append(index)
+        return num_new, to_encode
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
+        """Allocate blocks, preempting from the back of ``running`` until they fit.
+
+        Returns the new block ids (None if ``request`` itself was preempted) and whether
+        anything was preempted.
+        """
+        preempted_any = False
+        while True:
+            new_blocks = self.kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            )
+            if new_blocks is not None:
+                return new_blocks, preempted_any
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted_any = True
+            if victim is request:
+                return None, True
+
+    def _commit_chunk(
+        self, out: SchedulerOutput, request: Request, num_new: int, encoder_inputs: list[int], budget: "_Budget"
+    ) -> None:
+        for index in encoder_inputs:
+            item = request.mm_items[index]
+            self.encoder_cache.allocate(request.request_id, item.identifier, item.length)
+            request.held_encoder_items.add(item.identifier)
+            budget.encoder -= item.length
+        if encoder_inputs:
+            out.scheduled_encoder_inputs[request.request_id] = encoder_inputs
+        out.num_scheduled_tokens[request.request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        budget.tokens -= num_new
+        request.num_computed_tokens += num_new
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        stop_ids = tuple(request.eos_token_ids) if not request.sampling.ignore_eos else ()
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            mm_items=request.mm_items,
+            sampling=request.sampling,
+            block_ids=list(self.kv.block_ids(request.request_id)),
+            num_computed_tokens=request.num_computed_tokens,
+            stop_token_ids=stop_ids + tuple(request.sampling.stop_token_ids),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        self._release_encoder_items(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._dropped.append(request.request_id)
+
+    # ---- results ---------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestDelta]:
+        deltas: list[RequestDelta] = []
+        for request_id in out.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            self._release_consumed_encoder_items(request)
+            token_id = result.sampled_token_ids.get(request_id)
+            if token_id is None:
+                continue
+            request.all_token_ids.append(token_id)
+            reason = request.stop_reason_for(token_id, self.config.max_model_len)
+            logprob = result.logprobs.get(request_id)
+            delta = RequestDelta(
+                request_id,
+                [token_id],
+                reason,
+                logprobs=[logprob] if logprob is not None else None,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            deltas.append(delta)
+        return deltas
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request.request_id)
+        self._release_encoder_items(request)
+        self.requests.pop(request.request_id, None)
+        self._dropped.append(request.request_id)
+
+    def _release_consumed_encoder_items(self, request: Request) -> None:
+        if not request.held_encoder_items:
+            return
+        # The same image may appear twice in one prompt: keep it until its last use.
+        still_needed = {
+            item.identifier for item in request.mm_items if item.end > request.num_computed_tokens
+        }
+        for identifier in list(request.held_encoder_items - still_needed):
+            request.held_encoder_items.discard(identifier)
+            self.encoder_cache.release(request.request_id, identifier)
+
+    def _release_encoder_items(self, request: Request) -> None:
+        for identifier in request.held_encoder_items:
+            self.encoder_cache.release(request.request_id, identifier)
+        request.held_encoder_items.clear()
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    encoder: int

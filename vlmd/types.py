@@ -1,0 +1,109 @@
+"""Message dataclasses that cross layer boundaries (front end <-> engine <-> runner).
+
+Plain data only (ints, lists, strings, numpy arrays): no torch, no asyncio, so the engine
+could move to another process and these would only need a codec.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmd.errors import BadRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, per request."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_tokens: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token only; k: plus top-k
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise BadRequestError("max_tokens must be at least 1", param="max_tokens")
+        if self.temperature < 0:
+            raise BadRequestError("temperature must be non-negative", param="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequestError("top_p must be in (0, 1]", param="top_p")
+        if self.top_k < 0:
+            raise BadRequestError("top_k must be 0 (disabled) or positive", param="top_k")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise BadRequestError("min_tokens must be between 0 and max_tokens", param="min_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise BadRequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+@dataclass
+class MultiModalItem:
+    """One image / video / audio clip after processing.
+
+    ``identifier`` is a blake3 digest over model id, modality, content, size/mode and
+    processor kwargs: it keys the processor, encoder and prefix caches. The item's
+    placeholder run is ``prompt_token_ids[offset : offset + length]``; every placeholder
+    receives one encoder output vector. ``encoder_inputs`` holds what the family's encoder
+    needs (e.g. uint8 pixels), normalised later on the device.
+    """
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    encoder_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class EngineRequest:
+    """A fully processed request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
