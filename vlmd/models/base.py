@@ -1,0 +1,45 @@
+"""What the runner needs from a model family's model object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from vlmd.layers.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class MultimodalModel(Protocol):
+    """The contract between the runner and a family's model (an ``nn.Module``).
+
+    - ``kv_spec``: the shape of the paged cache the decoder needs;
+    - ``embed_input_ids``: token embeddings, placeholders included;
+    - ``embed_multimodal``: encoder + projector for a batch of items of one modality,
+      one ``[item.length, hidden]`` tensor per item;
+    - ``forward``: the decoder over the paged cache, returning final hidden states;
+    - ``compute_logits``: hidden states to vocabulary logits.
+    """
+
+    kv_spec: KVSpec
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]: ...
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

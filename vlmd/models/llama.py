@@ -1,0 +1,164 @@
+"""Our Llama decoder over the paged KV cache: RMSNorm, RoPE (theta/scaling), GQA.
+
+Q/K/V and gate/up projections are fused into one matmul each; the loader stacks the
+checkpoint's separate weights into them. Tokens of every request in a step are one
+flattened ``[T, hidden]`` batch; only attention looks at request boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmd.layers.attention import AttentionMetadata, paged_attention
+from vlmd.layers.norm import RMSNorm
+from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from vlmd.models.base import KVSpec
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.scale = self.head_dim**-0.5
+        self.rotary = rotary
+
+    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        attended = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(attended.reshape(tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Text decoder; families feed it input embeddings with media rows overwritten."""
+
+    # checkpoint name fragment -> (our parameter fragment, shard index)
+    _STACKED = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        theta, scaling = rope_parameters(config)
+        head_dim = _head_dim(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.kv_spec = KVSpec(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        hidden = inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``).
+
+        Returns the names of our parameters that were filled.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            target = name.removeprefix("model.")
+            shard = None
+            for fragment, (fused, index) in self._STACKED.items():
+                if fragment in target:
+                    target, shard = target.replace(fragment, fused), index
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    _copy_checked(param, tensor, name)
+                else:
+                    _shard_of(param, shard, self).copy_(tensor.to(param.dtype))
+            loaded.add(target)
+        return loaded
+
+
+def _shard_of(param: torch.Tensor, index: int, model: LlamaForCausalLM) -> torch.Tensor:
+    rows = param.shape[0]
+    attn = model.layers[0].self_attn
+    if rows == attn.q_size + 2 * attn.kv_size:
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+    else:
+        sizes = [rows // 2, rows // 2]
+    start = sum(sizes[:index])
+    return param.narrow(0, start, sizes[index])
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.copy_(tensor.to(param.dtype))
