@@ -1,0 +1,30 @@
+"""Allocating the paged KV tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from vlmd.models.base import KVSpec
+
+
+def bytes_per_block(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+
+
+def num_blocks_for(spec: KVSpec, block_size: int, dtype: torch.dtype, cache_bytes: float) -> int:
+    return int(cache_bytes // bytes_per_block(spec, block_size, dtype))
+
+
+def allocate_kv_caches(
+    spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, each ``[num_blocks * block_size, kv_heads, head_dim]``.
+
+    Zeroed, not empty: padded gather positions are masked out of softmax, but a NaN left
+    in an unused slot would still poison the weighted sum (0 * NaN).
+    """
+    shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)
+    ]

@@ -1,0 +1,102 @@
+"""The runner: owns the model, the KV tensors and the encoder outputs; runs one step."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from vlmd.models.base import MultimodalModel
+from vlmd.runner.batch import ScheduledSlice, build_batch
+from vlmd.runner.kv_cache import allocate_kv_caches
+from vlmd.runner.request_state import RunnerRequestState
+from vlmd.runner.sampler import sample
+from vlmd.sched.output import RunnerOutput, SchedulerOutput
+from vlmd.types import MultiModalItem
+
+
+class ModelRunner:
+    def __init__(self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype)
+        self.requests: dict[str, RunnerRequestState] = {}
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.generator = torch.Generator().manual_seed(seed)
+        self.num_encoder_forwards = 0
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return RunnerOutput()
+        started = time.perf_counter()
+        self._run_encoders(out)
+        encoder_seconds = time.perf_counter() - started
+
+        scheduled = [(self.requests[rid], count) for rid, count in out.num_scheduled_tokens.items()]
+        batch = build_batch(scheduled, self.block_size)
+        embeds = self.model.embed_input_ids(batch.input_ids)
+        for piece in batch.slices:
+            if piece.state.mm_items:
+                self._insert_encoder_outputs(embeds, piece)
+        hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches)
+
+        result = RunnerOutput(encoder_seconds=encoder_seconds)
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
+            tokens, logprobs = sample(logits, batch.sample_states, self.generator)
+            for state, token, logprob in zip(batch.sample_states, tokens, logprobs):
+                state.token_ids.append(token)
+                result.sampled_token_ids[state.request_id] = token
+                if logprob is not None:
+                    result.logprobs[state.request_id] = logprob
+        for piece in batch.slices:
+            piece.state.num_computed_tokens = piece.end
+        return result
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.dropped_request_ids:
+            self.requests.pop(request_id, None)
+        for identifier in out.evicted_encoder_identifiers:
+            self.encoder_outputs.pop(identifier, None)
+        for data in out.new_requests:
+            self.requests[data.request_id] = RunnerRequestState.from_new(data)
+        for data in out.cached_requests:
+            state = self.requests[data.request_id]
+            state.block_ids.extend(data.new_block_ids)
+            state.num_computed_tokens = data.num_computed_tokens
+
+    def _run_encoders(self, out: SchedulerOutput) -> None:
+        pending: dict[str, dict[str, MultiModalItem]] = defaultdict(dict)
+        for request_id, indices in out.scheduled_encoder_inputs.items():
+            items = self.requests[request_id].mm_items
+            for index in indices:
+                item = items[index]
+                if item.identifier not in self.encoder_outputs:
+                    pending[item.modality][item.identifier] = item
+        for modality, by_id in pending.items():
+            items = list(by_id.values())
+            outputs = self.model.embed_multimodal(modality, [item.encoder_inputs for item in items])
+            self.num_encoder_forwards += len(items)
+            for item, output in zip(items, outputs):
+                if output.shape[0] != item.length:
+                    raise RuntimeError(
+                        f"{modality} encoder produced {output.shape[0]} vectors for an item "
+                        f"with {item.length} placeholders"
+                    )
+                self.encoder_outputs[item.identifier] = output
+
+    def _insert_encoder_outputs(self, embeds: torch.Tensor, piece: ScheduledSlice) -> None:
+        """Overwrite placeholder rows with the matching slice of each item's encoder output."""
+        for item in piece.state.mm_items:
+            first = max(item.offset, piece.start)
+            last = min(item.end, piece.end)
+            if first >= last:
+                continue
+            output = self.encoder_outputs.get(item.identifier)
+            if output is None:
+                raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
+            row = piece.row + first - piece.start
+            embeds[row : row + last - first] = output[first - item.offset : last - item.offset].to(embeds.dtype)

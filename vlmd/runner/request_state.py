@@ -1,0 +1,50 @@
+"""What the runner remembers about each request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlmd.sched.output import NewRequestData
+from vlmd.types import MultiModalItem, SamplingParams
+
+
+@dataclass
+class RunnerRequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    mm_items: list[MultiModalItem]
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
+        return cls(
+            request_id=data.request_id,
+            token_ids=list(data.token_ids),
+            num_prompt_tokens=data.num_prompt_tokens,
+            mm_items=data.mm_items,
+            sampling=data.sampling,
+            block_ids=list(data.block_ids),
+            num_computed_tokens=data.num_computed_tokens,
+            stop_token_ids=data.stop_token_ids,
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def masks_stop_tokens(self) -> bool:
+        return bool(self.stop_token_ids) and self.num_output_tokens < self.sampling.min_tokens
+
+    def generator_for_next_token(self) -> torch.Generator | None:
+        """A seeded request's generator depends only on (seed, output index), so a
+        sampled answer is the same whatever else shares the batch or after preemption."""
+        if self.sampling.seed is None:
+            return None
+        return torch.Generator().manual_seed(hash((self.sampling.seed, self.num_output_tokens)) & (2**63 - 1))
