@@ -1,0 +1,23 @@
+"""The hooks a vlmd plugin may implement. One documented function per hook.
+
+Plugins are found through the ``vlmd.model_families`` entry-point group; the built-in
+families (LLaVA, ...) are separate packages that register through these same hooks.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("vlmd")
+hookimpl = pluggy.HookimplMarker("vlmd")
+
+
+@hookspec
+def vlmd_register_model_families(registry):
+    """Register model families with ``registry.register(ModelFamily(...))``.
+
+    A family names the HF ``architectures`` it serves and, as lazy ``"module:attr"``
+    strings, its model class, processing info, processor and dummy-inputs builder.
+    Registering an architecture that is already registered logs a warning and the later
+    registration wins, so a third-party package can replace a built-in family.
+    """

@@ -1,0 +1,122 @@
+"""The three parts a model family provides for its media: info, processor, dummy inputs.
+
+The processor's contract: given prompt token ids in which the chat template left one
+marker token per media item, and the decoded media, return the prompt with each marker
+expanded into that item's placeholder run, and one ``MultiModalItem`` per item (offset,
+length, identifier, encoder inputs). Counts that do not match are a client error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmd.errors import BadRequestError
+from vlmd.processing.hashing import item_identifier
+from vlmd.types import MultiModalItem
+
+
+@dataclass
+class ProcessingContext:
+    model_dir: str
+    model_id: str
+    hf_config: Any
+    tokenizer: Any
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ProcessedItem:
+    """One item after the family's preprocessing."""
+
+    encoder_inputs: dict[str, Any]
+    replacement: list[int]  # the tokens that replace the marker; placeholders are embeddings
+    placeholder_offset: int = 0  # where the embedded run starts within ``replacement``
+    num_placeholders: int | None = None  # defaults to len(replacement) - placeholder_offset
+
+
+@dataclass
+class ProcessorOutput:
+    prompt_token_ids: list[int]
+    items: list[MultiModalItem]
+
+
+class BaseProcessingInfo:
+    """Facts about the family's media handling for one checkpoint."""
+
+    def __init__(self, ctx: ProcessingContext):
+        self.ctx = ctx
+
+    def supported_mm_limits(self) -> dict[str, int | None]:
+        """Modalities this model accepts and the most items per prompt (None: no limit)."""
+        raise NotImplementedError
+
+    def marker_token_id(self, modality: str) -> int:
+        """The token the chat template leaves in the prompt for each item."""
+        raise NotImplementedError
+
+    def chat_part(self, modality: str) -> dict[str, Any]:
+        """How one item appears in a message for this family's chat template."""
+        return {"type": modality}
+
+
+class BaseMultiModalProcessor:
+    def __init__(self, info: BaseProcessingInfo):
+        self.info = info
+
+    def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        raise NotImplementedError
+
+    def identifier(self, modality: str, media: Any, kwargs: dict[str, Any]) -> str:
+        return item_identifier(self.info.ctx.model_id, modality, media, kwargs)
+
+    def apply(
+        self, prompt_token_ids: list[int], media: dict[str, list[Any]], kwargs: dict[str, Any] | None = None
+    ) -> ProcessorOutput:
+        kwargs = {**self.info.ctx.mm_processor_kwargs, **(kwargs or {})}
+        markers = {self.info.marker_token_id(modality): modality for modality in media}
+        found: list[tuple[int, str]] = [
+            (position, markers[token]) for position, token in enumerate(prompt_token_ids) if token in markers
+        ]
+        for modality, items in media.items():
+            count = sum(1 for _, m in found if m == modality)
+            if count != len(items):
+                raise BadRequestError(
+                    f"the prompt has {count} {modality} placeholder(s) but {len(items)} {modality} "
+                    f"item(s) were given; do not type the model's {modality} marker in text"
+                )
+        next_index = {modality: 0 for modality in media}
+        output: list[int] = []
+        items_out: list[MultiModalItem] = []
+        previous = 0
+        for position, modality in found:
+            output.extend(prompt_token_ids[previous:position])
+            previous = position + 1
+            data = media[modality][next_index[modality]]
+            next_index[modality] += 1
+            processed = self.process_item(modality, data, kwargs)
+            length = processed.num_placeholders
+            if length is None:
+                length = len(processed.replacement) - processed.placeholder_offset
+            items_out.append(
+                MultiModalItem(
+                    modality=modality,
+                    identifier=self.identifier(modality, data, kwargs),
+                    offset=len(output) + processed.placeholder_offset,
+                    length=length,
+                    encoder_inputs=processed.encoder_inputs,
+                )
+            )
+            output.extend(processed.replacement)
+        output.extend(prompt_token_ids[previous:])
+        return ProcessorOutput(output, items_out)
+
+
+class BaseDummyInputsBuilder:
+    """Worst-case items for start-up profiling (the most placeholders per item)."""
+
+    def __init__(self, info: BaseProcessingInfo):
+        self.info = info
+
+    def dummy_item(self, modality: str) -> Any:
+        raise NotImplementedError
