@@ -1,0 +1,128 @@
+"""The LLaVA-1.5 model: transformers' CLIP vision tower, our projector and our Llama."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlmd.models.llama import LlamaForCausalLM
+from vlmd.models.loader import iterate_weights
+from vlmd_llava.processing import CLIP_MEAN, CLIP_STD, image_processor_config
+
+# Checkpoint prefixes (transformers 4.x, 5.x, and published LLaVA-1.5 layouts) -> ours.
+_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("language_model.model.", "language_model.model."),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def _rename(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    raise ValueError(f"unexpected weight {name!r} in LLaVA checkpoint")
+
+
+class LlavaProjector(nn.Module):
+    def __init__(self, vision_hidden: int, text_hidden: int, act: str):
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_hidden, text_hidden)
+        self.act = nn.GELU(approximate="tanh" if act == "gelu_pytorch_tanh" else "none")
+        self.linear_2 = nn.Linear(text_hidden, text_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from transformers import CLIPVisionModel
+
+        self.config = config
+        vision_config = config.vision_config
+        vision_config._attn_implementation = "sdpa"
+        feature_layer = config.vision_feature_layer
+        if not isinstance(feature_layer, int):
+            raise ValueError(f"vision_feature_layer {feature_layer!r} is not supported (an int is)")
+        num_layers = vision_config.num_hidden_layers
+        # hidden_states[k] is the output of layer k (0 = embeddings): later layers never run.
+        self.num_vision_layers = feature_layer % (num_layers + 1)
+        tower = CLIPVisionModel(vision_config)
+        # transformers 4.x wraps the tower in `.vision_model`; 5.x does not.
+        self.vision_tower = getattr(tower, "vision_model", tower)
+        self.vision_tower.encoder.layers = self.vision_tower.encoder.layers[: self.num_vision_layers]
+        self.keep_cls = getattr(config, "vision_feature_select_strategy", "default") != "default"
+        self.multi_modal_projector = LlavaProjector(
+            vision_config.hidden_size, config.text_config.hidden_size, config.projector_hidden_act
+        )
+        self.language_model = LlamaForCausalLM(config.text_config)
+        self.kv_spec = self.language_model.kv_spec
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype) -> "LlavaModel":
+        model = cls(config)
+        settings = image_processor_config(str(model_dir))
+        model.register_buffer("pixel_mean", torch.tensor(settings.get("image_mean", CLIP_MEAN)).view(1, 3, 1, 1), persistent=False)
+        model.register_buffer("pixel_std", torch.tensor(settings.get("image_std", CLIP_STD)).view(1, 3, 1, 1), persistent=False)
+        model.load_weights(iterate_weights(model_dir))
+        return model.to(dtype).eval()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        text_weights = []
+        for name, tensor in weights:
+            target = _rename(name)
+            if target.startswith("language_model."):
+                text_weights.append((target[len("language_model.") :], tensor))
+                continue
+            if target.startswith("vision_tower.encoder.layers."):
+                layer = int(target.split(".")[3])
+                if layer >= self.num_vision_layers:
+                    continue  # past the feature layer: never used
+            if target.startswith("vision_tower.post_layernorm."):
+                continue
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in LLaVA checkpoint")
+            with torch.no_grad():
+                params[target].copy_(tensor)
+        self.language_model.load_weights(text_weights)
+
+    # ---- the runner's contract -----------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        if modality != "image":
+            raise ValueError(f"LLaVA does not encode {modality}")
+        pixels = torch.from_numpy(np.stack([inputs["pixels"] for inputs in encoder_inputs]))
+        dtype = self.pixel_mean.dtype
+        # uint8 -> normalised float in one fused expression (rescale, subtract, divide).
+        pixel_values = (pixels.to(torch.float32) / 255.0 - self.pixel_mean.float()) / self.pixel_std.float()
+        tower = self.vision_tower
+        hidden = tower.pre_layrnorm(tower.embeddings(pixel_values.to(dtype)))
+        hidden = tower.encoder(inputs_embeds=hidden).last_hidden_state
+        if not self.keep_cls:
+            hidden = hidden[:, 1:]
+        projected = self.multi_modal_projector(hidden)
+        return list(projected.unbind(0))
+
+    def forward(self, inputs_embeds, positions, meta, kv_caches) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)

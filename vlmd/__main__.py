@@ -1,0 +1,3 @@
+from vlmd.cli import main
+
+main()

@@ -1,0 +1,53 @@
+"""The event-loop side of the engine: submit requests, stream their deltas, abort."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from vlmd.engine.worker import AbortRequests, AddRequest, EngineWorker
+from vlmd.types import EngineRequest, RequestDelta
+
+
+class AsyncEngine:
+    """Bridges the worker thread and asyncio: one queue per request, one callback per step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.worker: EngineWorker | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+
+    def attach(self, worker: EngineWorker) -> None:
+        self.worker = worker
+
+    def post_deltas(self, deltas: list[RequestDelta]) -> None:
+        """Called on the worker thread."""
+        self.loop.call_soon_threadsafe(self._dispatch, deltas)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.put_nowait(delta)
+
+    @property
+    def stats(self):
+        return self.worker.stats
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """Yield the request's deltas until it finishes; leaving early aborts it."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self.worker.submit(AddRequest(request))
+        finished = False
+        try:
+            while True:
+                delta = await stream.get()
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.worker.submit(AbortRequests([request.request_id]))

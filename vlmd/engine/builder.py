@@ -1,0 +1,153 @@
+"""Start-up: from a checkpoint directory and a ServeConfig to a ready engine.
+
+Finds the family for the checkpoint's architecture, measures the largest item per
+modality with the family's dummy inputs, sizes the encoder budget and the KV cache,
+and loads the model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from vlmd.config import ServeConfig
+from vlmd.engine.core import EngineCore
+from vlmd.media.policy import MediaPolicy
+from vlmd.plugins.manager import build_registry
+from vlmd.processing.base import ProcessingContext
+from vlmd.processing.preprocess import InputPreprocessor
+from vlmd.runner.kv_cache import num_blocks_for
+from vlmd.runner.model_runner import ModelRunner
+from vlmd.sched.scheduler import Scheduler, SchedulerConfig
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BuiltEngine:
+    core: EngineCore
+    preprocessor: InputPreprocessor
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    dummy_inputs: object
+
+
+def text_config_of(hf_config):
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def build_engine(config: ServeConfig) -> BuiltEngine:
+    from transformers import AutoConfig, AutoTokenizer
+
+    started = time.perf_counter()
+    model_dir = str(Path(config.model).expanduser())
+    if config.dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}")
+    dtype = _DTYPES[config.dtype]
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    family = build_registry().for_architectures(list(hf_config.architectures or []))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text_config = text_config_of(hf_config)
+
+    max_model_len = int(text_config.max_position_embeddings)
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {max_model_len}")
+        max_model_len = config.max_model_len
+
+    ctx = ProcessingContext(model_dir=model_dir, model_id=config.model_name, hf_config=hf_config, tokenizer=tokenizer)
+    info = family.load("processing_info")(ctx)
+    processor = family.load("processor")(info)
+    dummy = family.load("dummy_inputs")(info)
+    max_item_tokens = max(
+        (len(processor.process_item(m, dummy.dummy_item(m), {}).replacement) for m in info.supported_mm_limits()),
+        default=0,
+    )
+    if config.disable_chunked_mm_input and max_item_tokens > config.max_num_batched_tokens:
+        raise ValueError(
+            f"--disable-chunked-mm-input needs --max-num-batched-tokens >= {max_item_tokens} "
+            f"(the largest item), got {config.max_num_batched_tokens}"
+        )
+    encoder_budget = max(config.max_num_batched_tokens, max_item_tokens)
+
+    model = family.load("model").load(model_dir, hf_config, dtype)
+    num_blocks = num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        num_kv_blocks=num_blocks,
+        max_num_encoder_input_tokens=encoder_budget,
+        encoder_cache_size=encoder_budget,
+        disable_chunked_mm_input=config.disable_chunked_mm_input,
+    )
+    runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed)
+    policy = MediaPolicy(
+        allowed_local_media_path=config.allowed_local_media_path,
+        allow_private_urls=config.allow_private_media_urls,
+        allowed_domains=config.allowed_media_domains,
+        max_bytes=config.media_max_bytes,
+        timeout_s=config.media_timeout_s,
+    )
+    preprocessor = InputPreprocessor(processor, policy, config.limit_mm_per_prompt, max_model_len)
+    eos = _eos_token_ids(model_dir, tokenizer)
+    log.info(
+        "engine ready",
+        family=family.name,
+        kv_blocks=num_blocks,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        max_item_tokens=max_item_tokens,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return BuiltEngine(
+        EngineCore(Scheduler(scheduler_config), runner), preprocessor, tokenizer, eos, max_model_len,
+        scheduler_config, dummy
+    )
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (may be a list), else the tokenizer's."""
+    import json
+
+    path = Path(model_dir) / "generation_config.json"
+    ids: list[int] = []
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return tuple(int(i) for i in ids)
+
+
+def warm_up(built: BuiltEngine) -> None:
+    """Run one small request per modality through the engine before serving.
+
+    The first forward of each shape pays for lazy initialisation (kernels, allocator);
+    paying it here keeps it out of the first client's latency.
+    """
+    from vlmd.types import EngineRequest, SamplingParams
+
+    processor = built.preprocessor.processor
+    info = processor.info
+    media = {}
+    prompt: list[int] = []
+    for modality in info.supported_mm_limits():
+        prompt.append(info.marker_token_id(modality))
+        media[modality] = [built.dummy_inputs.dummy_item(modality)]
+    prompt.extend(built.tokenizer.encode("warm up", add_special_tokens=False))
+    output = processor.apply(prompt, media)
+    request = EngineRequest("warmup", output.prompt_token_ids, SamplingParams(max_tokens=2), output.items)
+    core = built.core
+    core.add_request(request)
+    while core.has_work():
+        core.step()

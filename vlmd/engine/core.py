@@ -1,0 +1,68 @@
+"""The engine core: one scheduler, one runner, one step at a time (worker thread only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlmd.runner.model_runner import ModelRunner
+from vlmd.sched.output import SchedulerOutput
+from vlmd.sched.scheduler import Scheduler
+from vlmd.types import EngineRequest, FinishReason, RequestDelta
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the front end may read at any time (replaced, never mutated)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    num_encoder_forwards: int = 0
+    encoder_cache_usage: float = 0.0
+    num_steps: int = 0
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.num_steps = 0
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> tuple[list[RequestDelta], bool]:
+        """Run one step; returns the deltas and whether any tokens were computed."""
+        out: SchedulerOutput = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(out, result), not out.is_empty
+
+    def fail_running(self, message: str) -> list[RequestDelta]:
+        """After a runner error: end every request in flight with an error, keep serving."""
+        ids = [r.request_id for r in self.scheduler.running] + [r.request_id for r in self.scheduler.waiting]
+        self.scheduler.abort_requests(ids)
+        return [RequestDelta(rid, [], FinishReason.ERROR, error=message) for rid in ids]
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=kv.pool.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_encoder_forwards=self.runner.num_encoder_forwards,
+            encoder_cache_usage=self.scheduler.encoder_cache.usage,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,104 @@
+"""The engine thread: drains its inbox, steps the core, posts deltas to the event loop."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from vlmd.engine.core import EngineCore, EngineStats
+from vlmd.types import EngineRequest, FinishReason, RequestDelta
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        core: EngineCore,
+        post_deltas: Callable[[list[RequestDelta]], None],
+        torch_threads: int | None = None,
+    ):
+        self.core = core
+        self.post_deltas = post_deltas
+        self.torch_threads = torch_threads
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = core.stats()
+        self._thread = threading.Thread(target=self._run, name="vlmd-engine", daemon=True)
+        self._stopping = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, message) -> None:
+        self.inbox.put(message)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.submit(Shutdown())
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        import torch
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        while not self._stopping:
+            deltas = self._drain(block=not self.core.has_work())
+            if self.core.has_work() and not self._stopping:
+                deltas.extend(self._step())
+            self.stats = self.core.stats()
+            if deltas:
+                self.post_deltas(deltas)
+
+    def _drain(self, block: bool) -> list[RequestDelta]:
+        deltas: list[RequestDelta] = []
+        try:
+            message = self.inbox.get() if block else self.inbox.get_nowait()
+            while True:
+                deltas.extend(self._handle(message))
+                message = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return deltas
+
+    def _handle(self, message) -> list[RequestDelta]:
+        if isinstance(message, AddRequest):
+            try:
+                self.core.add_request(message.request)
+            except ValueError as exc:
+                return [RequestDelta(message.request.request_id, [], FinishReason.ERROR, error=str(exc))]
+            return []
+        if isinstance(message, AbortRequests):
+            return self.core.abort(message.request_ids)
+        if isinstance(message, Shutdown):
+            self._stopping = True
+        return []
+
+    def _step(self) -> list[RequestDelta]:
+        try:
+            deltas, progressed = self.core.step()
+        except Exception as exc:  # a failing step fails its requests, never the thread
+            log.exception("engine step failed")
+            return self.core.fail_running(f"engine error: {type(exc).__name__}: {exc}")
+        if not progressed and not deltas:
+            time.sleep(0.001)  # waiting for room (blocks, encoder cache): don't spin hot
+        return deltas

@@ -1,0 +1,73 @@
+"""OpenAI chat messages -> the conversation a chat template renders, plus media refs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vlmd.errors import BadRequestError
+
+_ROLES = {"system", "developer", "user", "assistant"}
+# OpenAI content-part type -> (modality, key holding the URL object)
+_MEDIA_PARTS = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"), "audio_url": ("audio", "audio_url")}
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    modality: str
+    url: str
+
+
+def to_conversation(messages: Any, part_for_modality) -> tuple[list[dict], list[MediaRef]]:
+    """Validate ``messages`` and split out media references, in prompt order.
+
+    ``part_for_modality(modality)`` gives the part the family's template expects for
+    an item (e.g. ``{"type": "image"}``); it raises BadRequestError for a modality the
+    model does not accept.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError("messages must be a non-empty list", param="messages")
+    conversation: list[dict] = []
+    media: list[MediaRef] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise BadRequestError(f"{where} must be an object", param="messages")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise BadRequestError(f"{where}.role must be one of {sorted(_ROLES)}", param="messages")
+        role = "system" if role == "developer" else role
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            conversation.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise BadRequestError(f"{where}.content must be a string or a list of parts", param="messages")
+        parts = []
+        for part_index, part in enumerate(content):
+            parts.append(_convert_part(part, f"{where}.content[{part_index}]", part_for_modality, media))
+        conversation.append({"role": role, "content": parts})
+    return conversation, media
+
+
+def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef]) -> dict:
+    if not isinstance(part, dict):
+        raise BadRequestError(f"{where} must be an object", param="messages")
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise BadRequestError(f"{where}.text must be a string", param="messages")
+        return {"type": "text", "text": text}
+    if kind in _MEDIA_PARTS:
+        modality, key = _MEDIA_PARTS[kind]
+        value = part.get(key)
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str) or not url:
+            raise BadRequestError(f"{where}.{key}.url must be a non-empty string", param="messages")
+        converted = part_for_modality(modality)
+        media.append(MediaRef(modality, url))
+        return converted
+    raise BadRequestError(f"{where}.type {kind!r} is not supported", param="messages")

@@ -1,0 +1,95 @@
+"""The aiohttp application: routes, auth, and errors as OpenAI-shaped JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+import orjson
+import structlog
+from aiohttp import web
+
+from vlmd.errors import AuthenticationError, VlmdError
+from vlmd.server.chat import chat_completions
+from vlmd.server.metrics import CONTENT_TYPE
+from vlmd.server.state import ServerState
+
+log = structlog.get_logger(__name__)
+
+
+def _error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except VlmdError as exc:
+        return web.Response(body=orjson.dumps(exc.to_dict()), status=exc.status, content_type="application/json")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(exc.status, exc.reason or "error", "invalid_request_error")
+    except asyncio.CancelledError:
+        raise
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        return _error_response(500, "internal server error", "server_error")
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        if request.path != "/health":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise AuthenticationError("invalid or missing API key")
+        return await handler(request)
+
+    return check_api_key
+
+
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = {
+        "object": "list",
+        "data": [
+            {
+                "id": state.config.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "vlmd",
+                "root": state.config.model,
+                "max_model_len": state.max_model_len,
+            }
+        ],
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def create_app(state: ServerState) -> web.Application:
+    middlewares = [errors_as_json]
+    if state.config.api_key:
+        middlewares.append(_auth_middleware(state.config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)
+    app["state"] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

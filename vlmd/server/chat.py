@@ -1,0 +1,169 @@
+"""POST /v1/chat/completions: preprocess on the pool, generate, answer as JSON or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+
+import orjson
+from aiohttp import web
+
+from vlmd.errors import BadRequestError, NotFoundError, VlmdError
+from vlmd.server import responses
+from vlmd.server.detokenizer import IncrementalDetokenizer
+from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
+from vlmd.server.state import ServerState
+from vlmd.types import EngineRequest, FinishReason
+
+
+async def read_json(request: web.Request):
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+class _Generation:
+    """Accumulates one request's output while its deltas stream in."""
+
+    def __init__(self, state: ServerState, chat: ChatCompletionRequest, engine_request: EngineRequest):
+        self.state = state
+        self.chat = chat
+        self.engine_request = engine_request
+        self.detokenizer = IncrementalDetokenizer(state.tokenizer, chat.stop, chat.skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+
+    async def deltas(self):
+        """Yield (text, new token ids, new logprob entries) as they become available."""
+        async with aclosing(self.state.engine.generate(self.engine_request)) as stream:
+            async for delta in stream:
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise EngineFailure(delta.error or "engine error")
+                if self.first_token_time is None and delta.new_token_ids:
+                    self.first_token_time = time.perf_counter()
+                self.num_cached_tokens = delta.num_cached_tokens
+                final = delta.finish_reason is not None
+                text = self.detokenizer.push(delta.new_token_ids, final=final)
+                self.token_ids.extend(delta.new_token_ids)
+                if delta.logprobs:
+                    self.logprobs.extend(delta.logprobs)
+                if self.detokenizer.stopped:
+                    self.finish_reason = "stop"
+                    yield text, delta.new_token_ids, delta.logprobs
+                    return  # leaving the stream aborts the request in the engine
+                if final:
+                    self.finish_reason = "length" if delta.finish_reason is FinishReason.LENGTH else "stop"
+                yield text, delta.new_token_ids, delta.logprobs
+                if final:
+                    return
+
+    def usage(self) -> dict:
+        return responses.usage(len(self.engine_request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
+
+
+class EngineFailure(Exception):
+    pass
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    chat = parse_chat_request(await read_json(request))
+    if chat.model != state.config.model_name:
+        raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
+    loop = asyncio.get_running_loop()
+    processed = await loop.run_in_executor(
+        state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs
+    )
+    num_prompt = len(processed.prompt_token_ids)
+    needed_blocks = -(-(num_prompt + 1) // state.block_size)
+    if needed_blocks > state.num_kv_blocks:
+        raise BadRequestError(
+            f"the prompt needs {needed_blocks} KV-cache blocks but the server has {state.num_kv_blocks}"
+        )
+    sampling = chat.sampling_params(num_prompt, state.max_model_len)
+    engine_request = EngineRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        prompt_token_ids=processed.prompt_token_ids,
+        sampling=sampling,
+        mm_items=processed.items,
+        eos_token_ids=state.eos_token_ids,
+        arrival_time=time.time(),
+    )
+    generation = _Generation(state, chat, engine_request)
+    if chat.stream:
+        return await _stream(request, state, chat, generation)
+    return await _complete(state, chat, generation)
+
+
+async def _complete(state: ServerState, chat: ChatCompletionRequest, generation: _Generation) -> web.Response:
+    text_parts = []
+    try:
+        async for text, _, _ in generation.deltas():
+            text_parts.append(text)
+    except EngineFailure as exc:
+        return web.json_response(_server_error(str(exc)), status=500, dumps=_dumps)
+    request_id = generation.engine_request.request_id
+    body = responses.completion(
+        request_id,
+        int(time.time()),
+        state.config.model_name,
+        "".join(text_parts),
+        generation.finish_reason or "stop",
+        generation.usage(),
+        generation.token_ids if chat.return_token_ids else None,
+        generation.engine_request.prompt_token_ids if chat.return_token_ids else None,
+        responses.logprobs_content(state.tokenizer, generation.logprobs) if chat.logprobs else None,
+    )
+    return web.json_response(body, dumps=_dumps)
+
+
+async def _stream(request: web.Request, state: ServerState, chat: ChatCompletionRequest, generation: _Generation):
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    request_id = generation.engine_request.request_id
+    created = int(time.time())
+    model = state.config.model_name
+
+    async def send(body: dict) -> None:
+        await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+
+    first_extra = {"prompt_token_ids": generation.engine_request.prompt_token_ids} if chat.return_token_ids else {}
+    await send(responses.chunk(request_id, created, model, {"role": "assistant", "content": ""}, **first_extra))
+    try:
+        async for text, token_ids, logprobs in generation.deltas():
+            finish = generation.finish_reason
+            if not text and not finish and not chat.return_token_ids and not chat.logprobs:
+                continue
+            await send(
+                responses.chunk(
+                    request_id, created, model, {"content": text} if text else {}, finish,
+                    token_ids=list(token_ids) if chat.return_token_ids else None,
+                    logprobs=responses.logprobs_content(state.tokenizer, logprobs or []) if chat.logprobs else None,
+                )
+            )
+    except EngineFailure as exc:
+        await send(_server_error(str(exc)))
+    else:
+        if chat.include_usage:
+            await send(responses.usage_chunk(request_id, created, model, generation.usage()))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _server_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
+
+
+def _dumps(body) -> str:
+    return orjson.dumps(body).decode()
+
+
+__all__ = ["chat_completions", "read_json", "VlmdError"]

@@ -1,0 +1,25 @@
+"""What the HTTP handlers share: the engine facade, the preprocessor, limits."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from vlmd.config import ServeConfig
+from vlmd.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    config: ServeConfig
+    engine: AsyncEngine
+    preprocessor: object  # vlmd.processing.preprocess.InputPreprocessor
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    pool: ThreadPoolExecutor
+    metrics: object = None
+    created: int = 0
+    extra: dict = field(default_factory=dict)
