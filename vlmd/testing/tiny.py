@@ -1,0 +1,80 @@
+"""Build deterministic random ("tiny") checkpoints for tests, offline.
+
+    python -m vlmd.testing.tiny --family llava --out DIR [--seed N] [--size tiny|small]
+
+or from Python: ``build_tiny("llava", out_dir, seed=0, size="tiny") -> Path``.
+
+The same family, seed and size always give byte-identical files.  Each family has a builder in
+a sibling module, looked up lazily (importing torch/transformers only when building).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Before tokenizers/transformers are imported: pin the BPE trainer's thread pool and stay offline.
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+__all__ = ["BUILDERS", "SIZES", "build_tiny", "main"]
+
+#: family -> "module:function"; the function is ``f(out_dir, seed=..., size=...) -> Path``.
+BUILDERS: dict[str, str] = {
+    "llava": "vlmd.testing.tiny_llava:build_tiny_llava",
+    # "qwen2_vl": "vlmd.testing.tiny_qwen2_vl:build_tiny_qwen2_vl",
+    # "whisper": "vlmd.testing.tiny_whisper:build_tiny_whisper",
+}
+
+SIZES = ("tiny", "small")
+
+
+def _resolve(family: str):
+    try:
+        target = BUILDERS[family]
+    except KeyError:
+        known = ", ".join(sorted(BUILDERS)) or "(none)"
+        raise ValueError(f"unknown model family {family!r}; known families: {known}") from None
+    module_name, _, func_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def build_tiny(family: str, out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """Build a random checkpoint of ``family`` into ``out_dir`` and return its path."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
+    builder = _resolve(family)
+    return Path(builder(out_dir, seed=int(seed), size=size))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vlmd.testing.tiny",
+        description="Build a deterministic random checkpoint for tests (offline).",
+    )
+    parser.add_argument("--family", required=True, help=f"model family: {', '.join(sorted(BUILDERS))}")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="weights/tokenizer seed (default 0)")
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny (fast tests) or small (~100M params)")
+    args = parser.parse_args(argv)
+
+    if args.family not in BUILDERS:
+        parser.error(f"unknown model family {args.family!r}; known families: {', '.join(sorted(BUILDERS))}")
+    start = time.monotonic()
+    out = build_tiny(args.family, args.out, seed=args.seed, size=args.size)
+    elapsed = time.monotonic() - start
+    summary_path = out / "vlmd_tiny.json"
+    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else {}
+    n_params = summary.get("num_parameters")
+    params_txt = f"{n_params:,} parameters" if isinstance(n_params, int) else "parameters: unknown"
+    print(f"built {args.family} ({args.size}, seed {args.seed}) in {out} in {elapsed:.1f}s: {params_txt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
