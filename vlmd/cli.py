@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--kv-cache-gb", type=float, default=4.0, help="memory for the KV cache (GiB)")
+    serve.add_argument("--num-kv-blocks", type=int, help="exact number of KV blocks (overrides --kv-cache-gb)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--limit-mm-per-prompt", default="", help="e.g. image=2,video=1")
     serve.add_argument("--allowed-local-media-path", help="directory file:// media URLs may read from")
@@ -63,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb,
+        num_kv_blocks=args.num_kv_blocks,
         seed=args.seed,
         limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
         allowed_local_media_path=args.allowed_local_media_path,

@@ -19,6 +19,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_gb: float = 4.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests, capacity planning)
     seed: int = 0
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     allowed_local_media_path: str | None = None

@@ -79,7 +79,12 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     encoder_budget = max(config.max_num_batched_tokens, max_item_tokens)
 
     model = family.load("model").load(model_dir, hf_config, dtype)
-    num_blocks = num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
+    num_blocks = config.num_kv_blocks or num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
+            f"{max_model_len}: raise --kv-cache-gb or lower --max-model-len"
+        )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vlmd.models.base import KVSpec
@@ -22,9 +23,15 @@ def allocate_kv_caches(
     """One (K, V) pair per layer, each ``[num_blocks * block_size, kv_heads, head_dim]``.
 
     Zeroed, not empty: padded gather positions are masked out of softmax, but a NaN left
-    in an unused slot would still poison the weighted sum (0 * NaN).
+    in an unused slot would still poison the weighted sum (0 * NaN). numpy's zeros come
+    from calloc, so pages are zeroed by the kernel on first touch instead of memset up
+    front: a large cache costs nothing until it is used.
     """
     shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)
-    ]
+    return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(spec.num_layers)]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)

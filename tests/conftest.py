@@ -1,0 +1,139 @@
+"""Shared fixtures: tiny checkpoints and real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import urllib.request
+import urllib.error
+from PIL import Image
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A real ``vlmd serve`` subprocess, talked to over HTTP."""
+
+    def __init__(self, model_dir: Path, *flags: str, name: str = "tiny", log_dir: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = name
+        log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        self.log_path = log_dir / f"vlmd-{self.port}.log"
+        command = [
+            sys.executable, "-m", "vlmd", "serve", str(model_dir), "--port", str(self.port),
+            "--served-model-name", name, "--kv-cache-gb", "0.25", *flags,
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1):
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy:\n{self.log_path.read_text()[-4000:]}")
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 120.0) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    def chat(self, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+        status, raw = self.request("POST", "/v1/chat/completions", orjson.dumps({"model": self.model, **body}),
+                                   timeout=timeout)
+        return status, orjson.loads(raw)
+
+    def metrics(self) -> dict[str, float]:
+        _, raw = self.request("GET", "/metrics")
+        values = {}
+        for line in raw.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self._log.close()
+
+
+def image_data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    mime = "jpeg" if fmt.upper() == "JPEG" else fmt.lower()
+    return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def random_image(seed: int, width: int = 640, height: int = 480) -> Image.Image:
+    """A smooth random image (noise on a gradient), so resizing is non-trivial."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * (seed + 1)) % 256, (y * 3 + seed * 40) % 256, ((x + y) * 2) % 256], axis=-1)
+    noise = rng.integers(0, 64, size=(height, width, 3))
+    return Image.fromarray(((base + noise) % 256).astype(np.uint8))
+
+
+def image_message(text: str, *images: Image.Image) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("llava", tmp_path_factory.mktemp("tiny-llava"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="session")
+def llava_server(tiny_llava_dir, media_dir, tmp_path_factory):
+    """The default tiny LLaVA server most tests share."""
+    server = Server(
+        tiny_llava_dir, "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "image=3",
+        "--max-model-len", "2048", log_dir=tmp_path_factory.mktemp("logs"),
+    )
+    yield server
+    server.stop()
