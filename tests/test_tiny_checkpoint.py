@@ -12,7 +12,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

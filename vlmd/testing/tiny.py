@@ -18,10 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-# Before tokenizers/transformers are imported: pin the BPE trainer's thread pool and stay offline.
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 __all__ = ["BUILDERS", "SIZES", "build_tiny", "main"]
 
 #: family -> "module:function"; the function is ``f(out_dir, seed=..., size=...) -> Path``.
@@ -62,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weights/tokenizer seed (default 0)")
     parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny (fast tests) or small (~100M params)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
 
     if args.family not in BUILDERS:
         parser.error(f"unknown model family {args.family!r}; known families: {', '.join(sorted(BUILDERS))}")

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
-
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 __all__ = ["SIZES", "build_tiny_llava", "LLAVA_CHAT_TEMPLATE"]
 

@@ -16,6 +16,9 @@ Design points (shared by the LLaVA, Qwen2-VL and Whisper builders):
 * ``leading_special_tokens`` get the first ids (``<unk> <s> </s>`` for Llama-like vocabularies);
   ``trailing_special_tokens`` are added after the trained vocabulary (``<image>``, ``<pad>`` for
   LLaVA, ``<|endoftext|>`` ... for Qwen2-VL / Whisper), like the published checkpoints do.
+* Deterministic whatever the thread count: the BPE trainer counts pairs with rayon, but merge
+  ties are broken by (count, pair ids), not by arrival order (checked: RAYON_NUM_THREADS=1, 2,
+  3, 4 and PYTHONHASHSEED give byte-identical tokenizer.json).
 * The post-processor is an explicit ``TemplateProcessing`` that adds nothing: encoding never
   inserts bos/eos by itself, whatever ``add_special_tokens`` says.  Chat templates must write the
   bos token themselves.  This keeps transformers 4.x, transformers 5.x and a plain
@@ -24,22 +27,17 @@ Design points (shared by the LLaVA, Qwen2-VL and Whisper builders):
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-# The BPE trainer counts pairs with rayon.  Its result does not depend on the thread count (ties
-# are broken by token ids, not by arrival order), but pinning the pool removes any doubt and costs
-# nothing at these corpus sizes.  Only effective if set before tokenizers first uses its pool.
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
-
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 __all__ = [
     "ALLOWED_BYTES",
     "build_bpe_tokenizer",
     "byte_alphabet",
+    "bytes_to_unicode",
     "synthetic_corpus",
 ]
 
