@@ -1,0 +1,17 @@
+# vlmd on CPU. The PyTorch wheel is chosen by the builder: PyPI's default torch is a CUDA
+# build; pass TORCH_INDEX (a CPU wheel index) to get the small CPU one.
+FROM python:3.11-slim
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX=""
+ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLMD_CACHE_DIR=/var/cache/vlmd
+WORKDIR /opt/vlmd
+COPY pyproject.toml README.md ./
+COPY vlmd ./vlmd
+COPY plugins ./plugins
+RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC" \
+ && pip install --no-cache-dir . ./plugins/vlmd_llava
+RUN useradd --system --create-home vlmd && mkdir -p /var/cache/vlmd && chown vlmd /var/cache/vlmd
+USER vlmd
+EXPOSE 8000
+# Mount a checkpoint and pass its path, or run with no argument for the built-in tiny model.
+ENTRYPOINT ["vlmd", "serve", "--host", "0.0.0.0", "--port", "8000"]
