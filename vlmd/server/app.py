@@ -17,9 +17,28 @@ from vlmd.server.state import ServerState
 log = structlog.get_logger(__name__)
 
 
-def _error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+def _error_response(
+    status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None
+) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (routing, body size) as JSON that says what was wrong."""
+    if exc.status == 404:
+        message = f"no route for {request.method} {request.path}"
+        return _error_response(404, message, "not_found_error")
+    if exc.status == 405:
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+        message = f"method {request.method} is not allowed for {request.path}"
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _error_response(405, message + (f"; use {allowed}" if allowed else ""), headers=headers)
+    # aiohttp's text is specific (e.g. the body size limit and the actual size); its
+    # reason phrase is the fallback.
+    text = (exc.text or "").strip()
+    message = text.split(": ", 1)[1] if text.startswith(f"{exc.status}: ") else text
+    return _error_response(exc.status, message or exc.reason or "error")
 
 
 @web.middleware
@@ -31,7 +50,7 @@ async def errors_as_json(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error_response(exc.status, exc.reason or "error", "invalid_request_error")
+        return _http_error_response(request, exc)
     except asyncio.CancelledError:
         raise
     except ConnectionResetError:
