@@ -47,6 +47,12 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
             raise MediaError(
                 f"image is too small: {width}x{height}; the minimum is {side}x{side}"
             )
+        ratio = max(width, height) / min(width, height)
+        if ratio > policy.max_image_aspect_ratio:
+            raise MediaError(
+                f"image aspect ratio is too extreme: {width}x{height} is {ratio:.0f}:1; "
+                f"the limit is {policy.max_image_aspect_ratio:g}:1"
+            )
         try:
             img.load()  # decode now, so a truncated file fails here and not in a worker
             # A plain convert, also for RGBA (alpha dropped, not composited), like

@@ -33,6 +33,10 @@ class MediaPolicy:
     max_image_pixels: int = 40_000_000
     # Image processors downstream break on 1-pixel sides.
     min_image_side: int = 2
+    # Longest side over shortest. Processors scale the short side up to a fixed size, so a
+    # tiny 2x100000 image would be resized to gigapixels: a bomb that max_image_pixels cannot
+    # see. 200 matches the bound Qwen2-VL's processor enforces.
+    max_image_aspect_ratio: float = 200.0
 
     def __post_init__(self) -> None:
         # Bad settings are an operator mistake found at startup, hence ValueError, not a 400.
@@ -47,6 +51,8 @@ class MediaPolicy:
         for name in ("max_bytes", "max_image_pixels", "min_image_side"):
             if getattr(self, name) < 1:
                 raise ValueError(f"media policy {name} must be at least 1")
+        if not self.max_image_aspect_ratio >= 1:
+            raise ValueError("media policy max_image_aspect_ratio must be at least 1")
         if self.max_redirects < 0:
             raise ValueError("media policy max_redirects must not be negative")
         if self.timeout_s <= 0 or self.total_timeout_s <= 0:
