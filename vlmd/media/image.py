@@ -55,13 +55,21 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
             )
         try:
             img.load()  # decode now, so a truncated file fails here and not in a worker
-            # A plain convert, also for RGBA (alpha dropped, not composited), like
-            # transformers' convert_rgb. convert returns a new image independent of the file.
-            return img.convert("RGB")
+            return to_rgb(img)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise MediaError(_too_many_pixels_message(img.size, policy)) from None
         except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ...
             raise MediaError(f"cannot decode {img.format} image: {_reason(exc)}") from None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB as transformers' ``convert_rgb`` makes it: transparency is composited onto
+    white (not dropped), so our pixels equal the reference processor's."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def load_image(url: str, policy: MediaPolicy) -> Image.Image:
