@@ -37,6 +37,10 @@ class InputPreprocessor:
         for modality, limit in mm_limits.items():
             self.mm_limits[modality] = min(limit, self.mm_limits.get(modality, limit))
         self.max_model_len = max_model_len
+        # Rows of the model's logits: the range of valid token ids in a request.
+        hf_config = processor.info.ctx.hf_config
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))
 
     def _part_for(self, modality: str) -> dict:
         if modality not in self.supported or modality not in _LOADERS:

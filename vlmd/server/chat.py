@@ -77,6 +77,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = parse_chat_request(await read_json(request))
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
+    vocab_size = state.preprocessor.vocab_size
+    out_of_range = [t for t in chat.stop_token_ids if t >= vocab_size]
+    if out_of_range:  # the sampler would index its logits with them and fail the whole batch
+        raise BadRequestError(
+            f"stop_token_ids must be below the vocabulary size {vocab_size}, got {out_of_range[0]}",
+            param="stop_token_ids",
+        )
     loop = asyncio.get_running_loop()
     processed = await loop.run_in_executor(
         state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs

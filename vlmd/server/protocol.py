@@ -81,8 +81,8 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     if not all(isinstance(s, str) and s for s in stop):
         raise BadRequestError("'stop' must be a string or a list of non-empty strings", param="stop")
     stop_token_ids = _field(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-        raise BadRequestError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids):
+        raise BadRequestError("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
     top_k = _field(body, "top_k", int, 0)
     stream_options = _field(body, "stream_options", dict, {})
     mm_kwargs = _field(body, "mm_processor_kwargs", dict, None)
