@@ -53,8 +53,11 @@ class ChatCompletionRequest:
                 f"{num_prompt_tokens} prompt tokens and asks for {self.max_tokens} completion tokens",
                 param="max_tokens",
             )
+        return self._sampling(self.max_tokens if self.max_tokens is not None else room)
+
+    def _sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else room,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -110,6 +113,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         raise BadRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise BadRequestError("'max_tokens' must be at least 1", param="max_tokens")
-    # Range checks shared with every other entry point live in SamplingParams.
-    request.sampling_params(0, 2**31)
+    # Range checks shared with every other entry point live in SamplingParams. The context
+    # length is checked once the prompt is known (sampling_params), with the real numbers.
+    request._sampling(request.max_tokens if request.max_tokens is not None else 2**31)
     return request
