@@ -135,11 +135,15 @@ class Scheduler:
         num_new = min(request.num_tokens - start, budget.tokens)
         end = start + num_new
         to_encode: list[int] = []
+        planned: set[str] = set()
         pending = 0
         for index, item in enumerate(request.mm_items):
             if item.offset >= end:
                 break
             if item.end <= start or item.identifier in request.held_encoder_items:
+                continue
+            if item.identifier in planned:
+                # The same image twice in this chunk: one encode, one allocation, one reference.
                 continue
             if self.encoder_cache.acquire_if_resident(request.request_id, item.identifier):
                 request.held_encoder_items.add(item.identifier)
@@ -152,6 +156,7 @@ class Scheduler:
                 return max(item.offset - start, 0), to_encode
             pending += item.length
             to_encode.append(index)
+            planned.add(item.identifier)
         return num_new, to_encode
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
