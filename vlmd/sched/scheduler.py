@@ -140,7 +140,13 @@ class Scheduler:
         for index, item in enumerate(request.mm_items):
             if item.offset >= end:
                 break
-            if item.end <= start or item.identifier in request.held_encoder_items:
+            if item.end <= start:
+                continue
+            if self.config.disable_chunked_mm_input and item.offset >= start and item.end > end:
+                # Checked before the cache: an item must go in one step even when its output
+                # is already resident (or held for an earlier occurrence of the same image).
+                return item.offset - start, to_encode
+            if item.identifier in request.held_encoder_items:
                 continue
             if item.identifier in planned:
                 # The same image twice in this chunk: one encode, one allocation, one reference.
@@ -148,8 +154,6 @@ class Scheduler:
             if self.encoder_cache.acquire_if_resident(request.request_id, item.identifier):
                 request.held_encoder_items.add(item.identifier)
                 continue
-            if self.config.disable_chunked_mm_input and item.offset >= start and item.end > end:
-                return item.offset - start, to_encode
             if not self.encoder_cache.can_allocate(item.length, budget.encoder - pending, pending):
                 # Compute the text before the item now; if the chunk already starts inside
                 # the item (a prefix hit past its start), this request waits for room.
