@@ -115,9 +115,14 @@ class Scheduler:
         ):
             request = self.waiting[0]
             num_new, encoder_inputs = self._plan_chunk(request, budget)
-            if num_new == 0:
-                break
-            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            if (
+                num_new == 0
+                or self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None
+            ):
+                # Planning took references on resident outputs. A waiting request must hold
+                # none: a running one could then be kept from encoder slots by a request that
+                # is itself waiting for the running one's KV blocks, and neither would move.
+                self._release_encoder_items(request)
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
