@@ -1,0 +1,284 @@
+"""Who may import whom (DESIGN.md section 2), and the plugin hooks: all implemented, all tested.
+
+The import rules are checked on the source with ``ast``, so they hold for every import in a
+file (top level, inside functions, under ``TYPE_CHECKING``, in ``try``) and for
+``importlib.import_module("...")`` / ``__import__("...")`` with a literal name, whether or not
+that code path ever runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from vlmd.plugins import hookspecs
+from vlmd.plugins.hookspecs import hookimpl
+from vlmd.plugins.manager import ENTRY_POINT_GROUP, build_registry, plugin_manager
+from vlmd.plugins.registry import FamilyRegistry, ModelFamily
+
+REPO = Path(__file__).resolve().parent.parent
+VLMD = REPO / "vlmd"
+PLUGINS = REPO / "plugins"
+TESTS = REPO / "tests"
+
+
+# ---- the checker ------------------------------------------------------------------------
+
+
+def imports_in_source(source: str, module: str, is_package: bool = False, filename: str = "<src>") -> list[tuple[int, str]]:
+    """(line, absolute module name) for every import anywhere in ``source``.
+
+    ``from a.b import c`` yields both ``a.b`` and ``a.b.c`` (``c`` may be a submodule);
+    relative imports are resolved against ``module``.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = importlib.util.resolve_name("." * node.level + base, package)
+            found.append((node.lineno, base))
+            found.extend((node.lineno, f"{base}.{alias.name}") for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            first = node.args[0]
+            if name in ("import_module", "__import__") and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                found.append((node.lineno, first.value))
+    return found
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def module_of(path: Path, root: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts.pop()
+    return ".".join(parts), is_package
+
+
+def imports_in_file(path: Path, root: Path) -> list[tuple[int, str]]:
+    module, is_package = module_of(path, root)
+    return imports_in_source(path.read_text(encoding="utf-8"), module, is_package, filename=str(path))
+
+
+def source_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def family_packages() -> dict[str, tuple[Path, Path]]:
+    """Family package name -> (its directory, the root it is imported from)."""
+    packages = {}
+    for distribution in sorted(p for p in PLUGINS.iterdir() if p.is_dir()):
+        for init in sorted(distribution.glob("*/__init__.py")):
+            packages[init.parent.name] = (init.parent, distribution)
+    return packages
+
+
+def violations(files: list[Path], root: Path, forbidden) -> list[str]:
+    found = []
+    for path in files:
+        for line, name in imports_in_file(path, root):
+            if forbidden(name):
+                found.append(f"{path.relative_to(REPO)}:{line} imports {name}")
+    return found
+
+
+def test_checker_sees_every_kind_of_import():
+    source = '''
+import os, torch.nn as nn
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from vlmd.runner.batch import InputBatch
+def later():
+    import vlmd_qwen2_vl.model
+    try:
+        from ..sched import scheduler
+    except ImportError:
+        pass
+    importlib.import_module("vlmd_whisper")
+    return __import__("torch")
+from . import protocol
+from .. import runner
+'''
+    names = {name for _, name in imports_in_source(source, "vlmd.server.app")}
+    assert {"os", "torch.nn", "vlmd.runner.batch", "vlmd_qwen2_vl.model", "vlmd.sched", "vlmd.sched.scheduler",
+            "vlmd_whisper", "torch", "vlmd.server.protocol", "vlmd.runner"} <= names
+    assert {name for _, name in imports_in_source("from . import x", "vlmd.sched", is_package=True)} == {
+        "vlmd.sched", "vlmd.sched.x"
+    }
+
+
+def test_the_checker_has_files_to_check():
+    assert len(source_files(VLMD / "sched")) >= 6
+    assert source_files(VLMD / "server")
+    assert "vlmd_llava" in family_packages()
+
+
+# ---- the rules --------------------------------------------------------------------------
+
+
+def test_sched_never_imports_torch():
+    assert violations(source_files(VLMD / "sched"), REPO, lambda name: within(name, "torch")) == []
+
+
+def test_server_never_imports_torch_sched_or_runner():
+    def forbidden(name: str) -> bool:
+        return any(within(name, package) for package in ("torch", "vlmd.sched", "vlmd.runner"))
+
+    assert violations(source_files(VLMD / "server"), REPO, forbidden) == []
+
+
+def test_vlmd_never_imports_a_family_package():
+    def forbidden(name: str) -> bool:
+        return name.split(".")[0].startswith("vlmd_")
+
+    assert violations(source_files(VLMD), REPO, forbidden) == []
+
+
+@pytest.mark.parametrize("package", sorted(family_packages()))
+def test_family_packages_never_import_each_other(package):
+    directory, root = family_packages()[package]
+
+    def forbidden(name: str) -> bool:
+        top = name.split(".")[0]
+        return top.startswith("vlmd_") and top != package
+
+    assert violations(source_files(directory), root, forbidden) == []
+
+
+def test_family_rules_catch_a_sibling_import():
+    # The rule above, on a file that breaks it.
+    names = [name for _, name in imports_in_source("from vlmd_qwen2_vl.processing import x", "vlmd_llava.model")]
+    assert any(name.split(".")[0].startswith("vlmd_") and name.split(".")[0] != "vlmd_llava" for name in names)
+
+
+# ---- hooks ------------------------------------------------------------------------------
+
+
+def hookspec_names() -> list[str]:
+    return sorted(
+        name for name, value in vars(hookspecs).items()
+        if callable(value) and getattr(value, "vlmd_spec", None) is not None
+    )
+
+
+def test_there_are_hooks():
+    assert hookspec_names()
+
+
+@pytest.mark.parametrize("hook", hookspec_names())
+def test_every_hook_is_implemented_by_a_built_in_plugin(hook):
+    manager = plugin_manager()
+    implementers = [impl.plugin for impl in getattr(manager.hook, hook).get_hookimpls()]
+    built_in = [
+        plugin for plugin in implementers
+        if Path(getattr(plugin, "__file__", "/")).resolve().is_relative_to(PLUGINS.resolve())
+    ]
+    assert built_in, f"no package under plugins/ implements {hook}"
+
+
+@pytest.mark.parametrize("hook", hookspec_names())
+def test_every_hook_is_tested(hook):
+    # Datasette-style: a hook no test mentions is a hook no test exercises.
+    mentions = [path.name for path in sorted(TESTS.glob("test_*.py")) if hook in path.read_text(encoding="utf-8")]
+    assert mentions, f"no test under tests/ mentions the hook {hook}"
+
+
+def test_build_registry_finds_llava_through_its_entry_point():
+    entry_points = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert entry_points.get("llava") == "vlmd_llava"
+
+    manager = plugin_manager()
+    distributions = {plugin.__name__: dist.project_name for plugin, dist in manager.list_plugin_distinfo()}
+    assert distributions.get("vlmd_llava") == "vlmd-llava"
+
+    registry = build_registry(manager)
+    family = registry.for_architectures(["SomethingElse", "LlavaForConditionalGeneration"])
+    import vlmd_llava
+
+    assert family is vlmd_llava.FAMILY and family.name == "llava"
+    assert "LlavaForConditionalGeneration" in registry.architectures()
+    assert family.load("processor").__name__ == "LlavaProcessor"
+    with pytest.raises(LookupError, match="LlavaForConditionalGeneration"):
+        registry.for_architectures(["NoSuchForCausalLM"])
+
+
+def test_building_the_registry_imports_no_torch():
+    # Families name their classes as "module:attr" strings, so discovery stays cheap.
+    code = (
+        "import sys\n"
+        "from vlmd.plugins.manager import build_registry\n"
+        "assert build_registry().for_architectures(['LlavaForConditionalGeneration']).name == 'llava'\n"
+        "assert 'torch' not in sys.modules, 'registering families imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _family(name: str, *architectures: str) -> ModelFamily:
+    return ModelFamily(
+        name=name,
+        architectures=architectures,
+        model="tests.nowhere:Model",
+        processing_info="tests.nowhere:Info",
+        processor="tests.nowhere:Processor",
+        dummy_inputs="tests.nowhere:Dummy",
+    )
+
+
+def test_registering_an_architecture_twice_warns_and_the_later_wins():
+    registry = FamilyRegistry()
+    first = _family("first", "FooForCausalLM", "BarForCausalLM")
+    second = _family("second", "FooForCausalLM")
+    with capture_logs() as logs:
+        registry.register(first)
+        assert logs == []
+        registry.register(second)
+    assert registry.for_architectures(["FooForCausalLM"]) is second
+    assert registry.for_architectures(["BarForCausalLM"]) is first
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert len(warnings) == 1
+    assert warnings[0]["architecture"] == "FooForCausalLM"
+    assert (warnings[0]["previous"], warnings[0]["new"]) == ("first", "second")
+    assert registry.families() == [second, first]
+
+
+def test_a_plugin_can_replace_the_built_in_llava_family():
+    replacement = _family("my-llava", "LlavaForConditionalGeneration")
+
+    class Replacement:
+        # pluggy calls the latest registered implementation first; trylast makes this one
+        # register after the built-in family, so it is the later registration and wins.
+        @hookimpl(trylast=True)
+        def vlmd_register_model_families(self, registry):
+            registry.register(replacement)
+
+    manager = plugin_manager()
+    manager.register(Replacement(), name="replacement")
+    with capture_logs() as logs:
+        registry = build_registry(manager)
+    assert registry.for_architectures(["LlavaForConditionalGeneration"]) is replacement
+    assert [
+        (entry["log_level"], entry["architecture"], entry["previous"], entry["new"])
+        for entry in logs
+        if entry.get("architecture") == "LlavaForConditionalGeneration"
+    ] == [("warning", "LlavaForConditionalGeneration", "llava", "my-llava")]
+
+
+def test_a_family_must_name_an_architecture():
+    with pytest.raises(ValueError, match="names no architectures"):
+        FamilyRegistry().register(_family("empty"))
+

@@ -1,0 +1,880 @@
+"""The scheduler on its own, without torch: requests in, SchedulerOutputs out, RunnerOutputs back.
+
+``FakeRunner`` keeps the same per-request bookkeeping as the real runner (token ids, computed
+count, block table, resident encoder outputs) from nothing but the SchedulerOutputs, and checks
+the protocol on every step: budgets, block tables of exactly ceil(tokens / block_size), encoder
+outputs present for every placeholder a chunk touches, no output encoded twice while resident.
+It samples a token for each request whose chunk reached its last token, as the runner does.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from vlmd.sched.block_pool import BlockPool
+from vlmd.sched.encoder_cache import EncoderCacheManager
+from vlmd.sched.kv_manager import KVCacheManager, blocks_needed
+from vlmd.sched.output import RunnerOutput, SchedulerOutput
+from vlmd.sched.request import RequestStatus
+from vlmd.sched.scheduler import Scheduler, SchedulerConfig
+from vlmd.types import EngineRequest, FinishReason, MultiModalItem, RequestDelta, SamplingParams, TokenLogprob
+
+EOS = 2
+FILLER = 7  # what the fake runner samples when a request has no script
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    config = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_encoder_input_tokens=64,
+        encoder_cache_size=64,
+    )
+    config.update(overrides)
+    return Scheduler(SchedulerConfig(**config))
+
+
+def image(identifier: str, offset: int, length: int) -> MultiModalItem:
+    return MultiModalItem(modality="image", identifier=identifier, offset=offset, length=length)
+
+
+def make_request(
+    request_id: str,
+    num_prompt: int,
+    *,
+    items: tuple[MultiModalItem, ...] = (),
+    eos: tuple[int, ...] = (EOS,),
+    **sampling,
+) -> EngineRequest:
+    sampling.setdefault("max_tokens", 16)
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=[100 + i for i in range(num_prompt)],
+        sampling=SamplingParams(**sampling),
+        mm_items=list(items),
+        eos_token_ids=eos,
+    )
+
+
+class _State:
+    def __init__(self, data):
+        self.token_ids = list(data.token_ids)
+        self.num_prompt = data.num_prompt_tokens
+        self.computed = data.num_computed_tokens
+        self.blocks = list(data.block_ids)
+        self.items = list(data.mm_items)
+
+
+class FakeRunner:
+    """The runner's bookkeeping without tensors, asserting the scheduler's promises."""
+
+    def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None):
+        self.sched = sched
+        self.config = sched.config
+        self.script = script or {}
+        self.states: dict[str, _State] = {}
+        self.encoder_outputs: dict[str, int] = {}  # identifier -> number of vectors
+        self.encode_counts: Counter[str] = Counter()
+        self.outputs: list[str] = []  # every request id ever sampled for, in order
+        self.deltas: dict[str, list[RequestDelta]] = {}
+
+    def step(self) -> tuple[SchedulerOutput, list[RequestDelta]]:
+        out = self.sched.schedule()
+        result = self.execute(out)
+        deltas = self.sched.update_from_output(out, result)
+        for delta in deltas:
+            self.deltas.setdefault(delta.request_id, []).append(delta)
+        self.check_accounting()
+        return out, deltas
+
+    def run(self, max_steps: int = 1000) -> int:
+        for steps in range(1, max_steps + 1):
+            self.step()
+            if not self.sched.has_work():
+                return steps
+        raise AssertionError(f"still busy after {max_steps} steps: {self.sched.running} {list(self.sched.waiting)}")
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        config = self.config
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(out.num_scheduled_tokens) <= config.max_num_seqs
+        assert len(self.sched.running) <= config.max_num_seqs
+
+        # Same order as the real runner: forget, evict, then add and update.
+        for request_id in out.dropped_request_ids:
+            self.states.pop(request_id, None)
+        for identifier in out.evicted_encoder_identifiers:
+            assert identifier in self.encoder_outputs, f"evicted {identifier} that was never encoded"
+            del self.encoder_outputs[identifier]
+        for data in out.new_requests:
+            assert data.request_id not in self.states, f"{data.request_id} sent as new twice"
+            assert data.num_computed_tokens == 0  # no prefix cache yet
+            self.states[data.request_id] = _State(data)
+        for data in out.cached_requests:
+            state = self.states[data.request_id]
+            assert data.num_computed_tokens == state.computed
+            state.blocks.extend(data.new_block_ids)
+        sent = {d.request_id for d in out.new_requests} | {d.request_id for d in out.cached_requests}
+        assert sent == set(out.num_scheduled_tokens)
+
+        encoded_now: set[str] = set()
+        for request_id, indices in out.scheduled_encoder_inputs.items():
+            assert request_id in out.num_scheduled_tokens
+            for index in indices:
+                item = self.states[request_id].items[index]
+                assert item.identifier not in encoded_now, f"{item.identifier} scheduled twice in one step"
+                assert item.identifier not in self.encoder_outputs, f"{item.identifier} re-encoded while resident"
+                encoded_now.add(item.identifier)
+                self.encode_counts[item.identifier] += 1
+                self.encoder_outputs[item.identifier] = item.length
+
+        owners: dict[int, str] = {}
+        result = RunnerOutput()
+        for request_id, num_new in out.num_scheduled_tokens.items():
+            state = self.states[request_id]
+            assert num_new >= 1
+            start, end = state.computed, state.computed + num_new
+            assert end <= len(state.token_ids)
+            assert len(state.blocks) == blocks_needed(end, config.block_size)
+            assert state.blocks == self.sched.kv.block_ids(request_id)
+            for block in state.blocks:
+                assert 0 <= block < config.num_kv_blocks
+                assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
+                owners[block] = request_id
+            for item in state.items:
+                if item.offset < end and item.end > start:
+                    assert item.identifier in self.encoder_outputs, (
+                        f"{request_id} computes [{start}, {end}) over {item.identifier} without its output"
+                    )
+                    if config.disable_chunked_mm_input:
+                        assert start <= item.offset and item.end <= end, (
+                            f"{request_id} splits {item.identifier} [{item.offset}, {item.end}) at [{start}, {end})"
+                        )
+            state.computed = end
+            if end == len(state.token_ids):
+                script = self.script.get(request_id, [])
+                index = len(state.token_ids) - state.num_prompt
+                token = script[index] if index < len(script) else FILLER
+                state.token_ids.append(token)
+                result.sampled_token_ids[request_id] = token
+                self.outputs.append(request_id)
+        return result
+
+    def check_accounting(self) -> None:
+        kv = self.sched.kv
+        live = [r.request_id for r in self.sched.running] + [r.request_id for r in self.sched.waiting]
+        held = sum(len(kv.block_ids(request_id)) for request_id in live)
+        assert kv.num_free_blocks + held == self.config.num_kv_blocks
+        # The scheduler's resident set is what the runner holds; every slot is free or used by one.
+        cache = self.sched.encoder_cache
+        for identifier in self.encoder_outputs:
+            assert cache.is_resident(identifier)
+        assert cache.num_free_slots + sum(self.encoder_outputs.values()) == cache.cache_size
+        assert cache.num_free_slots <= cache.num_freeable_slots <= cache.cache_size
+
+    def output_tokens(self, request_id: str) -> list[int]:
+        return [t for delta in self.deltas.get(request_id, []) for t in delta.new_token_ids]
+
+    def finish_reason(self, request_id: str) -> FinishReason | None:
+        deltas = self.deltas.get(request_id, [])
+        return deltas[-1].finish_reason if deltas else None
+
+
+def chunk_ranges(runner: FakeRunner, out: SchedulerOutput, request_id: str) -> tuple[int, int]:
+    end = runner.states[request_id].computed
+    return end - out.num_scheduled_tokens[request_id], end
+
+
+# ---- layering -------------------------------------------------------------------------
+
+
+def test_scheduler_modules_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import vlmd.sched.scheduler, vlmd.sched.kv_manager, vlmd.sched.block_pool\n"
+        "import vlmd.sched.encoder_cache, vlmd.sched.output, vlmd.sched.request, vlmd.types\n"
+        "assert 'torch' not in sys.modules, 'vlmd.sched pulled in torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_config_rejects_non_positive_sizes():
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        with pytest.raises(ValueError, match=name):
+            make_scheduler(**{name: 0})
+
+
+# ---- block pool and KV manager -----------------------------------------------------------
+
+
+def test_block_pool_reuses_the_block_freed_longest_ago():
+    pool = BlockPool(4)
+    assert pool.num_free_blocks == 4 and pool.usage == 0.0
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.num_free_blocks == 1 and pool.usage == 0.75
+    pool.free([1])
+    pool.free([0])
+    # 3 was never used, then 1, then 0: oldest free first.
+    assert pool.allocate(3) == [3, 1, 0]
+    assert pool.usage == 1.0
+    with pytest.raises(ValueError):
+        pool.allocate(1)
+    pool.free([2, 3])
+    assert pool.allocate(0) == []
+    assert pool.allocate(2) == [2, 3]
+
+
+def test_block_pool_needs_a_block():
+    with pytest.raises(ValueError):
+        BlockPool(0)
+
+
+def test_kv_manager_grows_tables_and_frees_tail_first():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    assert kv.allocate_slots("a", 5) == [0, 1]
+    assert kv.allocate_slots("a", 8) == []  # still two blocks
+    assert kv.allocate_slots("a", 9) == [2]
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.allocate_slots("b", 13) is None  # four needed, three free: nothing taken
+    assert kv.num_free_blocks == 3 and kv.block_ids("b") == []
+    kv.free("a")
+    assert kv.num_free_blocks == 6 and kv.block_ids("a") == []
+    # Never-used blocks first, then a's tail before its head.
+    assert kv.allocate_slots("b", 24) == [3, 4, 5, 2, 1, 0]
+    kv.free("missing")  # harmless
+
+
+# ---- encoder cache manager ------------------------------------------------------------
+
+
+def test_encoder_cache_acquire_release_and_lru_eviction():
+    cache = EncoderCacheManager(cache_size=30)
+    assert not cache.acquire_if_resident("r1", "x")
+    assert cache.can_allocate(10, encoder_budget=30, pending_tokens=0)
+    cache.allocate("r1", "x", 10)
+    cache.allocate("r1", "y", 10)
+    cache.allocate("r2", "z", 10)
+    assert cache.num_free_slots == 0 and cache.num_freeable_slots == 0 and cache.usage == 1.0
+    assert cache.acquire_if_resident("r3", "x")  # shared: no new slots
+    assert cache.num_queries == 2 and cache.num_hits == 1
+
+    assert not cache.can_allocate(10, encoder_budget=30, pending_tokens=0)  # all held
+    cache.release("r1", "x")  # r3 still holds x
+    assert cache.num_freeable_slots == 0
+    cache.release("r1", "y")
+    cache.release("r2", "z")
+    cache.release("r3", "x")
+    cache.release("r3", "x")  # twice: no-op
+    cache.release("nobody", "z")  # not a holder: no-op
+    assert cache.num_free_slots == 0 and cache.num_freeable_slots == 30
+    assert all(cache.is_resident(i) for i in "xyz")  # released outputs stay until evicted
+
+    # y was released first, then z, then x: y goes first, and only as much as needed.
+    assert cache.can_allocate(10, encoder_budget=10, pending_tokens=0)
+    assert cache.take_evicted() == ["y"]
+    assert cache.take_evicted() == []
+    assert not cache.is_resident("y") and cache.num_free_slots == 10
+
+    # Re-acquiring an unused output protects it from eviction.
+    assert cache.acquire_if_resident("r4", "z")
+    assert cache.num_freeable_slots == 20
+    assert cache.can_allocate(10, encoder_budget=20, pending_tokens=10)  # 10 promised + 10 more
+    assert cache.take_evicted() == ["x"]
+    assert cache.is_resident("z")
+
+
+def test_encoder_cache_respects_budget_and_pending():
+    cache = EncoderCacheManager(cache_size=20)
+    assert not cache.can_allocate(11, encoder_budget=10, pending_tokens=0)
+    assert cache.can_allocate(10, encoder_budget=10, pending_tokens=10)
+    assert not cache.can_allocate(10, encoder_budget=10, pending_tokens=11)
+    assert cache.take_evicted() == []
+    assert EncoderCacheManager(0).usage == 0.0
+
+
+# ---- continuous batching ---------------------------------------------------------------
+
+
+def test_empty_scheduler_schedules_nothing():
+    sched = make_scheduler()
+    out = sched.schedule()
+    assert out.is_empty and not sched.has_work()
+
+
+def test_new_request_joins_the_running_batch():
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 10))
+    out, deltas = runner.step()
+    assert out.num_scheduled_tokens == {"a": 10} and [d.request_id for d in deltas] == ["a"]
+    runner.step()
+
+    sched.add_request(make_request("b", 6))
+    out, deltas = runner.step()
+    # a decodes one token while b prefills, in one batch; a stays a cached request.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 6}
+    assert [d.request_id for d in out.cached_requests] == ["a"]
+    assert [d.request_id for d in out.new_requests] == ["b"]
+    assert {d.request_id for d in deltas} == {"a", "b"}
+    assert sched.num_running == 2 and sched.num_waiting == 0
+
+
+def test_decodes_are_scheduled_before_waiting_prefills():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("b", 5))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 4, "b": 5}
+    sched.add_request(make_request("c", 30))
+    out, _ = runner.step()
+    # Both decodes first, in admission order, then c gets what is left of the budget.
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 8)]
+    out, _ = runner.step()
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 8)]
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched = make_scheduler(max_num_seqs=2)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 4, max_tokens=2))
+    sched.add_request(make_request("b", 4, max_tokens=5))
+    sched.add_request(make_request("c", 4, max_tokens=1))
+    out, _ = runner.step()
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert sched.num_running == 2 and sched.num_waiting == 1
+    out, deltas = runner.step()  # a samples its second and last token
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert [d.finish_reason for d in deltas if d.request_id == "a"] == [FinishReason.LENGTH]
+    out, _ = runner.step()
+    assert "a" in out.dropped_request_ids
+    assert list(out.num_scheduled_tokens) == ["b", "c"]
+    runner.run()
+
+
+# ---- token budget and chunked prefill -------------------------------------------------
+
+
+def test_long_prompt_is_chunked_and_sampled_after_the_last_chunk():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 50, max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        out, deltas = runner.step()
+        chunks.append(out.num_scheduled_tokens["a"])
+        assert deltas == [] and runner.outputs == []
+        assert sched.requests["a"].num_output_tokens == 0
+    out, deltas = runner.step()
+    chunks.append(out.num_scheduled_tokens["a"])
+    assert chunks == [16, 16, 16, 2]
+    assert [d.new_token_ids for d in deltas] == [[FILLER]]
+    assert deltas[0].num_prompt_tokens == 50
+    out, deltas = runner.step()
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert deltas[0].finish_reason is FinishReason.LENGTH
+
+
+def test_token_budget_holds_under_a_mixed_load():
+    sched = make_scheduler(max_num_batched_tokens=24, max_num_seqs=4, num_kv_blocks=40, encoder_cache_size=40,
+                           max_num_encoder_input_tokens=24)
+    runner = FakeRunner(sched)
+    for i in range(12):
+        items = (image(f"img{i % 3}", 3, 12),) if i % 2 else ()
+        sched.add_request(make_request(f"r{i}", 5 + 7 * (i % 5) + (15 if items else 0), items=items, max_tokens=1 + i % 6))
+    runner.run()
+    for i in range(12):
+        assert len(runner.output_tokens(f"r{i}")) == 1 + i % 6
+        assert runner.finish_reason(f"r{i}") is FinishReason.LENGTH
+    assert runner.encode_counts == {"img0": 1, "img1": 1, "img2": 1}
+    assert sched.kv.num_free_blocks == 40
+    assert sched.encoder_cache.num_freeable_slots == 40
+    assert sched.requests == {}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_load_with_preemption_and_aborts_keeps_every_promise(seed):
+    """Arrivals over time, images shared and repeated, tight KV and encoder caches, aborts.
+
+    The FakeRunner checks every step; at the end every request has finished with exactly the
+    tokens it was due and every block and encoder slot is free again.
+    """
+    rng = random.Random(seed)
+    budget = rng.choice([8, 16, 32])
+    disable_chunked_mm_input = seed % 3 == 0
+    # As the engine builder guarantees: every item fits the encoder budget and cache, and in one
+    # step when it may not be split; the KV cache holds max_model_len tokens.
+    max_item = min(12, budget) if disable_chunked_mm_input else 12
+    sched = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=rng.choice([2, 4, 6]), max_model_len=96,
+                           block_size=4, num_kv_blocks=24, max_num_encoder_input_tokens=16, encoder_cache_size=32,
+                           disable_chunked_mm_input=disable_chunked_mm_input)
+    runner = FakeRunner(sched)
+    expected: dict[str, int] = {}
+    aborted: set[str] = set()
+    for step in range(1000):
+        if step < 60 and rng.random() < 0.4:
+            request_id = f"r{step}"
+            num_prompt = rng.randint(1, 40)
+            items, cursor = [], rng.randint(0, 4)
+            while cursor + max_item <= num_prompt and rng.random() < 0.7:
+                length = rng.randint(2, max_item)
+                # Ids repeat across and within prompts; one id means one length, as in real use.
+                identifier = rng.randint(0, 9)
+                items.append(image(f"img{identifier}-{length}", cursor, length))
+                cursor += length + rng.randint(0, 6)
+            max_tokens = rng.randint(1, 96 - num_prompt)
+            sched.add_request(make_request(request_id, num_prompt, items=tuple(items), max_tokens=max_tokens))
+            expected[request_id] = max_tokens
+        # Aborts only while requests arrive, so that they cannot hide a request that is stuck.
+        if step < 60 and rng.random() < 0.05 and sched.requests:
+            victim = rng.choice(sorted(sched.requests))
+            assert sched.abort_requests([victim])[0].finish_reason is FinishReason.ABORT
+            aborted.add(victim)
+        runner.step()
+        if step >= 60 and not sched.has_work():
+            break
+    assert not sched.has_work(), f"stuck: {sched.running} {list(sched.waiting)}"
+    assert sched.num_preemptions > 0  # the KV cache is tight enough to preempt
+    for request_id, max_tokens in expected.items():
+        if request_id not in aborted:
+            assert len(runner.output_tokens(request_id)) == max_tokens, request_id
+            assert runner.finish_reason(request_id) is FinishReason.LENGTH
+    assert sched.kv.num_free_blocks == 24
+    assert sched.encoder_cache.num_freeable_slots == 32
+    assert sched.requests == {}
+
+
+# ---- multimodal items ----------------------------------------------------------------
+
+
+def test_image_split_across_steps_is_encoded_once_and_released_after_its_last_placeholder():
+    sched = make_scheduler(max_num_batched_tokens=8, encoder_cache_size=32, max_num_encoder_input_tokens=32)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 28, items=(image("img", 4, 20),), max_tokens=1))
+    request = sched.requests["a"]
+
+    out, _ = runner.step()  # [0, 8): text, then the first 4 placeholders
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    assert request.held_encoder_items == {"img"}
+    for expected_end in (16, 24):
+        out, _ = runner.step()
+        assert chunk_ranges(runner, out, "a") == (expected_end - 8, expected_end)
+        assert out.scheduled_encoder_inputs == {}
+    # [16, 24) computed the last placeholder: the reference is dropped, the output stays resident.
+    assert request.held_encoder_items == set()
+    assert sched.encoder_cache.is_resident("img")
+    assert sched.encoder_cache.num_freeable_slots == 32
+    out, deltas = runner.step()
+    assert chunk_ranges(runner, out, "a") == (24, 28) and deltas[0].finish_reason is FinishReason.LENGTH
+    assert runner.encode_counts == {"img": 1}
+
+
+def test_reference_is_kept_while_placeholders_remain():
+    sched = make_scheduler(max_num_batched_tokens=8, encoder_cache_size=32, max_num_encoder_input_tokens=32)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 28, items=(image("img", 4, 20),), max_tokens=1))
+    runner.step()
+    runner.step()
+    assert sched.encoder_cache.num_freeable_slots == 12  # 20 slots held by a
+    assert not sched.encoder_cache.can_allocate(13, encoder_budget=32, pending_tokens=0)
+
+
+def test_short_encoder_budget_cuts_the_chunk_just_before_the_item():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 20, items=(image("x", 2, 16),), max_tokens=1))
+    sched.add_request(make_request("b", 20, items=(image("y", 3, 16),), max_tokens=1))
+    out, _ = runner.step()
+    # a used the step's whole encoder budget: b computes its text up to the image only.
+    assert out.num_scheduled_tokens == {"a": 20, "b": 3}
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"b": 17}
+    assert out.scheduled_encoder_inputs == {"b": [0]}
+    runner.run()
+    assert runner.encode_counts == {"x": 1, "y": 1}
+
+
+def test_full_encoder_cache_cuts_the_chunk_and_evicts_once_released():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_input_tokens=64, encoder_cache_size=24)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 20, items=(image("x", 2, 16),), max_tokens=3))
+    sched.add_request(make_request("b", 20, items=(image("y", 5, 16),), max_tokens=1))
+    out, _ = runner.step()
+    # x holds 16 of 24 slots until a's chunk is done: y does not fit, b stops before it.
+    assert out.num_scheduled_tokens == {"a": 20, "b": 5}
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    out, _ = runner.step()
+    # a finished with x; evicting it makes room for y.
+    assert out.evicted_encoder_identifiers == ["x"]
+    assert out.scheduled_encoder_inputs == {"b": [0]}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    runner.run()
+
+
+def test_an_image_that_cannot_be_encoded_at_the_prompt_start_holds_the_queue():
+    # b's image starts its prompt: with no encoder budget left, b is not admitted, and c behind
+    # it waits too (first come, first served).
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 18, items=(image("x", 0, 16),), max_tokens=1))
+    sched.add_request(make_request("b", 18, items=(image("y", 0, 16),), max_tokens=1))
+    sched.add_request(make_request("c", 4, max_tokens=1))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 18}
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    runner.run()
+
+
+def test_disable_chunked_mm_input_never_splits_an_item():
+    def chunks(disable: bool) -> list[tuple[int, int]]:
+        sched = make_scheduler(max_num_batched_tokens=10, disable_chunked_mm_input=disable)
+        runner = FakeRunner(sched)
+        sched.add_request(make_request("a", 16, items=(image("img", 4, 8),), max_tokens=1))
+        ranges = []
+        while sched.has_work():
+            out, _ = runner.step()
+            ranges.append(chunk_ranges(runner, out, "a"))
+        return ranges
+
+    assert chunks(False) == [(0, 10), (10, 16)]
+    ranges = chunks(True)
+    assert ranges == [(0, 4), (4, 14), (14, 16)]
+    for start, end in ranges:
+        assert not (start < 4 < end < 12) and not (4 < start < 12)
+
+
+def test_disable_chunked_mm_input_keeps_a_resident_item_whole():
+    # b's image was already encoded for a; being resident must not let b's chunk split it.
+    sched = make_scheduler(max_num_batched_tokens=10, disable_chunked_mm_input=True)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 8, items=(image("img", 0, 8),), max_tokens=1))
+    runner.step()
+    assert sched.encoder_cache.is_resident("img")
+    sched.add_request(make_request("b", 14, items=(image("img", 4, 8),), max_tokens=1))
+    ranges = []
+    while sched.has_work():
+        out, _ = runner.step()
+        if "b" in out.num_scheduled_tokens:
+            ranges.append(chunk_ranges(runner, out, "b"))
+    assert ranges == [(0, 4), (4, 14)]
+    assert runner.encode_counts == {"img": 1}
+
+
+def test_disable_chunked_mm_input_keeps_a_repeated_image_whole():
+    # After the first occurrence the output is still held for the second; that must not let
+    # the second one be split.
+    sched = make_scheduler(max_num_batched_tokens=8, disable_chunked_mm_input=True)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 20, items=(image("img", 0, 8), image("img", 10, 8)), max_tokens=1))
+    ranges = []
+    while sched.has_work():
+        out, _ = runner.step()
+        ranges.append(chunk_ranges(runner, out, "a"))
+    assert ranges == [(0, 8), (8, 10), (10, 18), (18, 20)]
+    assert runner.encode_counts == {"img": 1}
+
+
+def test_encoder_indices_refer_to_items_in_prompt_order():
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 30, items=(image("late", 20, 6), image("early", 2, 6)), max_tokens=1))
+    out, _ = runner.step()
+    assert [item.identifier for item in out.new_requests[0].mm_items] == ["early", "late"]
+    assert out.scheduled_encoder_inputs == {"a": [0, 1]}
+
+
+def test_same_image_twice_in_one_chunk_is_encoded_once():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_input_tokens=64, encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    items = (image("img", 2, 10), image("img", 14, 10))
+    sched.add_request(make_request("a", 26, items=items, max_tokens=1))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 26}
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    assert sched.encoder_cache.num_free_slots == 54
+    assert not sched.has_work()
+    assert sched.encoder_cache.num_freeable_slots == 64
+    assert runner.encode_counts == {"img": 1}
+
+
+def test_same_image_twice_in_one_chunk_uses_the_encoder_budget_once():
+    # Only one output is computed, so only 10 tokens of encoder budget are spent.
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_input_tokens=10, encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 26, items=(image("img", 2, 10), image("img", 14, 10)), max_tokens=1))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 26}
+
+
+def test_same_image_twice_across_chunks_is_held_until_its_last_use():
+    sched = make_scheduler(max_num_batched_tokens=12, encoder_cache_size=32, max_num_encoder_input_tokens=32)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 30, items=(image("img", 2, 8), image("img", 20, 8)), max_tokens=1))
+    request = sched.requests["a"]
+    out, _ = runner.step()  # [0, 12): first occurrence, encoded
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    runner.step()  # [12, 24): into the second occurrence
+    assert request.held_encoder_items == {"img"}
+    runner.step()  # [24, 30): past it
+    assert not sched.has_work()
+    assert runner.encode_counts == {"img": 1}
+    assert sched.encoder_cache.num_freeable_slots == 32
+
+
+def test_image_shared_across_requests_is_encoded_once():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 20, items=(image("img", 2, 16),), max_tokens=4))
+    sched.add_request(make_request("b", 20, items=(image("img", 3, 16),), max_tokens=4))
+    out, _ = runner.step()
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    assert out.num_scheduled_tokens == {"a": 20, "b": 20}
+    sched.add_request(make_request("c", 20, items=(image("img", 0, 16),), max_tokens=1))
+    out, _ = runner.step()
+    assert out.scheduled_encoder_inputs == {}
+    assert out.num_scheduled_tokens["c"] == 20
+    runner.run()
+    assert runner.encode_counts == {"img": 1}
+    assert sched.encoder_cache.num_hits == 2
+
+
+def test_waiting_request_does_not_pin_encoder_outputs():
+    """A waiting request that cannot get KV blocks must not keep encoder slots from running ones.
+
+    Otherwise b (running, needs room for y) waits for c to release x, and c (waiting) waits
+    for b's KV blocks: neither ever moves.
+    """
+    sched = make_scheduler(
+        max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=16, num_kv_blocks=12
+    )
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 17, items=(image("x", 0, 16),), max_tokens=1))
+    sched.add_request(make_request("b", 37, items=(image("y", 20, 16),), max_tokens=1))
+    sched.add_request(make_request("c", 30, items=(image("x", 0, 16),), max_tokens=1))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 17, "b": 20}  # c does not fit in the KV cache yet
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert sched.requests["c"].held_encoder_items == set()
+    runner.run(max_steps=20)
+    assert runner.finish_reason("b") is FinishReason.LENGTH
+    assert runner.finish_reason("c") is FinishReason.LENGTH
+    assert sched.kv.num_free_blocks == 12
+
+
+# ---- KV blocks, preemption, abort ----------------------------------------------------
+
+
+def test_blocks_follow_the_token_count_and_are_freed_on_finish():
+    sched = make_scheduler(block_size=4, num_kv_blocks=16)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 10, max_tokens=5))
+    expected = []
+    for _ in range(5):
+        runner.step()  # the FakeRunner checks len(table) == ceil(computed / 4) itself
+        expected.append(len(sched.kv.block_ids("a")))
+    # computed after each step: 10, 11, 12, 13, 14 (the fifth sample ends it)
+    assert expected[:4] == [3, 3, 3, 4]
+    assert sched.kv.block_ids("a") == [] and sched.kv.num_free_blocks == 16
+    out = sched.schedule()
+    assert out.dropped_request_ids == ["a"] and out.is_empty
+
+
+def test_preemption_drops_the_most_recently_admitted_request_and_resumes_it():
+    sched = make_scheduler(block_size=4, num_kv_blocks=4, max_num_seqs=2)
+    runner = FakeRunner(sched, script={"b": [51, 52, 53, 54]})
+    sched.add_request(make_request("a", 7, max_tokens=4))
+    sched.add_request(make_request("b", 7, max_tokens=4))
+    sched.add_request(make_request("c", 3, max_tokens=1))
+    runner.step()  # a, b: 7 tokens, 2 blocks each; c waits for a slot
+    runner.step()  # 8 computed each: still 2 blocks
+    assert sched.kv.num_free_blocks == 0
+
+    out, _ = runner.step()  # a needs a third block: b goes
+    assert out.dropped_request_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.new_requests == []  # nothing is admitted in a step that preempted
+    b = sched.requests["b"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert sched.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]  # ahead of c
+    assert sched.kv.block_ids("b") == [] and sched.kv.num_free_blocks == 1
+    assert "b" not in runner.states
+
+    out, deltas = runner.step()  # a: fourth token, finished
+    assert deltas[0].finish_reason is FinishReason.LENGTH
+    assert out.num_scheduled_tokens == {"a": 1}  # b needs 3 blocks, 1 is free
+    out, deltas = runner.step()
+    assert out.dropped_request_ids == ["a"]
+    # a's slot and blocks went back: b first (front of the queue), then c.
+    assert [d.request_id for d in out.new_requests] == ["b", "c"]
+    resumed = out.new_requests[0]
+    assert resumed.token_ids == [100 + i for i in range(7)] + [51, 52]
+    assert resumed.num_prompt_tokens == 7 and resumed.num_computed_tokens == 0
+    assert out.num_scheduled_tokens["b"] == 9
+    # b's deltas go on from its third token: nothing re-sent, nothing lost.
+    assert [d.new_token_ids for d in deltas if d.request_id == "b"] == [[53]]
+    runner.run()
+    assert runner.output_tokens("b") == [51, 52, 53, 54]
+    assert sched.kv.num_free_blocks == 4
+
+
+def test_the_latest_admitted_request_is_the_one_preempted():
+    sched = make_scheduler(block_size=4, num_kv_blocks=6, max_num_seqs=3)
+    runner = FakeRunner(sched)
+    for request_id in "abc":
+        sched.add_request(make_request(request_id, 7, max_tokens=4))
+    runner.step()
+    runner.step()  # 8 tokens each: two blocks each, none free
+    out, _ = runner.step()  # a needs a third block: c goes (not b); b gets one of c's
+    assert out.dropped_request_ids == ["c"]
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert [r.request_id for r in sched.running] == ["a", "b"]
+    runner.run()
+    assert all(len(runner.output_tokens(request_id)) == 4 for request_id in "abc")
+
+
+def test_the_latest_request_preempts_itself_rather_than_an_earlier_one():
+    sched = make_scheduler(block_size=4, num_kv_blocks=4, max_num_seqs=2)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 7, max_tokens=4))
+    sched.add_request(make_request("b", 8, max_tokens=3))
+    runner.step()  # two blocks each
+    out, _ = runner.step()  # a's 8th token fits its blocks; b's 9th needs a third: b gives way
+    assert out.dropped_request_ids == ["b"] and out.num_scheduled_tokens == {"a": 1}
+    assert sched.requests["b"].status is RequestStatus.PREEMPTED
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    runner.run()
+    assert len(runner.output_tokens("a")) == 4 and len(runner.output_tokens("b")) == 3
+
+
+def test_preemption_releases_encoder_references():
+    sched = make_scheduler(block_size=4, num_kv_blocks=6, max_num_seqs=2, max_num_batched_tokens=8)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 8, max_tokens=10))
+    sched.add_request(make_request("b", 20, items=(image("img", 4, 12),), max_tokens=2))
+    runner.step()  # a's prompt takes the whole budget
+    out, _ = runner.step()  # a decodes, b computes [0, 7) and encodes img
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7} and out.scheduled_encoder_inputs == {"b": [0]}
+    b = sched.requests["b"]
+    assert b.held_encoder_items == {"img"}
+    assert sched.encoder_cache.num_freeable_slots == 64 - 12
+
+    out, _ = runner.step()  # b's next chunk needs two blocks, one is free: b, the latest, goes
+    assert out.dropped_request_ids == ["b"] and list(out.num_scheduled_tokens) == ["a"]
+    assert b.status is RequestStatus.PREEMPTED and b.held_encoder_items == set()
+    assert sched.encoder_cache.num_freeable_slots == 64
+    assert sched.encoder_cache.is_resident("img")  # kept for when b comes back
+
+    runner.run()
+    assert len(runner.output_tokens("b")) == 2
+    assert runner.encode_counts == {"img": 1}  # b found its output still resident
+    assert sched.encoder_cache.num_freeable_slots == 64
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_of_waiting_and_running_requests():
+    sched = make_scheduler(block_size=4, num_kv_blocks=8, max_num_seqs=1, max_num_batched_tokens=8)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("run", 20, items=(image("img", 4, 12),)))
+    sched.add_request(make_request("wait", 4))
+    runner.step()  # run: first chunk of 8 (2 blocks), holding img
+    assert sched.kv.num_free_blocks == 6
+    assert sched.encoder_cache.num_freeable_slots == 52
+    deltas = sched.abort_requests(["run", "wait", "unknown"])
+    assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in deltas] == [
+        ("run", [], FinishReason.ABORT),
+        ("wait", [], FinishReason.ABORT),
+    ]
+    assert sched.kv.num_free_blocks == 8
+    assert sched.encoder_cache.num_freeable_slots == 64
+    assert not sched.has_work() and sched.requests == {}
+    assert sched.abort_requests(["run"]) == []
+    out = sched.schedule()
+    assert set(out.dropped_request_ids) == {"run", "wait"} and out.is_empty
+
+
+def test_abort_between_schedule_and_update_ignores_the_result():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    out = sched.schedule()
+    sched.abort_requests(["a"])
+    assert sched.update_from_output(out, RunnerOutput(sampled_token_ids={"a": 5})) == []
+    assert sched.kv.num_free_blocks == sched.config.num_kv_blocks
+
+
+def test_add_request_rejects_a_prompt_that_can_never_fit():
+    sched = make_scheduler(block_size=4, num_kv_blocks=4)
+    sched.add_request(make_request("fits", 15))  # 15 + 1 sampled = 16 = 4 blocks
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(make_request("too-long", 16))
+    assert "too-long" not in sched.requests
+    assert [r.request_id for r in sched.waiting] == ["fits"]
+
+
+# ---- stop conditions -----------------------------------------------------------------
+
+
+def run_one(script: list[int], max_model_len: int = 512, num_prompt: int = 4, **sampling) -> tuple[list[int], FinishReason]:
+    sched = make_scheduler(max_model_len=max_model_len)
+    runner = FakeRunner(sched, script={"a": script})
+    sched.add_request(make_request("a", num_prompt, **sampling))
+    runner.run()
+    assert sched.kv.num_free_blocks == sched.config.num_kv_blocks
+    return runner.output_tokens("a"), runner.finish_reason("a")
+
+
+def test_eos_stops():
+    assert run_one([5, 6, EOS, 8]) == ([5, 6, EOS], FinishReason.STOP)
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    assert run_one([EOS, EOS, EOS, EOS], max_tokens=3, ignore_eos=True) == ([EOS, EOS, EOS], FinishReason.LENGTH)
+
+
+def test_ignore_eos_leaves_eos_out_of_the_stop_ids_sent_to_the_runner():
+    sched = make_scheduler()
+    sched.add_request(make_request("plain", 4, stop_token_ids=(9,)))
+    sched.add_request(make_request("ignoring", 4, stop_token_ids=(9,), ignore_eos=True))
+    out = sched.schedule()
+    stop_ids = {d.request_id: d.stop_token_ids for d in out.new_requests}
+    assert set(stop_ids["plain"]) == {EOS, 9} and stop_ids["ignoring"] == (9,)
+
+
+def test_stop_token_ids_stop():
+    assert run_one([5, 9, 6], stop_token_ids=(9,)) == ([5, 9], FinishReason.STOP)
+    assert run_one([5, 9, 6], stop_token_ids=(9,), ignore_eos=True) == ([5, 9], FinishReason.STOP)
+
+
+def test_max_tokens_stops():
+    assert run_one([], max_tokens=3) == ([FILLER] * 3, FinishReason.LENGTH)
+    assert run_one([EOS], max_tokens=1) == ([EOS], FinishReason.STOP)  # eos wins over length
+
+
+def test_min_tokens_defers_eos_and_stop_ids():
+    assert run_one([EOS, 9, EOS, 5], min_tokens=3, stop_token_ids=(9,)) == ([EOS, 9, EOS], FinishReason.STOP)
+    assert run_one([EOS, EOS], min_tokens=2) == ([EOS, EOS], FinishReason.STOP)
+    assert run_one([EOS, 5, 6], min_tokens=2, max_tokens=3) == ([EOS, 5, 6], FinishReason.LENGTH)
+
+
+def test_max_model_len_stops():
+    assert run_one([], max_model_len=12, num_prompt=10, max_tokens=16) == ([FILLER] * 2, FinishReason.LENGTH)
+
+
+def test_finishing_delta_carries_prompt_size_and_logprobs():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4, max_tokens=1))
+    out = sched.schedule()
+    logprob = TokenLogprob(token_id=5, logprob=-0.5, top=[(5, -0.5)])
+    (delta,) = sched.update_from_output(out, RunnerOutput(sampled_token_ids={"a": 5}, logprobs={"a": logprob}))
+    assert delta.new_token_ids == [5] and delta.logprobs == [logprob]
+    assert delta.num_prompt_tokens == 4 and delta.finish_reason is FinishReason.LENGTH
