@@ -12,6 +12,8 @@ import io
 import re
 import struct
 import time
+import urllib.error
+import urllib.request
 import zlib
 
 import orjson
@@ -154,8 +156,10 @@ def test_unknown_route(server):
 
 
 def test_wrong_method(server):
-    status, raw = server.request("GET", "/v1/chat/completions")
-    assert_error(status, raw, 405, "GET", "/v1/chat/completions")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(server.url + "/v1/chat/completions", timeout=30)
+    assert "POST" in info.value.headers.get("Allow", "")
+    assert_error(info.value.code, info.value.read(), 405, "GET", "/v1/chat/completions", "POST")
 
 
 # --- media that cannot be used -----------------------------------------------------------
@@ -297,9 +301,11 @@ def test_file_url_dotdot_escape(server, media_dir):
 
 def test_file_url_symlink_escape(server, media_dir):
     link = media_dir / "escape.png"
-    if not link.is_symlink():
-        link.symlink_to("/etc/passwd")
-    status, body = server.chat({"messages": url_message("hi", f"file://{link}")})
+    link.symlink_to("/etc/passwd")
+    try:
+        status, body = server.chat({"messages": url_message("hi", f"file://{link}")})
+    finally:
+        link.unlink()
     assert_error(status, body, 400, "outside --allowed-local-media-path")
 
 
