@@ -39,6 +39,10 @@ def make_scheduler(**overrides) -> Scheduler:
         encoder_cache_size=64,
     )
     config.update(overrides)
+    if "max_model_len" not in overrides and config["block_size"] > 0:
+        # A small test cache also bounds the context: the config rejects a cache that
+        # cannot hold one max_model_len sequence.
+        config["max_model_len"] = min(512, config["num_kv_blocks"] * config["block_size"])
     return Scheduler(SchedulerConfig(**config))
 
 
@@ -814,8 +818,8 @@ def test_abort_between_schedule_and_update_ignores_the_result():
 
 def test_add_request_rejects_a_prompt_that_can_never_fit():
     sched = make_scheduler(block_size=4, num_kv_blocks=4)
-    sched.add_request(make_request("fits", 15))  # 15 + 1 sampled = 16 = 4 blocks
-    with pytest.raises(ValueError, match="KV blocks"):
+    sched.add_request(make_request("fits", 15))  # 15 + 1 sampled = 16 = 4 blocks = max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
         sched.add_request(make_request("too-long", 16))
     assert "too-long" not in sched.requests
     assert [r.request_id for r in sched.waiting] == ["fits"]

@@ -120,8 +120,6 @@ def serve(config: ServeConfig) -> None:
         tokenizer=built.tokenizer,
         eos_token_ids=built.eos_token_ids,
         max_model_len=built.max_model_len,
-        num_kv_blocks=built.scheduler_config.num_kv_blocks,
-        block_size=built.scheduler_config.block_size,
         pool=ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess"),
         created=int(time.time()),
     )

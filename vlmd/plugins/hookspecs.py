@@ -19,5 +19,8 @@ def vlmd_register_model_families(registry):
     A family names the HF ``architectures`` it serves and, as lazy ``"module:attr"``
     strings, its model class, processing info, processor and dummy-inputs builder.
     Registering an architecture that is already registered logs a warning and the later
-    registration wins, so a third-party package can replace a built-in family.
+    registration wins, so a third-party package can replace a built-in family. pluggy
+    calls implementations newest-registered first and entry-point load order follows
+    install order, so a package that means to override declares
+    ``@hookimpl(trylast=True)`` to be sure it registers last.
     """

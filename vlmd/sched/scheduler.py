@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vlmd.sched.encoder_cache import EncoderCacheManager
-from vlmd.sched.kv_manager import KVCacheManager, blocks_needed
+from vlmd.sched.kv_manager import KVCacheManager
 from vlmd.sched.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from vlmd.sched.request import Request, RequestStatus
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
@@ -33,6 +33,13 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        # A request that may grow to max_model_len must fit alone, or it would preempt
+        # itself forever.
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_kv_blocks * self.block_size} tokens, "
+                f"less than max_model_len {self.max_model_len}"
+            )
 
 
 class Scheduler:
@@ -50,11 +57,19 @@ class Scheduler:
 
     def add_request(self, engine_request: EngineRequest) -> None:
         request = Request(engine_request)
-        needed = blocks_needed(request.num_tokens + 1, self.config.block_size)
-        if needed > self.config.num_kv_blocks:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
             raise ValueError(
-                f"request needs {needed} KV blocks, the cache has {self.config.num_kv_blocks}"
+                f"the prompt has {request.num_tokens} tokens; max_model_len is {self.config.max_model_len}"
             )
+        largest_item = max((item.length for item in request.mm_items), default=0)
+        limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
+        if self.config.disable_chunked_mm_input:
+            limit = min(limit, self.config.max_num_batched_tokens)
+        if largest_item > limit:
+            # It could never be scheduled and would block the queue behind it.
+            raise ValueError(f"a media item of {largest_item} tokens exceeds the encoder budget of {limit}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -89,11 +89,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs
     )
     num_prompt = len(processed.prompt_token_ids)
-    needed_blocks = -(-(num_prompt + 1) // state.block_size)
-    if needed_blocks > state.num_kv_blocks:
-        raise BadRequestError(
-            f"the prompt needs {needed_blocks} KV-cache blocks but the server has {state.num_kv_blocks}"
-        )
     sampling = chat.sampling_params(num_prompt, state.max_model_len)
     engine_request = EngineRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",

@@ -17,8 +17,6 @@ class ServerState:
     tokenizer: object
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-    num_kv_blocks: int
-    block_size: int
     pool: ThreadPoolExecutor
     metrics: object = None
     created: int = 0
