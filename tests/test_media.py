@@ -392,9 +392,12 @@ def test_modes_convert_to_rgb():
     rgba = Image.new("RGBA", (2, 2), (255, 0, 0, 0))
     cases = [
         (_encode(palette), (200, 100, 50)),
-        (_encode(rgba), (255, 0, 0)),  # alpha dropped, not composited (as transformers does)
+        # Transparent pixels are composited onto white, as transformers' convert_rgb does.
+        (_encode(rgba), (255, 255, 255)),
+        (_encode(Image.new("RGBA", (2, 2), (255, 0, 0, 255))), (255, 0, 0)),
         (_encode(Image.new("L", (2, 2), 77)), (77, 77, 77)),
-        (_encode(Image.new("LA", (2, 2), (77, 0))), (77, 77, 77)),
+        (_encode(Image.new("LA", (2, 2), (77, 0))), (255, 255, 255)),
+        (_encode(Image.new("LA", (2, 2), (77, 255))), (77, 77, 77)),
         (_encode(Image.new("CMYK", (8, 8), (0, 0, 0, 0)), "JPEG"), (255, 255, 255)),
         (_encode(Image.new("RGB", (2, 2), (1, 2, 3)), "GIF"), None),
         (_encode(Image.new("RGB", (2, 2), (1, 2, 3)), "WEBP", lossless=True), (1, 2, 3)),
