@@ -96,14 +96,36 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], block_size: int
         prefills=spans,
     )
     sampled = [piece for piece in slices if piece.samples]
+    if any(piece.state.mrope_positions is not None for piece in slices):
+        position_tensor = torch.cat([mrope_positions(piece) for piece in slices], dim=1)
+    else:
+        position_tensor = torch.tensor(positions, dtype=torch.long)
     return StepBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        positions=position_tensor,
         meta=meta,
         slices=slices,
         sample_rows=[piece.row + piece.count - 1 for piece in sampled],
         sample_states=[piece.state for piece in sampled],
     )
+
+
+def mrope_positions(piece: ScheduledSlice) -> torch.Tensor:
+    """[3, count] M-RoPE positions: precomputed for the prompt, index + delta after it.
+
+    A request without M-RoPE data (text only) uses (p, p, p), which is plain RoPE.
+    """
+    state = piece.state
+    table = state.mrope_positions
+    prompt_end = min(piece.end, state.num_prompt_tokens) if table is not None else piece.start
+    parts = []
+    if piece.start < prompt_end:
+        parts.append(torch.as_tensor(table[:, piece.start : prompt_end], dtype=torch.long))
+    first_generated = max(piece.start, prompt_end)
+    if first_generated < piece.end:
+        delta = state.mrope_position_delta if table is not None else 0
+        parts.append(torch.arange(first_generated, piece.end).add_(delta).expand(3, -1))
+    return torch.cat(parts, dim=1)
 
 
 def _padded(block_ids: list[int], length: int) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,8 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
+    mrope_positions: Any = None
+    mrope_position_delta: int = 0
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -32,6 +35,8 @@ class RunnerRequestState:
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
             stop_token_ids=data.stop_token_ids,
+            mrope_positions=data.mrope_positions,
+            mrope_position_delta=data.mrope_position_delta,
         )
 
     @property

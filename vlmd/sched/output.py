@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vlmd.types import MultiModalItem, SamplingParams, TokenLogprob
 
@@ -19,6 +20,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]  # eos + stop ids, masked out until min_tokens
+    mrope_positions: Any = None  # [3, num_prompt_tokens] or None
+    mrope_position_delta: int = 0
 
 
 @dataclass

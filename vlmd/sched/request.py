@@ -30,6 +30,9 @@ class Request:
         self.num_prompt_tokens = len(engine_request.prompt_token_ids)
         self.all_token_ids: list[int] = list(engine_request.prompt_token_ids)
         self.arrival_time = engine_request.arrival_time
+        # Carried to the runner untouched; the scheduler never looks inside.
+        self.mrope_positions = engine_request.mrope_positions
+        self.mrope_position_delta = engine_request.mrope_position_delta
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
