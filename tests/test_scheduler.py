@@ -37,6 +37,8 @@ def make_scheduler(**overrides) -> Scheduler:
         num_kv_blocks=128,
         max_num_encoder_input_tokens=64,
         encoder_cache_size=64,
+        # Most tests reuse the same token ids across requests; prefix caching has its own tests.
+        enable_prefix_caching=False,
     )
     config.update(overrides)
     if "max_model_len" not in overrides and config["block_size"] > 0:
@@ -121,7 +123,11 @@ class FakeRunner:
             del self.encoder_outputs[identifier]
         for data in out.new_requests:
             assert data.request_id not in self.states, f"{data.request_id} sent as new twice"
-            assert data.num_computed_tokens == 0  # no prefix cache yet
+            if not config.enable_prefix_caching:
+                assert data.num_computed_tokens == 0
+            # A prefix hit is whole blocks and always leaves the last token to compute.
+            assert data.num_computed_tokens % config.block_size == 0
+            assert data.num_computed_tokens < len(data.token_ids)
             self.states[data.request_id] = _State(data)
         for data in out.cached_requests:
             state = self.states[data.request_id]
@@ -152,7 +158,8 @@ class FakeRunner:
             assert state.blocks == self.sched.kv.block_ids(request_id)
             for block in state.blocks:
                 assert 0 <= block < config.num_kv_blocks
-                assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
+                if not config.enable_prefix_caching:  # with it, full prefix blocks are shared
+                    assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
                 owners[block] = request_id
             for item in state.items:
                 if item.offset < end and item.end > start:
@@ -176,8 +183,11 @@ class FakeRunner:
     def check_accounting(self) -> None:
         kv = self.sched.kv
         live = [r.request_id for r in self.sched.running] + [r.request_id for r in self.sched.waiting]
-        held = sum(len(kv.block_ids(request_id)) for request_id in live)
-        assert kv.num_free_blocks + held == self.config.num_kv_blocks
+        tables = [kv.block_ids(request_id) for request_id in live]
+        for table in tables:
+            assert len(set(table)) == len(table)  # a request never holds a block twice
+        held = {block for table in tables for block in table}  # shared prefix blocks count once
+        assert kv.num_free_blocks + len(held) == self.config.num_kv_blocks
         # The scheduler's resident set is what the runner holds; every slot is free or used by one.
         cache = self.sched.encoder_cache
         for identifier in self.encoder_outputs:
@@ -243,17 +253,18 @@ def test_block_pool_needs_a_block():
 
 
 def test_kv_manager_grows_tables_and_frees_tail_first():
-    kv = KVCacheManager(num_blocks=6, block_size=4)
-    assert kv.allocate_slots("a", 5) == [0, 1]
-    assert kv.allocate_slots("a", 8) == []  # still two blocks
-    assert kv.allocate_slots("a", 9) == [2]
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    a, b = make_request("a", 4), make_request("b", 4)
+    assert kv.allocate_slots(a, 5) == [0, 1]
+    assert kv.allocate_slots(a, 8) == []  # still two blocks
+    assert kv.allocate_slots(a, 9) == [2]
     assert kv.block_ids("a") == [0, 1, 2]
-    assert kv.allocate_slots("b", 13) is None  # four needed, three free: nothing taken
+    assert kv.allocate_slots(b, 13) is None  # four needed, three free: nothing taken
     assert kv.num_free_blocks == 3 and kv.block_ids("b") == []
     kv.free("a")
     assert kv.num_free_blocks == 6 and kv.block_ids("a") == []
     # Never-used blocks first, then a's tail before its head.
-    assert kv.allocate_slots("b", 24) == [3, 4, 5, 2, 1, 0]
+    assert kv.allocate_slots(b, 24) == [3, 4, 5, 2, 1, 0]
     kv.free("missing")  # harmless
 
 

@@ -34,7 +34,8 @@ class Request:
         self.mrope_positions = engine_request.mrope_positions
         self.mrope_position_delta = engine_request.mrope_position_delta
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_hashes: list[bytes] = []  # of full blocks, filled lazily by the KV manager
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -28,6 +28,7 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int
     encoder_cache_size: int
     disable_chunked_mm_input: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -45,7 +46,7 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -129,16 +130,22 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            computed = self.kv.computed_blocks(request)
+            request.num_computed_tokens = len(computed) * self.config.block_size
             num_new, encoder_inputs = self._plan_chunk(request, budget)
             if (
                 num_new == 0
-                or self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None
+                or self.kv.allocate_slots(request, request.num_computed_tokens + num_new, computed) is None
             ):
                 # Planning took references on resident outputs. A waiting request must hold
                 # none: a running one could then be kept from encoder slots by a request that
                 # is itself waiting for the running one's KV blocks, and neither would move.
                 self._release_encoder_items(request)
+                request.num_computed_tokens = 0
                 break
+            self.kv.record_lookup(request.num_tokens, request.num_computed_tokens)
+            if request.status is RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = request.num_computed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -191,9 +198,7 @@ class Scheduler:
         """
         preempted_any = False
         while True:
-            new_blocks = self.kv.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            )
+            new_blocks = self.kv.allocate_slots(request, request.num_computed_tokens + num_new)
             if new_blocks is not None:
                 return new_blocks, preempted_any
             victim = self.running.pop()
