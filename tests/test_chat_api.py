@@ -43,6 +43,9 @@ def test_stream_and_non_stream_agree(llava_server):
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     usage = events[-1]["usage"]
     assert events[-1]["choices"] == []
+    # The second, identical request is served from the prefix cache: it says so.
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 576
+    usage["prompt_tokens_details"] = full["usage"]["prompt_tokens_details"]
     assert usage == full["usage"]
     assert usage["completion_tokens"] == 24
     assert usage["prompt_tokens"] == len(full["prompt_token_ids"])

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vlmd.config import ServeConfig, parse_limit_mm_per_prompt
+from vlmd.config import ServeConfig, parse_json_object, parse_limit_mm_per_prompt
 
 DEFAULT_MODEL_NAME = "vlmd-tiny-llava"
 
@@ -40,6 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--preprocess-threads", type=int, default=4)
     serve.add_argument("--torch-threads", type=int, help="intra-op threads of the engine thread")
     serve.add_argument("--disable-chunked-mm-input", action="store_true")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="share KV blocks of identical prefixes, images included (default: on)")
+    serve.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
+                       help="processed-media cache on the front end (GiB; 0 disables)")
+    serve.add_argument("--max-num-encoder-input-tokens", type=int,
+                       help="encoder work per step, in output tokens (default: --max-num-batched-tokens)")
+    serve.add_argument("--encoder-cache-size", type=int,
+                       help="encoder outputs kept, in tokens (default: --max-num-batched-tokens)")
+    serve.add_argument("--mm-processor-kwargs", default="",
+                       help='processor settings for every request, JSON, e.g. \'{"max_pixels": 100352}\'')
+    serve.add_argument("--media-io-kwargs", default="",
+                       help='media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}}\'')
     serve.add_argument("--api-key", default=os.environ.get("VLMD_API_KEY"))
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
     serve.add_argument("--log-level", default="info")
@@ -73,6 +85,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         preprocess_threads=args.preprocess_threads,
         torch_threads=args.torch_threads,
         disable_chunked_mm_input=args.disable_chunked_mm_input,
+        enable_prefix_caching=args.enable_prefix_caching,
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        encoder_cache_size=args.encoder_cache_size,
+        mm_processor_kwargs=parse_json_object(args.mm_processor_kwargs, "--mm-processor-kwargs"),
+        media_io_kwargs=parse_json_object(args.media_io_kwargs, "--media-io-kwargs"),
         api_key=args.api_key,
         warmup=not args.no_warmup,
     )
@@ -110,7 +128,10 @@ def serve(config: ServeConfig) -> None:
     if config.warmup:
         warm_up(built)
     engine = AsyncEngine(loop)
-    worker = EngineWorker(built.core, engine.post_deltas, config.torch_threads)
+    metrics = Metrics(engine, built.preprocessor.processor.cache)
+    built.preprocessor.observer = metrics
+    built.preprocessor.processor.observer = metrics
+    worker = EngineWorker(built.core, engine.post_deltas, config.torch_threads, observe_step=metrics.observe_step)
     engine.attach(worker)
     worker.start()
     state = ServerState(
@@ -123,7 +144,7 @@ def serve(config: ServeConfig) -> None:
         pool=ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess"),
         created=int(time.time()),
     )
-    state.metrics = Metrics(engine)
+    state.metrics = metrics
     app = create_app(state)
     try:
         web.run_app(

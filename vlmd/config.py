@@ -30,7 +30,16 @@ class ServeConfig:
     preprocess_threads: int = 4
     torch_threads: int | None = None
     disable_chunked_mm_input: bool = False
+    enable_prefix_caching: bool = True
+    mm_processor_cache_gb: float = 4.0
+    max_num_encoder_input_tokens: int | None = None  # default: max_num_batched_tokens
+    encoder_cache_size: int | None = None  # default: max_num_batched_tokens
     api_key: str | None = None
+    # Server-wide processor settings (e.g. {"max_pixels": N}); a request's own
+    # mm_processor_kwargs are merged over them.
+    mm_processor_kwargs: dict = field(default_factory=dict)
+    # Decode settings per modality, e.g. {"video": {"num_frames": 16}} (see VIDEO_IO_FIELDS).
+    media_io_kwargs: dict = field(default_factory=dict)
     max_request_bytes: int = 64 * 2**20
     warmup: bool = True
 
@@ -56,6 +65,46 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
             raise ValueError(f"expected MODALITY=N in --limit-mm-per-prompt, got {part!r}")
         limits[modality.strip()] = int(value)
     return limits
+
+
+# --media-io-kwargs '{"video": {...}}' keys -> MediaPolicy fields.
+VIDEO_IO_FIELDS = {
+    "num_frames": "video_num_frames",
+    "max_frames": "max_video_frames",
+    "max_duration_s": "max_video_duration_s",
+    "max_bytes": "max_video_bytes",
+    "max_decoded_bytes": "max_video_decoded_bytes",
+}
+
+
+def parse_json_object(text: str, flag: str) -> dict:
+    """A command-line JSON object such as --mm-processor-kwargs '{"max_pixels": 100352}'."""
+    import json
+
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
+
+
+def media_policy_fields(media_io_kwargs: dict) -> dict:
+    """MediaPolicy keyword arguments from --media-io-kwargs; unknown keys are an error."""
+    fields = {}
+    for modality, settings in media_io_kwargs.items():
+        if modality != "video" or not isinstance(settings, dict):
+            raise ValueError('--media-io-kwargs takes {"video": {...}} (no other modality has settings)')
+        for key, value in settings.items():
+            if key not in VIDEO_IO_FIELDS:
+                raise ValueError(f"--media-io-kwargs video.{key} is unknown; known: {sorted(VIDEO_IO_FIELDS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"--media-io-kwargs video.{key} must be a number")
+            fields[VIDEO_IO_FIELDS[key]] = value
+    return fields
 
 
 def check_mm_limits(counts: dict[str, int], limits: dict[str, int]) -> None:

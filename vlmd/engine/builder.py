@@ -14,11 +14,13 @@ from pathlib import Path
 import structlog
 import torch
 
-from vlmd.config import ServeConfig
+from vlmd.config import ServeConfig, media_policy_fields
 from vlmd.engine.core import EngineCore
+from vlmd.errors import VlmdError
 from vlmd.media.policy import MediaPolicy
 from vlmd.plugins.manager import build_registry
 from vlmd.processing.base import ProcessingContext
+from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.runner.kv_cache import num_blocks_for
 from vlmd.runner.model_runner import ModelRunner
@@ -63,20 +65,32 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
 
-    ctx = ProcessingContext(model_dir=model_dir, model_id=config.model_name, hf_config=hf_config, tokenizer=tokenizer)
+    ctx = ProcessingContext(
+        model_dir=model_dir, model_id=config.model_name, hf_config=hf_config, tokenizer=tokenizer,
+        mm_processor_kwargs=dict(config.mm_processor_kwargs), media_io_kwargs=dict(config.media_io_kwargs),
+    )
     info = family.load("processing_info")(ctx)
     processor = family.load("processor")(info)
     dummy = family.load("dummy_inputs")(info)
-    max_item_tokens = max(
-        (len(processor.process_item(m, dummy.dummy_item(m), {}).replacement) for m in info.supported_mm_limits()),
-        default=0,
-    )
+    try:  # under the server-wide kwargs, which may raise an item's size
+        max_item_tokens = max(
+            (
+                len(processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs).replacement)
+                for m in info.supported_mm_limits()
+            ),
+            default=0,
+        )
+    except VlmdError as exc:
+        raise ValueError(f"--mm-processor-kwargs: {exc.message}") from None
     if config.disable_chunked_mm_input and max_item_tokens > config.max_num_batched_tokens:
         raise ValueError(
             f"--disable-chunked-mm-input needs --max-num-batched-tokens >= {max_item_tokens} "
             f"(the largest item), got {config.max_num_batched_tokens}"
         )
-    encoder_budget = max(config.max_num_batched_tokens, max_item_tokens)
+    # Both default to the token budget and are raised to fit the largest item, so every
+    # item can be scheduled at all.
+    encoder_budget = max(config.max_num_encoder_input_tokens or config.max_num_batched_tokens, max_item_tokens)
+    encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
     model = family.load("model").load(model_dir, hf_config, dtype)
     num_blocks = config.num_kv_blocks or num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
@@ -92,8 +106,9 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         block_size=config.block_size,
         num_kv_blocks=num_blocks,
         max_num_encoder_input_tokens=encoder_budget,
-        encoder_cache_size=encoder_budget,
+        encoder_cache_size=encoder_cache_size,
         disable_chunked_mm_input=config.disable_chunked_mm_input,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed)
     policy = MediaPolicy(
@@ -102,8 +117,11 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         allowed_domains=config.allowed_media_domains,
         max_bytes=config.media_max_bytes,
         timeout_s=config.media_timeout_s,
+        **media_policy_fields(config.media_io_kwargs),
     )
     preprocessor = InputPreprocessor(processor, policy, config.limit_mm_per_prompt, max_model_len)
+    if config.mm_processor_cache_gb > 0:
+        processor.cache = ProcessorCache(int(config.mm_processor_cache_gb * 2**30))
     eos = _eos_token_ids(model_dir, tokenizer)
     log.info(
         "engine ready",
@@ -144,15 +162,21 @@ def warm_up(built: BuiltEngine) -> None:
 
     processor = built.preprocessor.processor
     info = processor.info
-    media = {}
-    prompt: list[int] = []
-    for modality in info.supported_mm_limits():
-        prompt.append(info.marker_token_id(modality))
-        media[modality] = [built.dummy_inputs.dummy_item(modality)]
-    prompt.extend(built.tokenizer.encode("warm up", add_special_tokens=False))
-    output = processor.apply(prompt, media)
-    request = EngineRequest("warmup", output.prompt_token_ids, SamplingParams(max_tokens=2), output.items)
+    text = built.tokenizer.encode("warm up", add_special_tokens=False)
     core = built.core
-    core.add_request(request)
-    while core.has_work():
-        core.step()
+    # One request per modality: worst-case items of every modality together may not fit
+    # max_model_len (a 32-frame video alone can be thousands of tokens).
+    for modality in list(info.supported_mm_limits()) or [None]:
+        media = {} if modality is None else {modality: [built.dummy_inputs.dummy_item(modality)]}
+        prompt = text if modality is None else [info.marker_token_id(modality), *text]
+        output = processor.apply(prompt, media)
+        if len(output.prompt_token_ids) >= built.max_model_len:
+            log.info("warm-up skips a modality whose largest item exceeds max_model_len", modality=modality)
+            continue
+        request = EngineRequest(
+            f"warmup-{modality}", output.prompt_token_ids, SamplingParams(max_tokens=2), output.items,
+            mrope_positions=output.mrope_positions, mrope_position_delta=output.mrope_position_delta,
+        )
+        core.add_request(request)
+        while core.has_work():
+            core.step()

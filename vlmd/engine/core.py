@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.output import SchedulerOutput
@@ -22,7 +23,19 @@ class EngineStats:
     num_preemptions: int = 0
     num_encoder_forwards: int = 0
     encoder_cache_usage: float = 0.0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which found in the prefix cache
     num_steps: int = 0
+
+
+@dataclass
+class StepMetrics:
+    """Timings of one step, for histograms on the front end."""
+
+    encoder_seconds: float = 0.0
+    queue_seconds: list[float] = field(default_factory=list)  # requests admitted for the first time
 
 
 class EngineCore:
@@ -30,6 +43,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.num_steps = 0
+        self.last_step_metrics = StepMetrics()
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
@@ -43,8 +57,17 @@ class EngineCore:
     def step(self) -> tuple[list[RequestDelta], bool]:
         """Run one step; returns the deltas and whether any tokens were computed."""
         out: SchedulerOutput = self.scheduler.schedule()
+        now = time.time()
+        queued = [
+            now - request.arrival_time
+            for data in out.new_requests
+            if (request := self.scheduler.requests.get(data.request_id)) is not None
+            and request.num_preemptions == 0
+            and request.arrival_time
+        ]
         result = self.runner.execute(out)
         self.num_steps += 1
+        self.last_step_metrics = StepMetrics(result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued)
         return self.scheduler.update_from_output(out, result), not out.is_empty
 
     def fail_running(self, message: str) -> list[RequestDelta]:
@@ -64,5 +87,9 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_encoder_forwards=self.runner.num_encoder_forwards,
             encoder_cache_usage=self.scheduler.encoder_cache.usage,
+            encoder_cache_queries=self.scheduler.encoder_cache.num_queries,
+            encoder_cache_hits=self.scheduler.encoder_cache.num_hits,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
             num_steps=self.num_steps,
         )

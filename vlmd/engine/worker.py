@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from vlmd.engine.core import EngineCore, EngineStats
+from vlmd.engine.core import EngineCore, EngineStats, StepMetrics
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
 
 log = structlog.get_logger(__name__)
@@ -37,9 +37,11 @@ class EngineWorker:
         core: EngineCore,
         post_deltas: Callable[[list[RequestDelta]], None],
         torch_threads: int | None = None,
+        observe_step: Callable[[StepMetrics], None] | None = None,
     ):
         self.core = core
         self.post_deltas = post_deltas
+        self.observe_step = observe_step
         self.torch_threads = torch_threads
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = core.stats()
@@ -101,4 +103,6 @@ class EngineWorker:
             return self.core.fail_running(f"engine error: {type(exc).__name__}: {exc}")
         if not progressed and not deltas:
             time.sleep(0.001)  # waiting for room (blocks, encoder cache): don't spin hot
+        elif self.observe_step is not None:
+            self.observe_step(self.core.last_step_metrics)
         return deltas

@@ -8,6 +8,7 @@ length, identifier, encoder inputs). Counts that do not match are a client error
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,9 @@ class ProcessingContext:
     hf_config: Any
     tokenizer: Any
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Server-wide decode settings (--media-io-kwargs), e.g. {"video": {"num_frames": 32}}:
+    # the dummy inputs need them to size the worst-case item.
+    media_io_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,6 +43,9 @@ class ProcessedItem:
 class ProcessorOutput:
     prompt_token_ids: list[int]
     items: list[MultiModalItem]
+    # M-RoPE families (Qwen2-VL): [3, len(prompt)] positions and the decode-time delta.
+    mrope_positions: Any = None
+    mrope_position_delta: int = 0
 
 
 class BaseProcessingInfo:
@@ -63,9 +70,34 @@ class BaseProcessingInfo:
 class BaseMultiModalProcessor:
     def __init__(self, info: BaseProcessingInfo):
         self.info = info
+        # Set by the engine builder: a vlmd.processing.cache.ProcessorCache (or None to
+        # disable), and an observer with ``observe_process(modality, seconds)``.
+        self.cache = None
+        self.observer = None
+
+    def _process_cached(self, modality: str, identifier: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        if self.cache is not None:
+            cached = self.cache.get(identifier)
+            if cached is not None:
+                return cached
+        started = time.perf_counter()
+        processed = self.process_item(modality, media, kwargs)
+        if self.observer is not None:
+            self.observer.observe_process(modality, time.perf_counter() - started)
+        if self.cache is not None:
+            self.cache.put(identifier, processed)
+        return processed
 
     def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         raise NotImplementedError
+
+    def positions(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> tuple[Any, int] | None:
+        """(positions [3, len(prompt)], delta) for a family with 3-D (M-RoPE) positions.
+
+        Called once the placeholders are expanded; None (the default) means plain 1-D
+        positions. Generated tokens get ``index + delta`` in all three rows.
+        """
+        return None
 
     def identifier(self, modality: str, media: Any, kwargs: dict[str, Any]) -> str:
         return item_identifier(self.info.ctx.model_id, modality, media, kwargs)
@@ -94,14 +126,15 @@ class BaseMultiModalProcessor:
             previous = position + 1
             data = media[modality][next_index[modality]]
             next_index[modality] += 1
-            processed = self.process_item(modality, data, kwargs)
+            identifier = self.identifier(modality, data, kwargs)
+            processed = self._process_cached(modality, identifier, data, kwargs)
             length = processed.num_placeholders
             if length is None:
                 length = len(processed.replacement) - processed.placeholder_offset
             items_out.append(
                 MultiModalItem(
                     modality=modality,
-                    identifier=self.identifier(modality, data, kwargs),
+                    identifier=identifier,
                     offset=len(output) + processed.placeholder_offset,
                     length=length,
                     encoder_inputs=processed.encoder_inputs,
@@ -109,7 +142,10 @@ class BaseMultiModalProcessor:
             )
             output.extend(processed.replacement)
         output.extend(prompt_token_ids[previous:])
-        return ProcessorOutput(output, items_out)
+        positions = self.positions(output, items_out)
+        if positions is None:
+            return ProcessorOutput(output, items_out)
+        return ProcessorOutput(output, items_out, positions[0], int(positions[1]))
 
 
 class BaseDummyInputsBuilder:

@@ -6,6 +6,7 @@ engine thread.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -13,10 +14,12 @@ from vlmd.config import check_mm_limits
 from vlmd.errors import BadRequestError
 from vlmd.media.image import load_image
 from vlmd.media.policy import MediaPolicy
+from vlmd.media.video import load_video
 from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
-from vlmd.processing.chat import to_conversation
+from vlmd.media.single_flight import SingleFlight
+from vlmd.processing.chat import MediaRef, to_conversation
 
-_LOADERS = {"image": load_image}
+_LOADERS = {"image": load_image, "video": load_video}
 
 
 class InputPreprocessor:
@@ -41,11 +44,25 @@ class InputPreprocessor:
         hf_config = processor.info.ctx.hf_config
         text_config = getattr(hf_config, "text_config", None) or hf_config
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))
+        self.single_flight = SingleFlight()
+        self.observer = None  # ``observe_fetch(modality, seconds)``, set by the server
 
     def _part_for(self, modality: str) -> dict:
         if modality not in self.supported or modality not in _LOADERS:
             raise BadRequestError(f"this model does not accept {modality} input", param="messages")
         return self.info.chat_part(modality)
+
+    def _load(self, ref: MediaRef) -> Any:
+        """Fetch and decode one item; concurrent loads of one URL share a single fetch."""
+        started = time.perf_counter()
+        load = _LOADERS[ref.modality]
+        if ref.url.startswith("data:"):
+            item = load(ref.url, self.policy)
+        else:
+            item = self.single_flight.do((ref.modality, ref.url), lambda: load(ref.url, self.policy))
+        if self.observer is not None:
+            self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
+        return item
 
     def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
         conversation, refs = to_conversation(messages, self._part_for)
@@ -54,7 +71,7 @@ class InputPreprocessor:
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         media: dict[str, list] = {}
         for ref in refs:
-            media.setdefault(ref.modality, []).append(_LOADERS[ref.modality](ref.url, self.policy))
+            media.setdefault(ref.modality, []).append(self._load(ref))
         for modality in self.supported:
             media.setdefault(modality, [])
         output = self.processor.apply(prompt_ids, media, mm_processor_kwargs)

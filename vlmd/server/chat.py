@@ -29,8 +29,11 @@ async def read_json(request: web.Request):
 class _Generation:
     """Accumulates one request's output while its deltas stream in."""
 
-    def __init__(self, state: ServerState, chat: ChatCompletionRequest, engine_request: EngineRequest):
+    def __init__(
+        self, state: ServerState, chat: ChatCompletionRequest, engine_request: EngineRequest, started: float
+    ):
         self.state = state
+        self.started = started  # perf_counter() when the HTTP request arrived
         self.chat = chat
         self.engine_request = engine_request
         self.detokenizer = IncrementalDetokenizer(state.tokenizer, chat.stop, chat.skip_special_tokens)
@@ -38,7 +41,7 @@ class _Generation:
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
-        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     async def deltas(self):
         """Yield (text, new token ids, new logprob entries) as they become available."""
@@ -46,8 +49,8 @@ class _Generation:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
                     raise EngineFailure(delta.error or "engine error")
-                if self.first_token_time is None and delta.new_token_ids:
-                    self.first_token_time = time.perf_counter()
+                if delta.new_token_ids:
+                    self._observe_latency()
                 self.num_cached_tokens = delta.num_cached_tokens
                 final = delta.finish_reason is not None
                 text = self.detokenizer.push(delta.new_token_ids, final=final)
@@ -64,6 +67,16 @@ class _Generation:
                 if final:
                     return
 
+    def _observe_latency(self) -> None:
+        now = time.perf_counter()
+        metrics = self.state.metrics
+        if metrics is not None:
+            if self.last_token_time is None:
+                metrics.ttft.observe(now - self.started)
+            else:
+                metrics.itl.observe(now - self.last_token_time)
+        self.last_token_time = now
+
     def usage(self) -> dict:
         return responses.usage(len(self.engine_request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
 
@@ -73,6 +86,7 @@ class EngineFailure(Exception):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    started = time.perf_counter()
     state: ServerState = request.app["state"]
     chat = parse_chat_request(await read_json(request))
     if chat.model != state.config.model_name:
@@ -97,8 +111,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         mm_items=processed.items,
         eos_token_ids=state.eos_token_ids,
         arrival_time=time.time(),
+        mrope_positions=processed.mrope_positions,
+        mrope_position_delta=processed.mrope_position_delta,
     )
-    generation = _Generation(state, chat, engine_request)
+    generation = _Generation(state, chat, engine_request, started)
     if chat.stream:
         return await _stream(request, state, chat, generation)
     return await _complete(state, chat, generation)

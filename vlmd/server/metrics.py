@@ -1,4 +1,9 @@
-"""Prometheus metrics: engine gauges read from the worker's stats snapshot at scrape time."""
+"""Prometheus metrics.
+
+Engine figures are read from the worker's stats snapshot at scrape time; timings are
+histograms observed where they happen (prometheus_client is thread-safe: the engine
+thread and the preprocessing threads observe directly).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
 
 class _EngineCollector:
-    def __init__(self, engine):
+    def __init__(self, engine, processor_cache):
         self.engine = engine
+        self.processor_cache = processor_cache
 
     def collect(self):
         stats = self.engine.stats
@@ -22,29 +31,53 @@ class _EngineCollector:
             "vlmd_kv_cache_total_blocks": ("KV blocks in the cache", stats.num_kv_blocks),
             "vlmd_encoder_cache_usage_perc": ("Fraction of encoder-cache slots in use", stats.encoder_cache_usage),
         }
+        cache = self.processor_cache
+        if cache is not None:
+            gauges["vlmd_processor_cache_bytes"] = ("Bytes of processed media cached", cache.nbytes)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "vlmd_num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "vlmd_encoder_forwards": ("Media items run through an encoder", stats.num_encoder_forwards),
             "vlmd_engine_steps": ("Engine steps run", stats.num_steps),
+            "vlmd_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
+            "vlmd_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+            "vlmd_encoder_cache_queries": ("Encoder-cache lookups", stats.encoder_cache_queries),
+            "vlmd_encoder_cache_hits": ("Encoder-cache lookups that found the output", stats.encoder_cache_hits),
+            "vlmd_processor_cache_queries": ("Processor-cache lookups", cache.queries if cache else 0),
+            "vlmd_processor_cache_hits": ("Processor-cache lookups that hit", cache.hits if cache else 0),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine, processor_cache=None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        self.ttft = Histogram(
-            "vlmd_time_to_first_token_seconds", "Time from request arrival to its first token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry,
-        )
-        self.preprocess = Histogram(
-            "vlmd_preprocess_seconds", "Chat template, media fetch, decode and processing per request",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=self.registry,
-        )
+        self.registry.register(_EngineCollector(engine, processor_cache))
+
+        def histogram(name: str, doc: str, buckets, labels=()):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("vlmd_time_to_first_token_seconds", "Arrival to first token", _SLOW)
+        self.itl = histogram("vlmd_inter_token_latency_seconds", "Between consecutive tokens of a request", _FAST)
+        self.queue = histogram("vlmd_request_queue_time_seconds", "Arrival to first scheduling", _SLOW)
+        self.encoder = histogram("vlmd_encoder_forward_seconds", "Encoder work in one engine step", _FAST)
+        self.fetch = histogram("vlmd_media_fetch_seconds", "Fetch and decode of one item", _FAST, ("modality",))
+        self.process = histogram("vlmd_media_preprocess_seconds", "Processor work for one item", _FAST, ("modality",))
+
+    # Observers called from the engine thread and the preprocessing threads.
+    def observe_step(self, step) -> None:
+        if step.encoder_seconds:
+            self.encoder.observe(step.encoder_seconds)
+        for seconds in step.queue_seconds:
+            self.queue.observe(seconds)
+
+    def observe_fetch(self, modality: str, seconds: float) -> None:
+        self.fetch.labels(modality).observe(seconds)
+
+    def observe_process(self, modality: str, seconds: float) -> None:
+        self.process.labels(modality).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
