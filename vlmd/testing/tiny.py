@@ -23,7 +23,7 @@ __all__ = ["BUILDERS", "SIZES", "build_tiny", "main"]
 #: family -> "module:function"; the function is ``f(out_dir, seed=..., size=...) -> Path``.
 BUILDERS: dict[str, str] = {
     "llava": "vlmd.testing.tiny_llava:build_tiny_llava",
-    # "qwen2_vl": "vlmd.testing.tiny_qwen2_vl:build_tiny_qwen2_vl",
+    "qwen2_vl": "vlmd.testing.tiny_qwen2_vl:build_tiny_qwen2_vl",
     # "whisper": "vlmd.testing.tiny_whisper:build_tiny_whisper",
 }
 

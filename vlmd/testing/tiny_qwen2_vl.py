@@ -1,0 +1,325 @@
+"""Deterministic random Qwen2-VL checkpoints for tests (``Qwen2VLForConditionalGeneration``).
+
+Layout written to ``out_dir`` (byte-identical for the same seed and size):
+
+* ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, transformers 5 names)
+* ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``
+* ``processor_config.json`` (transformers 5), ``preprocessor_config.json`` (image processor, also
+  what transformers 4.x reads) and ``video_preprocessor_config.json`` (video processor)
+* ``vlmd_tiny.json``: what was built (family, size, seed, parameter count, special token ids)
+
+Architecture as Qwen2-VL: a ViT with 2D rotary attention over 14-px patches of frame pairs
+(temporal patch 2), a 2x2 patch merger into the text width, and a Qwen2 text model (q/k/v bias,
+GQA) with M-RoPE (``mrope_section`` splits the rotary dims among time, height and width).
+Pixel limits are small (images 4..128 merged tokens, video frames 4..64) so tests stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["SIZES", "QWEN2_VL_CHAT_TEMPLATE", "build_tiny_qwen2_vl", "qwen2_vl_config"]
+
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+FACTOR = PATCH_SIZE * MERGE_SIZE  # 28: resized sides are multiples of this
+IMAGE_MIN_PIXELS = 4 * FACTOR * FACTOR
+IMAGE_MAX_PIXELS = 128 * FACTOR * FACTOR
+VIDEO_MIN_PIXELS = 4 * FACTOR * FACTOR
+VIDEO_MAX_PIXELS = 64 * FACTOR * FACTOR
+
+OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+# After the trained vocabulary, in the order Qwen2 vocabularies have them.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+SIZES: dict[str, dict] = {
+    "tiny": {
+        "vocab_size": 4096,
+        "vision": dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2),
+        "text": dict(
+            hidden_size=64,
+            intermediate_size=172,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        ),
+        "mrope_section": [2, 3, 3],  # sums to head_dim / 2 = 8
+    },
+    "small": {
+        "vocab_size": 8192,
+        "vision": dict(depth=8, embed_dim=384, num_heads=6, mlp_ratio=4),
+        "text": dict(
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=9,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            max_position_embeddings=8192,
+        ),
+        "mrope_section": [8, 12, 12],  # head_dim 64
+    },
+}
+
+ROPE_THETA = 1000000.0
+
+# The chat template of Qwen/Qwen2-VL-7B-Instruct, verbatim.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_EXTRA_WORDS = ("system", "user", "assistant", "You", "are", "helpful", "What", "Describe", "image", "video")
+
+
+def _build_tokenizer(seed: int, vocab_size: int):
+    from vlmd.testing.tokenizer_builder import build_bpe_tokenizer
+
+    return build_bpe_tokenizer(
+        seed=seed,
+        vocab_size=vocab_size,
+        trailing_special_tokens=SPECIAL_TOKENS,
+        extra_words=_EXTRA_WORDS,
+        tokenizer_kwargs=dict(
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+            model_max_length=32768,
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        ),
+    )
+
+
+def qwen2_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
+    """The ``Qwen2VLConfig`` of a ``size`` ("tiny" or "small") checkpoint."""
+    from transformers import Qwen2VLConfig
+
+    spec = SIZES[size]
+    text_hidden = spec["text"]["hidden_size"]
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": spec["mrope_section"]},
+            use_sliding_window=False,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            **spec["text"],
+        ),
+        vision_config=dict(
+            hidden_size=text_hidden,  # the merger projects into the text width
+            hidden_act="quick_gelu",
+            in_channels=3,
+            patch_size=PATCH_SIZE,
+            spatial_merge_size=MERGE_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE,
+            **spec["vision"],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    return config
+
+
+def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
+    """(mean, std) of the normal distribution a parameter is drawn from (see ``_init_weights``)."""
+    if is_norm:
+        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
+    if len(shape) == 1:
+        return 0.0, 0.02  # biases
+    if name.startswith("lm_head"):
+        return 0.0, 2.0 / math.sqrt(text_hidden)
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 1.0
+    fan_in = math.prod(shape[1:])
+    if name.endswith(("q_proj.weight", "k_proj.weight", "attn.qkv.weight", "patch_embed.proj.weight")):
+        return 0.0, 1.0 / math.sqrt(fan_in)
+    if ".merger.mlp." in name:
+        return 0.0, 1.0 / math.sqrt(fan_in)  # image features on the scale of token embeddings
+    return 0.0, 0.5 / math.sqrt(fan_in)
+
+
+def _init_weights(model, seed: int, special_ids: list[int]) -> None:
+    """Overwrite every parameter from a seeded generator, in sorted-name order.
+
+    Fan-in scaled weights (sharp, position-dependent attention: q/k and the vision qkv at
+    1/sqrt(fan_in), other projections at 0.5/sqrt(fan_in)), unit token embeddings, norm weights
+    1 + N(0, 0.1) and biases N(0, 0.02) (so a loader that drops either is caught), and
+    ``lm_head`` at 2/sqrt(hidden) so greedy top-1/top-2 gaps sit far above float32 noise. The
+    ``lm_head`` rows of special tokens are zeroed so greedy decoding emits ordinary text.
+    """
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    norm_names: set[str] = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+            norm_names.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
+    text_hidden = model.config.text_config.hidden_size
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            mean, std = _param_std(name, tuple(param.shape), name in norm_names, text_hidden)
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
+        model.get_output_embeddings().weight[special_ids] = 0.0
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _processor_settings(min_pixels: int, max_pixels: int) -> dict:
+    """Image/video processor fields shared by transformers 4.x and 5.x readers."""
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": OPENAI_CLIP_MEAN,
+        "image_std": OPENAI_CLIP_STD,
+        "merge_size": MERGE_SIZE,
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "patch_size": PATCH_SIZE,
+        "resample": 3,  # PIL bicubic
+        "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+    }
+
+
+def _write_processor_files(out: Path, tokenizer) -> None:
+    """Tokenizer, chat template and processor configs.
+
+    transformers' ``Qwen2VLVideoProcessor`` needs torchvision, which is not installed here, so
+    the video processor config is written as JSON rather than through the class; readers that
+    have torchvision load it as usual.
+    """
+    tokenizer.save_pretrained(out)
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5.x writes a name 4.x does not know
+    # transformers 4.x wants a dict under "extra_special_tokens" (5.x writes a list there) and
+    # the list under "additional_special_tokens"; both versions read this pair.
+    tok_cfg["extra_special_tokens"] = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[1:])
+    tok_cfg["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
+    tok_cfg["add_bos_token"] = False
+    tok_cfg["add_eos_token"] = False
+    _write_json(tok_cfg_path, tok_cfg)
+    (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
+
+    image = {**_processor_settings(IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS), "image_processor_type": "Qwen2VLImageProcessor"}
+    video = {**_processor_settings(VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS), "video_processor_type": "Qwen2VLVideoProcessor"}
+    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "Qwen2VLProcessor"})
+    _write_json(out / "video_preprocessor_config.json", {**video, "processor_class": "Qwen2VLProcessor"})
+    _write_json(out / "processor_config.json", {"processor_class": "Qwen2VLProcessor", "image_processor": image})
+
+
+def count_parameters(size: str) -> int:
+    """Parameter count of a ``size`` checkpoint, computed on the meta device."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    vocab = SIZES[size]["vocab_size"]
+    ids = {token: vocab - len(SPECIAL_TOKENS) + i for i, token in enumerate(SPECIAL_TOKENS)}
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(qwen2_vl_config(size, vocab_size=vocab, ids=ids))
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_tiny_qwen2_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """Build a random Qwen2-VL checkpoint into ``out_dir`` and return its path."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    import torch
+    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    spec = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(seed, spec["vocab_size"])
+    vocab = tokenizer.get_vocab()
+    ids = {token: vocab[token] for token in SPECIAL_TOKENS}
+    config = qwen2_vl_config(size, vocab_size=len(tokenizer), ids=ids)
+
+    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed, sorted(ids.values()))
+    num_params = sum(p.numel() for p in model.parameters())
+    eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
+    )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    (out / "model.safetensors").chmod(0o644)  # written through a 0600 temp file
+
+    # Stable bytes, and the 4.x spelling of M-RoPE (rope_scaling.type "mrope") beside 5.x's.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    rope = cfg["text_config"]["rope_parameters"]
+    cfg["text_config"]["rope_theta"] = rope["rope_theta"]
+    cfg["text_config"]["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    _write_json(cfg_path, cfg)
+    _write_json(out / "generation_config.json", json.loads((out / "generation_config.json").read_text()))
+    _write_processor_files(out, tokenizer)
+
+    _write_json(
+        out / "vlmd_tiny.json",
+        {
+            "family": "qwen2_vl",
+            "size": size,
+            "seed": int(seed),
+            "num_parameters": int(num_params),
+            "vocab_size": len(tokenizer),
+            "eos_token_ids": eos_ids,
+            "pad_token_id": ids["<|endoftext|>"],
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "image_min_pixels": IMAGE_MIN_PIXELS,
+            "image_max_pixels": IMAGE_MAX_PIXELS,
+            "video_min_pixels": VIDEO_MIN_PIXELS,
+            "video_max_pixels": VIDEO_MAX_PIXELS,
+        },
+    )
+    return out
