@@ -123,6 +123,35 @@ def tiny_llava_dir(tmp_path_factory) -> Path:
     return build_tiny("llava", tmp_path_factory.mktemp("tiny-llava"), seed=0, size="tiny")
 
 
+def make_video(num_frames: int, width: int = 112, height: int = 84, fps: int = 4, seed: int = 0,
+               fmt: str = "mp4", codec: str = "mpeg4") -> bytes:
+    """A short video made with PyAV: moving random-looking frames, so resizing is non-trivial."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for index in range(num_frames):
+            frame = np.asarray(random_image(seed * 1000 + index, width, height))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def video_data_url(data: bytes, mime: str = "video/mp4") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen2_vl", tmp_path_factory.mktemp("tiny-qwen2-vl"), seed=0, size="tiny")
+
+
 @pytest.fixture(scope="session")
 def media_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("media")

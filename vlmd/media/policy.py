@@ -37,6 +37,17 @@ class MediaPolicy:
     # tiny 2x100000 image would be resized to gigapixels: a bomb that max_image_pixels cannot
     # see. 200 matches the bound Qwen2-VL's processor enforces.
     max_image_aspect_ratio: float = 200.0
+    # Video (frames are also held to the image limits above). Frames sampled uniformly from a
+    # video; --media-io-kwargs '{"video": {"num_frames": N}}' sets it.
+    video_num_frames: int = 32
+    # A video is fetched whole before decoding, so it has its own, larger byte cap.
+    max_video_bytes: int = 64 * 2**20
+    # Decoding walks the stream up to the last sampled frame: frames and duration bound the CPU
+    # time one request can cost.
+    max_video_frames: int = 18_000
+    max_video_duration_s: float = 600.0
+    # Memory of the kept RGB frames (frames x width x height x 3), checked before decoding.
+    max_video_decoded_bytes: int = 2**30
 
     def __post_init__(self) -> None:
         # Bad settings are an operator mistake found at startup, hence ValueError, not a 400.
@@ -48,7 +59,10 @@ class MediaPolicy:
             object.__setattr__(self, "allowed_domains", domains)
         if self.allowed_local_media_path == "":
             object.__setattr__(self, "allowed_local_media_path", None)
-        for name in ("max_bytes", "max_image_pixels", "min_image_side"):
+        for name in (
+            "max_bytes", "max_image_pixels", "min_image_side", "video_num_frames", "max_video_bytes",
+            "max_video_frames", "max_video_decoded_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"media policy {name} must be at least 1")
         if not self.max_image_aspect_ratio >= 1:
@@ -57,6 +71,8 @@ class MediaPolicy:
             raise ValueError("media policy max_redirects must not be negative")
         if self.timeout_s <= 0 or self.total_timeout_s <= 0:
             raise ValueError("media policy timeouts must be positive")
+        if not self.max_video_duration_s > 0:
+            raise ValueError("media policy max_video_duration_s must be positive")
 
 
 def _normalise_domain(domain: str) -> str:
