@@ -23,7 +23,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[tor
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # transformers 4.x spells M-RoPE's plain frequencies "mrope"
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"]), 1.0
@@ -62,6 +62,40 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for ``positions`` shaped to broadcast over [T, heads, head_dim]."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): the rotary half-dims are split into sections, in order time,
+    height, width (``mrope_section``, summing to head_dim / 2); each section rotates by its
+    own row of a ``[3, T]`` position tensor. The same split applies to both halves of the
+    "rotate half" layout, as transformers' ``apply_multimodal_rotary_pos_emb`` does. Plain
+    ``[T]`` positions mean (p, p, p), which is ordinary RoPE.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, section: list[int]):
+        super().__init__(head_dim, max_positions, theta, scaling)
+        if len(section) != 3 or sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} must be 3 sizes summing to head_dim / 2 = {head_dim // 2}")
+        row_of_half = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        self.register_buffer("row_of_column", torch.cat((row_of_half, row_of_half)), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        # Look up all three rows ([3, T, D]), then each column keeps the row of its section.
+        index = self.row_of_column.expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, index)[0]
+        sin = self.sin[positions].gather(0, index)[0]
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+
+def mrope_section(config) -> list[int] | None:
+    """``mrope_section`` from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None) or {}
+        if params.get("mrope_section"):
+            return [int(size) for size in params["mrope_section"]]
+    return None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,15 +26,16 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias if qkv_bias is None else qkv_bias  # Qwen2: q/k/v have a bias, o_proj not
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
@@ -64,10 +65,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -88,14 +89,20 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, config):
+    def __init__(self, config, *, qkv_bias: bool | None = None, rotary: RotaryEmbedding | None = None):
+        """``qkv_bias`` overrides ``config.attention_bias`` for q/k/v only; ``rotary``
+        replaces the config's plain RoPE (e.g. M-RoPE); both are for Llama-like subclasses."""
         super().__init__()
         self.config = config
         theta, scaling = rope_parameters(config)
         head_dim = _head_dim(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        if rotary is None:
+            rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary, qkv_bias) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
