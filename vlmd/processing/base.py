@@ -9,6 +9,7 @@ length, identifier, encoder inputs). Counts that do not match are a client error
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,26 +49,26 @@ class ProcessorOutput:
     mrope_position_delta: int = 0
 
 
-class BaseProcessingInfo:
+class BaseProcessingInfo(ABC):
     """Facts about the family's media handling for one checkpoint."""
 
     def __init__(self, ctx: ProcessingContext):
         self.ctx = ctx
 
+    @abstractmethod
     def supported_mm_limits(self) -> dict[str, int | None]:
         """Modalities this model accepts and the most items per prompt (None: no limit)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def marker_token_id(self, modality: str) -> int:
         """The token the chat template leaves in the prompt for each item."""
-        raise NotImplementedError
 
     def chat_part(self, modality: str) -> dict[str, Any]:
         """How one item appears in a message for this family's chat template."""
         return {"type": modality}
 
 
-class BaseMultiModalProcessor:
+class BaseMultiModalProcessor(ABC):
     def __init__(self, info: BaseProcessingInfo):
         self.info = info
         # Set by the engine builder: a vlmd.processing.cache.ProcessorCache (or None to
@@ -88,8 +89,9 @@ class BaseMultiModalProcessor:
             self.cache.put(identifier, processed)
         return processed
 
+    @abstractmethod
     def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
-        raise NotImplementedError
+        """Turn one decoded item into encoder inputs and its placeholder tokens."""
 
     def positions(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> tuple[Any, int] | None:
         """(positions [3, len(prompt)], delta) for a family with 3-D (M-RoPE) positions.
@@ -148,11 +150,12 @@ class BaseMultiModalProcessor:
         return ProcessorOutput(output, items_out, positions[0], int(positions[1]))
 
 
-class BaseDummyInputsBuilder:
+class BaseDummyInputsBuilder(ABC):
     """Worst-case items for start-up profiling (the most placeholders per item)."""
 
     def __init__(self, info: BaseProcessingInfo):
         self.info = info
 
+    @abstractmethod
     def dummy_item(self, modality: str) -> Any:
-        raise NotImplementedError
+        """An item of ``modality`` with the most placeholders this model can produce."""
