@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from vlmd.engine.core import EngineCore, EngineStats, StepMetrics
+from vlmd.engine.core import EngineCore, StepMetrics
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
 
 log = structlog.get_logger(__name__)
