@@ -64,9 +64,13 @@ class EngineWorker:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         while not self._stopping:
-            deltas = self._drain(block=not self.core.has_work())
-            if self.core.has_work() and not self._stopping:
-                deltas.extend(self._step())
+            try:
+                deltas = self._drain(block=not self.core.has_work())
+                if self.core.has_work() and not self._stopping:
+                    deltas.extend(self._step())
+            except Exception as exc:  # a bug outside the step must not strand every client
+                log.exception("engine loop failed")
+                deltas = self.core.fail_running(f"engine error: {type(exc).__name__}: {exc}")
             self.stats = self.core.stats()
             if deltas:
                 self.post_deltas(deltas)
