@@ -8,6 +8,7 @@ import uuid
 from contextlib import aclosing
 
 import orjson
+import structlog
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, VlmdError
@@ -16,6 +17,8 @@ from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
 from vlmd.server.state import ServerState
 from vlmd.types import EngineRequest, FinishReason
+
+log = structlog.get_logger(__name__)
 
 
 async def read_json(request: web.Request):
@@ -45,6 +48,23 @@ class _Generation:
 
     async def deltas(self):
         """Yield (text, new token ids, new logprob entries) as they become available."""
+        try:
+            async with aclosing(self._deltas()) as inner:  # closing it aborts the engine request
+                async for item in inner:
+                    yield item
+        finally:
+            log.info(
+                "request finished",
+                request_id=self.engine_request.request_id,
+                prompt_tokens=len(self.engine_request.prompt_token_ids),
+                cached_tokens=self.num_cached_tokens,
+                completion_tokens=len(self.token_ids),
+                media_items=len(self.engine_request.mm_items),
+                finish_reason=self.finish_reason or "abort",
+                seconds=round(time.perf_counter() - self.started, 4),
+            )
+
+    async def _deltas(self):
         async with aclosing(self.state.engine.generate(self.engine_request)) as stream:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
