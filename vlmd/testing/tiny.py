@@ -1,6 +1,6 @@
 """Build deterministic random ("tiny") checkpoints for tests, offline.
 
-    python -m vlmd.testing.tiny --family llava --out DIR [--seed N] [--size tiny|small]
+    python -m vlmd.testing.tiny --family FAMILY --out DIR [--seed N] [--size tiny|small]
 
 or from Python: ``build_tiny("llava", out_dir, seed=0, size="tiny") -> Path``.
 
@@ -24,7 +24,7 @@ __all__ = ["BUILDERS", "SIZES", "build_tiny", "main"]
 BUILDERS: dict[str, str] = {
     "llava": "vlmd.testing.tiny_llava:build_tiny_llava",
     "qwen2_vl": "vlmd.testing.tiny_qwen2_vl:build_tiny_qwen2_vl",
-    # "whisper": "vlmd.testing.tiny_whisper:build_tiny_whisper",
+    "whisper": "vlmd.testing.tiny_whisper:build_tiny_whisper",
 }
 
 SIZES = ("tiny", "small")
