@@ -1,4 +1,4 @@
-"""``vlmd serve [MODEL_DIR]``: the daemon's command line."""
+"""``vlmd serve [MODEL_DIR]`` (the daemon) and ``vlmd convert`` (checkpoint formats)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("VLMD_API_KEY"))
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
     serve.add_argument("--log-level", default="info")
+    convert = commands.add_parser("convert", help="convert a checkpoint from another format to Hugging Face layout")
+    convert.add_argument("--from", dest="source_format", required=True, choices=["ct2"],
+                         help="ct2: a CTranslate2 (faster-whisper) Whisper model directory")
+    convert.add_argument("source", help="the model directory to read")
+    convert.add_argument("target", help="the directory to write (created if missing)")
+    convert.add_argument("--log-level", default="info")
     return parser
 
 
@@ -163,6 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level)
     if args.command == "serve":
         serve(config_from_args(args))
+    elif args.command == "convert":
+        from vlmd.convert.ct2_whisper import convert_ct2_whisper
+
+        try:
+            target = convert_ct2_whisper(args.source, args.target)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"vlmd convert: {exc}")
+        print(f"wrote a Hugging Face checkpoint to {target}", file=sys.stderr)
 
 
 if __name__ == "__main__":
