@@ -74,7 +74,10 @@ SIZES: dict[str, dict] = {
     },
 }
 
-ROPE_THETA = 1000000.0
+# Qwen2 uses 1e6. With 8 rotary frequencies that would leave the height and width sections
+# (the slowest frequencies) nearly still over test-length prompts, and a wrong M-RoPE row
+# could pass the parity tests; at 100 every section turns by radians across an image.
+ROPE_THETA = 100.0
 
 # The chat template of Qwen/Qwen2-VL-7B-Instruct, verbatim.
 QWEN2_VL_CHAT_TEMPLATE = (
