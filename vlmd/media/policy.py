@@ -37,6 +37,13 @@ class MediaPolicy:
     # tiny 2x100000 image would be resized to gigapixels: a bomb that max_image_pixels cannot
     # see. 200 matches the bound Qwen2-VL's processor enforces.
     max_image_aspect_ratio: float = 200.0
+    # Audio uploads (/v1/audio/*): the file as sent, then the decoded signal. OpenAI's own
+    # upload limit is 25 MB; 600 s of decoded audio is 20 Whisper windows.
+    max_audio_bytes: int = 25 * 2**20
+    max_audio_duration_s: float = 600.0
+    # float32 samples at the source rate and channel count, before mixing and resampling:
+    # 600 s of 48 kHz stereo fits, 8 channels at 192 kHz for the same time does not.
+    max_audio_decoded_bytes: int = 256 * 2**20
     # Video (frames are also held to the image limits above). Frames sampled uniformly from a
     # video; --media-io-kwargs '{"video": {"num_frames": N}}' sets it.
     video_num_frames: int = 32
@@ -67,6 +74,8 @@ class MediaPolicy:
                 raise ValueError(f"media policy {name} must be at least 1")
         if not self.max_image_aspect_ratio >= 1:
             raise ValueError("media policy max_image_aspect_ratio must be at least 1")
+        if not self.max_audio_duration_s > 0:
+            raise ValueError("media policy max_audio_duration_s must be positive")
         if self.max_redirects < 0:
             raise ValueError("media policy max_redirects must not be negative")
         if self.timeout_s <= 0 or self.total_timeout_s <= 0:

@@ -1,0 +1,128 @@
+"""The Qwen2-VL model: transformers' vision tower (2D-RoPE ViT + 2x2 merger) and our Qwen2.
+
+The vision tower needs no KV cache, so it is transformers' own module built from the
+checkpoint config; the language model, where the paged cache lives, is ours (M-RoPE
+positions come from the processor, see ``positions.py``). uint8 frames are rescaled,
+normalised and cut into patches here, on the device, in the layout transformers' processors
+produce: per frame pair, 2x2 blocks of 14-px patches, each patch ``[C, T=2, 14, 14]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlmd.models.loader import iterate_weights
+from vlmd.models.qwen2 import Qwen2ForCausalLM
+from vlmd_qwen2_vl.settings import VisionSettings, read_settings
+
+# Checkpoint prefixes (transformers 5 and 4.x layouts) -> ours.
+_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "visual."),
+    ("visual.", "visual."),
+    ("model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+def _rename(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    raise ValueError(f"unexpected weight {name!r} in Qwen2-VL checkpoint")
+
+
+def patchify(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, settings: VisionSettings) -> torch.Tensor:
+    """uint8 ``[frames, 3, H, W]`` -> normalised float32 patches ``[t * h * w, 3 * T * p * p]``."""
+    temporal, patch, merge = settings.temporal_patch_size, settings.patch_size, settings.merge_size
+    if pad := -pixels.shape[0] % temporal:  # an odd last frame is repeated, as transformers does
+        pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
+    # Rescale and normalise in one expression, in float32 as the reference processor does.
+    frames = (pixels.to(torch.float32) / 255.0 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    num_frames, channels, height, width = frames.shape
+    grid_t, grid_h, grid_w = num_frames // temporal, height // patch, width // patch
+    patches = frames.view(grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+    # -> (t, h-block, w-block, h-in-block, w-in-block, C, T, p, p)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(grid_t * grid_h * grid_w, channels * temporal * patch * patch)
+
+
+class Qwen2VLModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        self.config = config
+        vision_config = config.vision_config
+        vision_config._attn_implementation = "sdpa"
+        self.visual = Qwen2VisionTransformerPretrainedModel(vision_config)
+        self.language_model = Qwen2ForCausalLM(
+            config.text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False))
+        )
+        self.kv_spec = self.language_model.kv_spec
+        self.settings: dict[str, VisionSettings] = {}
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype) -> "Qwen2VLModel":
+        model = cls(config)
+        model.load_weights(iterate_weights(model_dir))
+        model = model.to(dtype).eval()
+        # Registered after the dtype cast: normalisation stays float32, as the reference's.
+        for modality in ("image", "video"):
+            settings = read_settings(str(model_dir), modality)
+            model.settings[modality] = settings
+            model.register_buffer(f"{modality}_mean", torch.tensor(settings.mean), persistent=False)
+            model.register_buffer(f"{modality}_std", torch.tensor(settings.std), persistent=False)
+        return model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.visual.named_parameters())
+        text_weights = []
+        filled: set[str] = set()
+        for name, tensor in weights:
+            target = _rename(name)
+            if target.startswith("language_model."):
+                text_weights.append((target[len("language_model.") :], tensor))
+                continue
+            key = target[len("visual.") :]
+            if key not in params:
+                raise ValueError(f"unexpected weight {name!r} in Qwen2-VL checkpoint")
+            if params[key].shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
+            with torch.no_grad():
+                params[key].copy_(tensor)
+            filled.add(key)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise ValueError(f"Qwen2-VL checkpoint lacks vision weights, e.g. {missing[:3]}")
+        self.language_model.load_weights(text_weights)
+
+    # ---- the runner's contract -----------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """One vision-tower pass over all items (attention stays within each frame pair)."""
+        if modality not in self.settings:
+            raise ValueError(f"Qwen2-VL does not encode {modality}")
+        settings = self.settings[modality]
+        mean, std = getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std")
+        patches = [patchify(torch.from_numpy(np.asarray(inputs["pixels"])), mean, std, settings) for inputs in encoder_inputs]
+        grids = torch.tensor([list(inputs["grid_thw"]) for inputs in encoder_inputs], dtype=torch.long)
+        dtype = next(self.visual.parameters()).dtype
+        merged = self.visual(torch.cat(patches).to(dtype), grid_thw=grids).pooler_output
+        sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
+        return list(merged.split(sizes))
+
+    def forward(self, inputs_embeds, positions, meta, kv_caches) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)

@@ -1,0 +1,55 @@
+"""M-RoPE positions of a Qwen2-VL prompt: three rows (time, height, width) per token.
+
+- Text tokens count up by one in all three rows: (p, p, p).
+- An item's placeholders, in the order the merger emits them (frame pair, row, column), get
+  ``start + (t, row, col)`` in merged-patch units, ``start`` being the next text position.
+- The text after an item resumes one past the largest position the item used.
+- Generated tokens continue at ``index + delta`` in all rows, with
+  ``delta = max(position) + 1 - len(prompt)`` (zero or negative: an item spans fewer
+  positions than tokens).
+
+This is the original Qwen2-VL rule (and vLLM's). transformers 5.24's ``get_rope_index``
+resumes text at ``start + max(rows, cols)`` instead, which differs only for a video with more
+frame pairs than merged rows and columns (``t > max(h, w)``); there the two disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from vlmd.types import MultiModalItem
+
+
+def mrope_positions(
+    num_tokens: int, items: Sequence[MultiModalItem], grids: Sequence[tuple[int, int, int]], merge_size: int
+) -> tuple[np.ndarray, int]:
+    """(positions ``[3, num_tokens]`` int64, delta) for a prompt whose items have these
+    ``grid_thw`` patch grids (one per item, in the items' order)."""
+    positions = np.empty((3, num_tokens), dtype=np.int64)
+    cursor = 0  # next token index
+    next_position = 0
+    for item, grid in sorted(zip(items, grids), key=lambda pair: pair[0].offset):
+        text = item.offset - cursor
+        positions[:, cursor : item.offset] = np.arange(next_position, next_position + text)
+        next_position += text
+        block = item_positions(grid, merge_size)
+        if block.shape[1] != item.length:
+            raise ValueError(
+                f"{item.modality} item has {item.length} placeholders but its grid {tuple(grid)} "
+                f"gives {block.shape[1]} positions"
+            )
+        positions[:, item.offset : item.end] = block + next_position
+        next_position += int(block.max()) + 1
+        cursor = item.end
+    positions[:, cursor:] = np.arange(next_position, next_position + num_tokens - cursor)
+    largest = int(positions.max()) if num_tokens else -1
+    return positions, largest + 1 - num_tokens
+
+
+def item_positions(grid: tuple[int, int, int], merge_size: int) -> np.ndarray:
+    """``[3, t * h * w / merge**2]`` offsets (t, row, col) of one item, from zero."""
+    frames, rows, cols = int(grid[0]), int(grid[1]) // merge_size, int(grid[2]) // merge_size
+    t, h, w = np.meshgrid(np.arange(frames), np.arange(rows), np.arange(cols), indexing="ij")
+    return np.stack([t.ravel(), h.ravel(), w.ravel()])
