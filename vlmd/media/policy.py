@@ -68,7 +68,7 @@ class MediaPolicy:
             object.__setattr__(self, "allowed_local_media_path", None)
         for name in (
             "max_bytes", "max_image_pixels", "min_image_side", "video_num_frames", "max_video_bytes",
-            "max_video_frames", "max_video_decoded_bytes",
+            "max_video_frames", "max_video_decoded_bytes", "max_audio_bytes", "max_audio_decoded_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"media policy {name} must be at least 1")
