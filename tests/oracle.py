@@ -18,7 +18,14 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-__all__ = ["load_hf_llava", "hf_llava_generate", "assert_greedy_match", "top2_gap"]
+__all__ = [
+    "load_hf_llava",
+    "hf_llava_generate",
+    "load_hf_qwen2_vl",
+    "hf_qwen2_vl_generate",
+    "assert_greedy_match",
+    "top2_gap",
+]
 
 
 def _key(model_dir) -> str:
@@ -102,6 +109,159 @@ def hf_llava_generate(model_dir, messages: list[dict[str, Any]], images: list, m
         "prompt_token_ids": prompt_ids,
         "output_token_ids": output_ids,
         "gaps": gaps,
+    }
+
+
+class PilFramesVideoProcessor:
+    """Stand-in for transformers' ``Qwen2VLVideoProcessor``, which needs torchvision (not
+    installable here). Each frame goes through transformers' own ``Qwen2VLImageProcessorPil``
+    (PIL bicubic smart resize, rescale, normalise, patchify) with the checkpoint's video pixel
+    limits; frame pairs are then joined along the temporal patch axis, which is the layout of
+    the video processor's patchify (an odd last frame is repeated, as there).
+    """
+
+    def __init__(self, model_dir):
+        import json
+
+        from transformers import Qwen2VLImageProcessorPil
+
+        path = Path(model_dir) / "video_preprocessor_config.json"
+        settings = json.loads(path.read_text()) if path.exists() else {}
+        keep = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "image_mean",
+                "image_std", "resample")
+        self.frame_processor = Qwen2VLImageProcessorPil(**{k: settings[k] for k in keep if k in settings})
+        self.merge_size = self.frame_processor.merge_size
+        self.temporal_patch_size = self.frame_processor.temporal_patch_size
+
+    def __call__(self, videos, **kwargs):
+        import numpy as np
+        import torch
+        from PIL import Image
+        from transformers.image_processing_utils import BatchFeature
+
+        # Of the processor call's video kwargs only a pixel-limit override concerns frames.
+        overrides = {"size": kwargs["size"]} if kwargs.get("size") else {}
+        patches, grids = [], []
+        for video in videos:
+            frames = list(video)
+            frames += frames[-1:] * (-len(frames) % self.temporal_patch_size)
+            per_frame = [
+                self.frame_processor(Image.fromarray(np.asarray(frame)), return_tensors="pt", **overrides)
+                for frame in frames
+            ]
+            _, grid_h, grid_w = per_frame[0]["image_grid_thw"][0].tolist()
+            p = self.frame_processor.patch_size
+            # Each frame's patches hold the frame twice along the temporal axis: keep one copy.
+            single = [out["pixel_values"].view(-1, 3, self.temporal_patch_size, p, p)[:, :, 0] for out in per_frame]
+            for start in range(0, len(single), self.temporal_patch_size):
+                pair = torch.stack(single[start : start + self.temporal_patch_size], dim=2)
+                patches.append(pair.reshape(pair.shape[0], -1))
+            grids.append([len(frames) // self.temporal_patch_size, grid_h, grid_w])
+        return BatchFeature({"pixel_values_videos": torch.cat(patches), "video_grid_thw": torch.tensor(grids)})
+
+
+@functools.lru_cache(maxsize=4)
+def _load_hf_qwen2_vl_cached(model_dir: str):
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    assert image_processor.backend == "pil", type(image_processor)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # AutoProcessor cannot load Qwen2VLProcessor without torchvision (its video processor);
+    # build it from parts, letting the stand-in video processor past the class check.
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = (
+        lambda self, name, arg: None if name == "video_processor" else check(self, name, arg)
+    )
+    try:
+        processor = Qwen2VLProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=PilFramesVideoProcessor(model_dir),
+            chat_template=tokenizer.chat_template,
+        )
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+    return model, processor
+
+
+def load_hf_qwen2_vl(model_dir):
+    """(Qwen2VLForConditionalGeneration in float32 eval mode, Qwen2VLProcessor with the PIL
+    image processor and ``PilFramesVideoProcessor``), cached per directory."""
+    return _load_hf_qwen2_vl_cached(_key(model_dir))
+
+
+def hf_qwen2_vl_generate(
+    model_dir,
+    messages: list[dict[str, Any]],
+    images: list,
+    max_new_tokens: int,
+    videos: list | None = None,
+    mm_processor_kwargs: dict | None = None,
+) -> dict:
+    """Greedy generation with transformers' Qwen2-VL, as ``hf_llava_generate``.
+
+    ``messages`` use ``{"type": "image"}`` / ``{"type": "video"}`` parts; ``images`` are PIL
+    images and ``videos`` arrays of already sampled RGB frames ``[frames, H, W, 3]``, one per
+    part, in order. ``mm_processor_kwargs`` (``min_pixels``/``max_pixels``) go to both processors.
+    Also returns ``grids``: the image and video ``grid_thw`` rows.
+    """
+    import torch
+
+    model, processor = load_hf_qwen2_vl(model_dir)
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    kwargs = {}
+    if mm_processor_kwargs:  # each modality's own limits, with the given ones replaced
+        for key, size in (("images_kwargs", processor.image_processor.size),
+                          ("videos_kwargs", processor.video_processor.frame_processor.size)):
+            kwargs[key] = {"size": {
+                "shortest_edge": mm_processor_kwargs.get("min_pixels", size.shortest_edge),
+                "longest_edge": mm_processor_kwargs.get("max_pixels", size.longest_edge),
+            }}
+    inputs = processor(
+        text=prompt,
+        images=list(images) if images else None,
+        videos=list(videos) if videos else None,
+        return_tensors="pt",
+        add_special_tokens=False,
+        **kwargs,
+    )
+    prompt_ids = inputs["input_ids"][0].tolist()
+    config = model.generation_config
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    output_ids = out.sequences[0, len(prompt_ids) :].tolist()
+    gaps = [top2_gap(step_logits[0]) for step_logits in out.logits]
+    assert len(gaps) == len(output_ids), (len(gaps), len(output_ids))
+    logprobs = [
+        float(torch.log_softmax(step_logits[0].float(), dim=-1)[token])
+        for step_logits, token in zip(out.logits, output_ids)
+    ]
+    grids = {key: inputs[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if key in inputs}
+    return {
+        "prompt": prompt,
+        "prompt_token_ids": prompt_ids,
+        "output_token_ids": output_ids,
+        "gaps": gaps,
+        "logprobs": logprobs,  # of each greedy token: closeness shows positions are right, not just argmax
+        "grids": grids,
+        "inputs": inputs,
     }
 
 
