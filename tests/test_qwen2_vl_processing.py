@@ -164,6 +164,26 @@ def test_processor_kwargs_rules(tiny_qwen2_vl_dir):
     assert raised.identifier("image", image, {"max_pixels": 256 * 784}) != processor.identifier("image", image, {})
 
 
+def test_tiny_checkpoint_loads_offline_with_every_weight(tiny_qwen2_vl_dir, tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from vlmd.testing.tiny import build_tiny
+
+    _, info = Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2_vl_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    summary = json.loads((tiny_qwen2_vl_dir / "vlmd_tiny.json").read_text())
+    special = [summary[key] for key in ("image_token_id", "video_token_id", "vision_start_token_id", "pad_token_id")]
+    with safe_open(tiny_qwen2_vl_dir / "model.safetensors", "pt") as weights:
+        lm_head = weights.get_tensor("lm_head.weight")
+    assert not lm_head[special + summary["eos_token_ids"]].any() and lm_head[:100].abs().sum() > 0
+    again = build_tiny("qwen2_vl", tmp_path / "again", seed=0)
+    for path in tiny_qwen2_vl_dir.iterdir():
+        assert (again / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_dummy_items_are_the_largest(tiny_qwen2_vl_dir):
     processor = _processor(tiny_qwen2_vl_dir)
     dummy = Qwen2VLDummyInputsBuilder(processor.info)

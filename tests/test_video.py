@@ -120,6 +120,32 @@ def test_load_video_file_url_and_byte_limit(tmp_path, video16):
         load_video(path.as_uri(), outside)
 
 
+def test_load_video_over_http_under_the_url_policy(video16):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(video16)))
+            self.end_headers()
+            self.wfile.write(video16)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/clip.mp4"
+    try:
+        assert load_video(url, MediaPolicy(allow_private_urls=True, video_num_frames=2)).shape == (2, 84, 112, 3)
+        with pytest.raises(MediaError, match="private, loopback"):
+            load_video(url, MediaPolicy())  # the same SSRF policy as images
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_media_io_kwargs_map_to_policy_fields():
     fields = media_policy_fields({"video": {"num_frames": 16, "max_duration_s": 30, "max_bytes": 1000}})
     assert fields == {"video_num_frames": 16, "max_video_duration_s": 30, "max_video_bytes": 1000}
