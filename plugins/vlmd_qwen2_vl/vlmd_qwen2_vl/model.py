@@ -98,10 +98,13 @@ class Qwen2VLModel(nn.Module):
             with torch.no_grad():
                 params[key].copy_(tensor)
             filled.add(key)
-        missing = sorted(set(params) - filled)
+        loaded = self.language_model.load_weights(text_weights)
+        # named_parameters() lists a tied lm_head once, as embed_tokens.
+        missing = sorted(set(params) - filled) + sorted(
+            {name for name, _ in self.language_model.named_parameters()} - loaded
+        )
         if missing:
-            raise ValueError(f"Qwen2-VL checkpoint lacks vision weights, e.g. {missing[:3]}")
-        self.language_model.load_weights(text_weights)
+            raise ValueError(f"Qwen2-VL checkpoint lacks weights, e.g. {missing[:3]}")
 
     # ---- the runner's contract -----------------------------------------------------
 
