@@ -28,6 +28,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token only; k: plus top-k
+    # Token constraints from a generation config (HF ``suppress_tokens`` /
+    # ``begin_suppress_tokens``): never sampled, or not as the first output token.
+    suppress_token_ids: tuple[int, ...] = ()
+    begin_suppress_token_ids: tuple[int, ...] = ()
+    # When set, every sampled token is one of these (e.g. Whisper's language detection).
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +48,8 @@ class SamplingParams:
             raise BadRequestError("min_tokens must be between 0 and max_tokens", param="min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise BadRequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise BadRequestError("allowed_token_ids must not be empty", param="allowed_token_ids")
 
     @property
     def is_greedy(self) -> bool:
@@ -57,6 +65,12 @@ class MultiModalItem:
     placeholder run is ``prompt_token_ids[offset : offset + length]``; every placeholder
     receives one encoder output vector. ``encoder_inputs`` holds what the family's encoder
     needs (e.g. uint8 pixels), normalised later on the device.
+
+    An encoder-decoder's input (Whisper's audio window) has no placeholders (``length`` 0):
+    the decoder cross-attends to its encoder output from ``offset`` on. It is encoded when a
+    chunk reaches ``offset`` and released once the request has computed past it (the runner
+    keeps what it derived, e.g. cross-attention K/V). ``encoder_tokens`` is the size of its
+    encoder output, which the encoder budget and cache count; it defaults to ``length``.
     """
 
     modality: str
@@ -64,10 +78,21 @@ class MultiModalItem:
     offset: int
     length: int
     encoder_inputs: dict[str, Any] = field(default_factory=dict)
+    encoder_tokens: int | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return self.length if self.encoder_tokens is None else self.encoder_tokens
+
+    @property
+    def use_end(self) -> int:
+        """First position that no longer needs the encoder output: the placeholders' end,
+        or, for an item without placeholders, the position after its offset."""
+        return max(self.end, self.offset + 1)
 
 
 @dataclass

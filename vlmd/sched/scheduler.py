@@ -64,13 +64,19 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {request.num_tokens} tokens; max_model_len is {self.config.max_model_len}"
             )
-        largest_item = max((item.length for item in request.mm_items), default=0)
+        # An item that could never be scheduled would block the queue behind it: its encoder
+        # output must fit the encoder budget and cache, and with --disable-chunked-mm-input its
+        # placeholders must fit one step (an encoder-decoder's input has none).
+        largest_output = max((item.num_encoder_tokens for item in request.mm_items), default=0)
         limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
-        if self.config.disable_chunked_mm_input:
-            limit = min(limit, self.config.max_num_batched_tokens)
-        if largest_item > limit:
-            # It could never be scheduled and would block the queue behind it.
-            raise ValueError(f"a media item of {largest_item} tokens exceeds the encoder budget of {limit}")
+        if largest_output > limit:
+            raise ValueError(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit}")
+        largest_run = max((item.length for item in request.mm_items), default=0)
+        if self.config.disable_chunked_mm_input and largest_run > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"a media item of {largest_run} tokens exceeds the encoder budget of "
+                f"{self.config.max_num_batched_tokens} tokens per step (--disable-chunked-mm-input)"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -167,7 +173,7 @@ class Scheduler:
         for index, item in enumerate(request.mm_items):
             if item.offset >= end:
                 break
-            if item.end <= start:
+            if item.use_end <= start:  # consumed (an item without placeholders: past its offset)
                 continue
             if self.config.disable_chunked_mm_input and item.offset >= start and item.end > end:
                 # Checked before the cache: an item must go in one step even when its output
@@ -181,11 +187,11 @@ class Scheduler:
             if self.encoder_cache.acquire_if_resident(request.request_id, item.identifier):
                 request.held_encoder_items.add(item.identifier)
                 continue
-            if not self.encoder_cache.can_allocate(item.length, budget.encoder - pending, pending):
+            if not self.encoder_cache.can_allocate(item.num_encoder_tokens, budget.encoder - pending, pending):
                 # Compute the text before the item now; if the chunk already starts inside
                 # the item (a prefix hit past its start), this request waits for room.
                 return max(item.offset - start, 0), to_encode
-            pending += item.length
+            pending += item.num_encoder_tokens
             to_encode.append(index)
             planned.add(item.identifier)
         return num_new, to_encode
@@ -212,9 +218,9 @@ class Scheduler:
     ) -> None:
         for index in encoder_inputs:
             item = request.mm_items[index]
-            self.encoder_cache.allocate(request.request_id, item.identifier, item.length)
+            self.encoder_cache.allocate(request.request_id, item.identifier, item.num_encoder_tokens)
             request.held_encoder_items.add(item.identifier)
-            budget.encoder -= item.length
+            budget.encoder -= item.num_encoder_tokens
         if encoder_inputs:
             out.scheduled_encoder_inputs[request.request_id] = encoder_inputs
         out.num_scheduled_tokens[request.request_id] = num_new
@@ -289,7 +295,7 @@ class Scheduler:
             return
         # The same image may appear twice in one prompt: keep it until its last use.
         still_needed = {
-            item.identifier for item in request.mm_items if item.end > request.num_computed_tokens
+            item.identifier for item in request.mm_items if item.use_end > request.num_computed_tokens
         }
         for identifier in list(request.held_encoder_items - still_needed):
             request.held_encoder_items.discard(identifier)
