@@ -23,9 +23,19 @@ class MultimodalModel(Protocol):
     - ``kv_spec``: the shape of the paged cache the decoder needs;
     - ``embed_input_ids``: token embeddings, placeholders included;
     - ``embed_multimodal``: encoder + projector for a batch of items of one modality,
-      one ``[item.length, hidden]`` tensor per item;
+      one ``[item.num_encoder_tokens, hidden]`` tensor per item;
     - ``forward``: the decoder over the paged cache, returning final hidden states;
     - ``compute_logits``: hidden states to vocabulary logits.
+
+    Optional, for encoder-decoder models (Whisper), whose items have no placeholders:
+    - ``is_encoder_decoder = True``;
+    - ``prepare_cross_attention(encoder_output) -> state``: computed once per request (e.g.
+      cross-attention K/V of every layer); the runner keeps it for the request's life;
+    - ``forward(..., cross_states=[(first row, end row, state), ...])``, one per request in
+      batch order.
+    Optional for any model:
+    - ``process_logits(logits, states) -> logits``: the model's own constraints on the next
+      token (Whisper's timestamp rules), applied after the request's own constraints.
     """
 
     kv_spec: KVSpec

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Any
 
 import torch
 
 from vlmd.models.base import MultimodalModel
-from vlmd.runner.batch import ScheduledSlice, build_batch
+from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
 from vlmd.runner.kv_cache import allocate_kv_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
@@ -41,12 +42,16 @@ class ModelRunner:
         for piece in batch.slices:
             if piece.state.mm_items:
                 self._insert_encoder_outputs(embeds, piece)
-        hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches)
+        extra = {}
+        if getattr(self.model, "is_encoder_decoder", False):
+            extra["cross_states"] = self._cross_states(batch)
+        hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches, **extra)
 
         result = RunnerOutput(encoder_seconds=encoder_seconds)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
-            tokens, logprobs = sample(logits, batch.sample_states, self.generator)
+            process_logits = getattr(self.model, "process_logits", None)
+            tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
             for state, token, logprob in zip(batch.sample_states, tokens, logprobs):
                 state.token_ids.append(token)
                 result.sampled_token_ids[state.request_id] = token
@@ -81,12 +86,34 @@ class ModelRunner:
             outputs = self.model.embed_multimodal(modality, [item.encoder_inputs for item in items])
             self.num_encoder_forwards += len(items)
             for item, output in zip(items, outputs):
-                if output.shape[0] != item.length:
+                if output.shape[0] != item.num_encoder_tokens:
                     raise RuntimeError(
                         f"{modality} encoder produced {output.shape[0]} vectors for an item "
-                        f"with {item.length} placeholders"
+                        f"of {item.num_encoder_tokens} encoder tokens"
                     )
                 self.encoder_outputs[item.identifier] = output
+
+    def _cross_states(self, batch: StepBatch) -> list[tuple[int, int, Any]]:
+        """(first row, end row, cross state) per request, for an encoder-decoder model.
+
+        A request's cross state (e.g. cross-attention K/V of every layer) is derived once,
+        from the encoder output of its item without placeholders, in the chunk that covers
+        the item's offset; it lives in the request's state until the request is dropped
+        (finished, aborted or preempted), so the encoder output itself may be evicted.
+        """
+        spans = []
+        for piece in batch.slices:
+            state = piece.state
+            for item in state.mm_items:
+                if item.length == 0 and piece.start <= item.offset < piece.end:
+                    output = self.encoder_outputs.get(item.identifier)
+                    if output is None:
+                        raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
+                    state.cross_state = self.model.prepare_cross_attention(output)
+            if state.cross_state is None:
+                raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
+            spans.append((piece.row, piece.row + piece.count, state.cross_state))
+        return spans
 
     def _insert_encoder_outputs(self, embeds: torch.Tensor, piece: ScheduledSlice) -> None:
         """Overwrite placeholder rows with the matching slice of each item's encoder output."""

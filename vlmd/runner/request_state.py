@@ -23,6 +23,9 @@ class RunnerRequestState:
     stop_token_ids: tuple[int, ...]
     mrope_positions: Any = None
     mrope_position_delta: int = 0
+    # Encoder-decoder models: what the decoder attends to (e.g. Whisper's cross-attention
+    # K/V), derived once from the encoder output and kept for the request's life.
+    cross_state: Any = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
