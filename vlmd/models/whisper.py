@@ -1,0 +1,179 @@
+"""Our Whisper decoder: self-attention over the paged KV cache, cross-attention to the audio.
+
+Pre-LayerNorm blocks (self-attention, cross-attention, GELU MLP), learned positions added to
+the token embeddings, a final LayerNorm and the output projection tied to the token
+embeddings. Self-attention K/V live in the paged cache like any decoder's. Cross-attention
+K/V depend only on the request's encoder output: :meth:`WhisperDecoder.cross_attention_state`
+computes them once per request (every layer), the runner keeps them for the request's life and
+hands them back each step as ``cross_states``: ``(first row, end row, state)`` per request in
+the flattened batch. Cross-attention then runs per request (every Whisper window has the same
+1,500 encoder frames, but requests differ in how many rows they bring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmd.layers.attention import AttentionMetadata, paged_attention
+from vlmd.models.base import KVSpec
+
+CrossState = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [1, heads, frames, head_dim]
+
+
+class WhisperSelfAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        # Q, K, V in one matmul; K has no bias in Whisper, so its bias slot stays zero.
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.scale = self.head_dim**-0.5
+        with torch.no_grad():
+            self.qkv_proj.bias[d_model : 2 * d_model].zero_()
+
+    def forward(self, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        attended = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.out_proj(attended.reshape(tokens, -1))
+
+
+class WhisperCrossAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model)  # K (no bias: zero slot) and V
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.scale = self.head_dim**-0.5
+        with torch.no_grad():
+            self.kv_proj.bias[:d_model].zero_()
+
+    def memory(self, encoder_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one request's encoder output ``[frames, d_model]``."""
+        frames = encoder_output.shape[0]
+        kv = self.kv_proj(encoder_output).view(frames, 2, self.num_heads, self.head_dim)
+        k, v = kv.permute(1, 2, 0, 3).unsqueeze(1).unbind(0)  # each [1, heads, frames, head_dim]
+        return k.contiguous(), v.contiguous()
+
+    def forward(self, hidden: torch.Tensor, spans: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        out = torch.empty_like(q)
+        for start, end, (k, v) in spans:
+            queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            attended = F.scaled_dot_product_attention(queries, k, v, scale=self.scale)
+            out[start:end] = attended[0].transpose(0, 1)
+        return self.out_proj(out.reshape(tokens, -1))
+
+
+class WhisperDecoderLayer(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, ffn_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(d_model, eps=eps)
+        self.self_attn = WhisperSelfAttention(d_model, num_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d_model, eps=eps)
+        self.encoder_attn = WhisperCrossAttention(d_model, num_heads)
+        self.final_layer_norm = nn.LayerNorm(d_model, eps=eps)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+
+    def forward(self, hidden, kv_cache, meta, spans) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), kv_cache, meta)
+        hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), spans)
+        return hidden + self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden))))
+
+
+class WhisperDecoder(nn.Module):
+    """Built from a transformers ``WhisperConfig``; weights named ``model.decoder.*``."""
+
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "activation_function", "gelu") != "gelu":
+            raise ValueError(f"Whisper activation {config.activation_function!r} is not supported (gelu is)")
+        d_model, heads = config.d_model, config.decoder_attention_heads
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of decoder_attention_heads {heads}")
+        self.embed_tokens = nn.Embedding(config.vocab_size, d_model)
+        self.embed_positions = nn.Embedding(config.max_target_positions, d_model)
+        self.layers = nn.ModuleList(
+            WhisperDecoderLayer(d_model, heads, config.decoder_ffn_dim) for _ in range(config.decoder_layers)
+        )
+        self.layer_norm = nn.LayerNorm(d_model, eps=1e-5)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        self.proj_out = None if self.tied else nn.Linear(d_model, config.vocab_size, bias=False)
+        self.kv_spec = KVSpec(num_layers=config.decoder_layers, num_kv_heads=heads, head_dim=d_model // heads)
+
+    def cross_attention_state(self, encoder_output: torch.Tensor) -> CrossState:
+        return [layer.encoder_attn.memory(encoder_output) for layer in self.layers]
+
+    def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, cross_states) -> torch.Tensor:
+        hidden = inputs_embeds + self.embed_positions(positions)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            spans = [(start, end, state[index]) for start, end, state in cross_states]
+            hidden = layer(hidden, kv_cache, meta, spans)
+        return self.layer_norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.proj_out is None else self.proj_out.weight
+        return F.linear(hidden, weight)
+
+    def expected_weights(self) -> set[str]:
+        """Checkpoint names a complete decoder has (the key-bias slots have none)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            if name == "proj_out.weight":
+                names.add(name)
+                continue
+            for fused, parts in ((".qkv_proj.", ("q_proj", "k_proj", "v_proj")), (".kv_proj.", ("k_proj", "v_proj"))):
+                if fused in name:
+                    suffix = name.rsplit(".", 1)[1]
+                    names.update(
+                        "model.decoder." + name.replace(fused, f".{part}.") for part in parts
+                        if not (part == "k_proj" and suffix == "bias")
+                    )
+                    break
+            else:
+                names.add("model.decoder." + name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``model.decoder.*`` (and an untied ``proj_out.weight``); returns what was filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "proj_out.weight":
+                if self.proj_out is None:
+                    continue  # tied: the same values as the token embeddings
+                target, rows = "proj_out.weight", None
+            else:
+                target, rows = _our_name(name.removeprefix("model.decoder."), params)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} in Whisper checkpoint")
+            destination = param if rows is None else param.narrow(0, rows[0], rows[1])
+            if destination.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+            with torch.no_grad():
+                destination.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        return loaded
+
+
+def _our_name(name: str, params: dict[str, torch.Tensor]) -> tuple[str, tuple[int, int] | None]:
+    """A checkpoint name -> (our parameter, (first row, rows) within a fused projection)."""
+    for attention, fused, parts in (
+        ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("encoder_attn", "kv_proj", ("k_proj", "v_proj")),
+    ):
+        for index, part in enumerate(parts):
+            fragment = f".{attention}.{part}."
+            if fragment in name and not (attention == "encoder_attn" and part == "q_proj"):
+                target = name.replace(fragment, f".{attention}.{fused}.")
+                size = params[target].shape[0] // len(parts) if target in params else 0
+                return target, (index * size, size)
+    return name, None
