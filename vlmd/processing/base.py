@@ -38,6 +38,9 @@ class ProcessedItem:
     replacement: list[int]  # the tokens that replace the marker; placeholders are embeddings
     placeholder_offset: int = 0  # where the embedded run starts within ``replacement``
     num_placeholders: int | None = None  # defaults to len(replacement) - placeholder_offset
+    # Vectors the encoder produces, when not one per placeholder (an encoder-decoder's input
+    # has no placeholders: Whisper's 30 s window is 1,500 vectors).
+    num_encoder_tokens: int | None = None
 
 
 @dataclass
@@ -140,6 +143,7 @@ class BaseMultiModalProcessor(ABC):
                     offset=len(output) + processed.placeholder_offset,
                     length=length,
                     encoder_inputs=processed.encoder_inputs,
+                    encoder_tokens=processed.num_encoder_tokens,
                 )
             )
             output.extend(processed.replacement)
