@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--mm-processor-kwargs", default="",
                        help='processor settings for every request, JSON, e.g. \'{"max_pixels": 100352}\'')
     serve.add_argument("--media-io-kwargs", default="",
-                       help='media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}}\'')
+                       help='media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, '
+                            '"audio": {"max_duration_s": 600}}\'')
     serve.add_argument("--api-key", default=os.environ.get("VLMD_API_KEY"))
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
     serve.add_argument("--log-level", default="info")

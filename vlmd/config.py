@@ -38,7 +38,7 @@ class ServeConfig:
     # Server-wide processor settings (e.g. {"max_pixels": N}); a request's own
     # mm_processor_kwargs are merged over them.
     mm_processor_kwargs: dict = field(default_factory=dict)
-    # Decode settings per modality, e.g. {"video": {"num_frames": 16}} (see VIDEO_IO_FIELDS).
+    # Decode settings per modality, e.g. {"video": {"num_frames": 16}} (see MEDIA_IO_FIELDS).
     media_io_kwargs: dict = field(default_factory=dict)
     max_request_bytes: int = 64 * 2**20
     warmup: bool = True
@@ -76,6 +76,14 @@ VIDEO_IO_FIELDS = {
     "max_decoded_bytes": "max_video_decoded_bytes",
 }
 
+# --media-io-kwargs '{"audio": {...}}' keys -> MediaPolicy fields (uploads to /v1/audio/*).
+AUDIO_IO_FIELDS = {
+    "max_bytes": "max_audio_bytes",
+    "max_duration_s": "max_audio_duration_s",
+    "max_decoded_bytes": "max_audio_decoded_bytes",
+}
+MEDIA_IO_FIELDS = {"video": VIDEO_IO_FIELDS, "audio": AUDIO_IO_FIELDS}
+
 
 def parse_json_object(text: str, flag: str) -> dict:
     """A command-line JSON object such as --mm-processor-kwargs '{"max_pixels": 100352}'."""
@@ -96,14 +104,19 @@ def media_policy_fields(media_io_kwargs: dict) -> dict:
     """MediaPolicy keyword arguments from --media-io-kwargs; unknown keys are an error."""
     fields = {}
     for modality, settings in media_io_kwargs.items():
-        if modality != "video" or not isinstance(settings, dict):
-            raise ValueError('--media-io-kwargs takes {"video": {...}} (no other modality has settings)')
+        known = MEDIA_IO_FIELDS.get(modality)
+        if known is None or not isinstance(settings, dict):
+            raise ValueError(
+                '--media-io-kwargs takes {"video": {...}, "audio": {...}} (no other modality has settings)'
+            )
+        if not settings:  # most likely a typo'd or half-written flag: say so instead of ignoring it
+            raise ValueError(f"--media-io-kwargs {modality} names no settings; known: {sorted(known)}")
         for key, value in settings.items():
-            if key not in VIDEO_IO_FIELDS:
-                raise ValueError(f"--media-io-kwargs video.{key} is unknown; known: {sorted(VIDEO_IO_FIELDS)}")
+            if key not in known:
+                raise ValueError(f"--media-io-kwargs {modality}.{key} is unknown; known: {sorted(known)}")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"--media-io-kwargs video.{key} must be a number")
-            fields[VIDEO_IO_FIELDS[key]] = value
+                raise ValueError(f"--media-io-kwargs {modality}.{key} must be a number")
+            fields[known[key]] = value
     return fields
 
 
