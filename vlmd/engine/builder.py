@@ -22,6 +22,8 @@ from vlmd.plugins.manager import build_registry
 from vlmd.processing.base import ProcessingContext
 from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
+from vlmd.processing.speech import SpeechToTextProcessor
+from vlmd.processing.transcription import TranscriptionPreprocessor
 from vlmd.runner.kv_cache import num_blocks_for
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
@@ -40,6 +42,8 @@ class BuiltEngine:
     max_model_len: int
     scheduler_config: SchedulerConfig
     dummy_inputs: object
+    # vlmd.processing.transcription.TranscriptionPreprocessor for speech-to-text families.
+    transcriber: object = None
 
 
 def text_config_of(hf_config):
@@ -59,7 +63,8 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text_config = text_config_of(hf_config)
 
-    max_model_len = int(text_config.max_position_embeddings)
+    # Whisper's config names its decoder length max_target_positions.
+    max_model_len = int(getattr(text_config, "max_position_embeddings", None) or text_config.max_target_positions)
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {max_model_len}")
@@ -75,7 +80,7 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     try:  # under the server-wide kwargs, which may raise an item's size
         max_item_tokens = max(
             (
-                len(processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs).replacement)
+                _encoder_tokens(processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs))
                 for m in info.supported_mm_limits()
             ),
             default=0,
@@ -93,6 +98,12 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
     model = family.load("model").load(model_dir, hf_config, dtype)
+    enable_prefix_caching = config.enable_prefix_caching
+    if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
+        # Decoder K/V depend on the request's encoder input through cross-attention, and a
+        # request's cross state is built in its first chunk: a prefix hit would skip both.
+        log.info("prefix caching is off for an encoder-decoder model", family=family.name)
+        enable_prefix_caching = False
     num_blocks = config.num_kv_blocks or num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
     if num_blocks * config.block_size < max_model_len:
         raise ValueError(
@@ -108,7 +119,7 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         max_num_encoder_input_tokens=encoder_budget,
         encoder_cache_size=encoder_cache_size,
         disable_chunked_mm_input=config.disable_chunked_mm_input,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=enable_prefix_caching,
     )
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed)
     policy = MediaPolicy(
@@ -122,6 +133,9 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     preprocessor = InputPreprocessor(processor, policy, config.limit_mm_per_prompt, max_model_len)
     if config.mm_processor_cache_gb > 0:
         processor.cache = ProcessorCache(int(config.mm_processor_cache_gb * 2**30))
+    transcriber = None
+    if isinstance(processor, SpeechToTextProcessor):
+        transcriber = TranscriptionPreprocessor(processor, policy, max_model_len)
     eos = _eos_token_ids(model_dir, tokenizer)
     log.info(
         "engine ready",
@@ -134,8 +148,15 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     )
     return BuiltEngine(
         EngineCore(Scheduler(scheduler_config), runner), preprocessor, tokenizer, eos, max_model_len,
-        scheduler_config, dummy
+        scheduler_config, dummy, transcriber
     )
+
+
+def _encoder_tokens(processed) -> int:
+    """Encoder vectors of one processed item: one per placeholder unless it says otherwise."""
+    if processed.num_encoder_tokens is not None:
+        return processed.num_encoder_tokens
+    return len(processed.replacement)
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
