@@ -1,0 +1,175 @@
+"""Whisper's processing: a 30 s window becomes log-mel features and one engine item.
+
+The item has no placeholders: it sits at offset 0 with 1,500 encoder vectors, and the
+decoder cross-attends to them for the whole request. The decoder prompt follows OpenAI's
+format: ``[<|startofprev|> prompt text]`` ``<|startoftranscript|>`` then, on multilingual
+models, ``<|lang|> <|task|>``, then ``<|notimestamps|>`` unless timestamps are wanted.
+Token constraints come from the checkpoint's generation config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlmd.errors import BadRequestError
+from vlmd.processing.base import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    ProcessedItem,
+    ProcessorOutput,
+)
+from vlmd.processing.speech import SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions
+from vlmd.types import MultiModalItem
+from vlmd_whisper.features import FeatureSettings, log_mel_features
+
+TIME_PRECISION = 0.02  # seconds per timestamp step: 30 s / 1,500 encoder frames
+
+
+def _json(model_dir: str, name: str) -> dict:
+    path = Path(model_dir) / name
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+class WhisperProcessingInfo(BaseProcessingInfo):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.generation = _json(ctx.model_dir, "generation_config.json")
+        features = _json(ctx.model_dir, "preprocessor_config.json")
+        self.feature_settings = FeatureSettings.from_preprocessor_config(features.get("feature_extractor", features))
+        for key in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id"):
+            if key not in self.generation:
+                raise ValueError(f"the Whisper checkpoint's generation_config.json lacks {key}")
+
+    def supported_mm_limits(self) -> dict[str, int | None]:
+        return {"audio": 1}
+
+    def marker_token_id(self, modality: str) -> int:
+        # Requests built from token lists (the engine's warm-up) mark the audio with the
+        # transcript start; the item itself always sits at offset 0.
+        return int(self.generation["decoder_start_token_id"])
+
+    def num_encoder_tokens(self) -> int:
+        return int(self.ctx.hf_config.max_source_positions)
+
+
+class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
+    def __init__(self, info: WhisperProcessingInfo):
+        super().__init__(info)
+        generation = info.generation
+        self.settings = info.feature_settings
+        self.sampling_rate = self.settings.sampling_rate
+        self.window_seconds = float(self.settings.chunk_length)
+        self.sot = int(generation["decoder_start_token_id"])
+        self.eos = int(generation["eos_token_id"])
+        self.no_timestamps = int(generation["no_timestamps_token_id"])
+        self.timestamp_begin = self.no_timestamps + 1
+        self.prev_sot = generation.get("prev_sot_token_id")
+        self.tasks = {task: int(token) for task, token in generation.get("task_to_id", {}).items()}
+        self._languages = {
+            token.strip("<|>"): int(token_id) for token, token_id in generation.get("lang_to_id", {}).items()
+        }
+        if self._languages and set(self.tasks) != {"transcribe", "translate"}:
+            raise ValueError("a multilingual Whisper checkpoint needs task_to_id for transcribe and translate")
+        hf_config = info.ctx.hf_config
+        self.max_prompt_text_tokens = int(hf_config.max_target_positions) // 2 - 1  # OpenAI's limit
+
+    # ---- engine items --------------------------------------------------------------
+
+    def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        if modality != "audio":
+            raise BadRequestError(f"Whisper does not accept {modality} input")
+        samples = np.asarray(media, dtype=np.float32)
+        if samples.ndim != 1 or samples.shape[0] > self.settings.window_samples:
+            raise ValueError(f"expected at most {self.settings.window_samples} mono samples per window")
+        return ProcessedItem(
+            encoder_inputs={"input_features": log_mel_features(samples, self.settings)},
+            replacement=[],
+            num_placeholders=0,
+            num_encoder_tokens=self.info.num_encoder_tokens(),
+        )
+
+    def apply(self, prompt_token_ids: list[int], media: dict[str, list[Any]], kwargs: dict[str, Any] | None = None) -> ProcessorOutput:
+        kwargs = {**self.info.ctx.mm_processor_kwargs, **(kwargs or {})}
+        audio = media.get("audio", [])
+        if len(audio) != 1 or any(items for modality, items in media.items() if modality != "audio"):
+            raise BadRequestError("a Whisper request takes exactly one audio window")
+        if self.sot not in prompt_token_ids:
+            raise BadRequestError("a Whisper decoder prompt must contain <|startoftranscript|>")
+        samples = np.ascontiguousarray(audio[0], dtype=np.float32)
+        # Hashed as raw bytes: the identifier covers every sample exactly.
+        identifier = self.identifier("audio", samples.view(np.uint8), kwargs)
+        processed = self._process_cached("audio", identifier, samples, kwargs)
+        item = MultiModalItem(
+            "audio", identifier, offset=0, length=0, encoder_inputs=processed.encoder_inputs,
+            encoder_tokens=processed.num_encoder_tokens,
+        )
+        return ProcessorOutput(list(prompt_token_ids), [item])
+
+    def window_item(self, samples: np.ndarray) -> MultiModalItem:
+        return self.apply([self.sot], {"audio": [samples]}).items[0]
+
+    # ---- prompts and outputs -------------------------------------------------------
+
+    def languages(self) -> dict[str, int]:
+        return dict(self._languages)
+
+    def prompt_text_ids(self, text: str) -> list[int]:
+        if self.prev_sot is None:
+            raise BadRequestError("this checkpoint does not take a prompt (no <|startofprev|> token)", param="prompt")
+        tokenizer = self.info.ctx.tokenizer
+        # Special-token text in the prompt stays text: a client cannot inject control tokens.
+        ids = tokenizer.encode(" " + text.strip(), add_special_tokens=False, split_special_tokens=True)
+        return ids[-self.max_prompt_text_tokens :]
+
+    def decoder_prompt(self, options: TranscriptionOptions, language: str | None, prompt_ids: list[int]) -> list[int]:
+        prompt = [int(self.prev_sot), *prompt_ids] if prompt_ids else []
+        prompt.append(self.sot)
+        if self._languages:
+            if language not in self._languages:
+                raise BadRequestError(f"language {language!r} is not supported", param="language")
+            prompt += [self._languages[language], self.tasks[options.task]]
+        if not options.timestamps:
+            prompt.append(self.no_timestamps)
+        return prompt
+
+    def detection_prompt(self) -> list[int]:
+        return [self.sot]
+
+    def token_constraints(self) -> TokenConstraints:
+        generation = self.info.generation
+        return TokenConstraints(
+            tuple(int(t) for t in generation.get("suppress_tokens") or ()),
+            tuple(int(t) for t in generation.get("begin_suppress_tokens") or ()),
+        )
+
+    def split_segments(self, token_ids: list[int], window_seconds: float) -> list[TimedSegment]:
+        """Text between an opening and a closing timestamp is a segment; text without
+        timestamps (or after the last one) runs to the end of the window."""
+        segments: list[TimedSegment] = []
+        start: float | None = None
+        text: list[int] = []
+        for token in token_ids:
+            if token >= self.timestamp_begin:
+                time = (token - self.timestamp_begin) * TIME_PRECISION
+                if start is not None and text:
+                    segments.append(TimedSegment(start, time, text))
+                    start, text = None, []
+                else:
+                    start = time
+            elif token < self.eos:
+                text.append(token)
+        if text:
+            segments.append(TimedSegment(start if start is not None else 0.0, window_seconds, text))
+        return segments
+
+
+class WhisperDummyInputsBuilder(BaseDummyInputsBuilder):
+    def dummy_item(self, modality: str) -> np.ndarray:
+        # Every window is padded to 30 s: any audio is the worst case.
+        settings = self.info.feature_settings
+        return np.zeros(settings.window_samples, dtype=np.float32)

@@ -1,0 +1,135 @@
+"""Whisper through the engine (scheduler + runner + our decoder) against transformers' generate.
+
+Greedy tokens must equal transformers' on the same weights and the same samples: the tiny
+random multilingual checkpoint (transcribe, translate, timestamps, a text prompt, language
+detection) under continuous batching, chunked prefill and preemption, and the real tiny.en.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oracle import assert_greedy_match
+from vlmd.config import ServeConfig
+from vlmd.engine.builder import build_engine
+from vlmd.processing.speech import TranscriptionOptions
+from whisper_support import FOX, hf_whisper_generate, needs_espeak, needs_tiny_en, read_samples, speech_wav
+
+
+def _tones(index: int, seconds: float) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * (200 + 700 * index) * t) * np.sin(2 * np.pi * t * (index + 1))).astype(np.float32)
+
+
+CLIPS = [_tones(0, 3.0), _tones(1, 8.0), _tones(2, 13.0), _tones(3, 29.5)]
+
+
+def _engine(model_dir, **overrides):
+    config = ServeConfig(model=str(model_dir), num_kv_blocks=overrides.pop("num_kv_blocks", 64), **overrides)
+    return build_engine(config)
+
+
+def _run(built, requests) -> dict[str, list[int]]:
+    """Submit all requests at once (continuous batching) and collect each one's tokens."""
+    core = built.core
+    outputs: dict[str, list[int]] = {request.request_id: [] for request in requests}
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        deltas, _ = core.step()
+        for delta in deltas:
+            assert delta.error is None, delta.error
+            outputs[delta.request_id].extend(delta.new_token_ids)
+    eos = set(built.eos_token_ids)
+    return {rid: tokens[:-1] if tokens and tokens[-1] in eos else tokens for rid, tokens in outputs.items()}
+
+
+def _request(built, request_id, samples, options, language):
+    transcriber = built.transcriber
+    window = transcriber.prepare_samples(samples).windows[0]
+    prompt_ids = transcriber.processor.prompt_text_ids(options.prompt) if options.prompt else []
+    prompt = transcriber.window_prompt(options, language, prompt_ids)
+    return transcriber.engine_request(request_id, window, prompt, built.eos_token_ids)
+
+
+def _reference(model_dir, samples, options, language):
+    kwargs = {"return_timestamps": options.timestamps}
+    if language is not None:
+        kwargs.update(language=language, task=options.task)
+    if options.prompt:
+        import torch
+
+        from whisper_support import load_hf_whisper
+
+        _, processor = load_hf_whisper(str(model_dir.resolve()))
+        kwargs["prompt_ids"] = torch.tensor(processor.tokenizer.get_prompt_ids(options.prompt))
+    return hf_whisper_generate(model_dir, samples, **kwargs)
+
+
+CASES = [
+    (TranscriptionOptions(), "en"),
+    (TranscriptionOptions(timestamps=True), "en"),
+    (TranscriptionOptions(task="translate"), "fr"),
+    (TranscriptionOptions(task="translate", timestamps=True), "de"),
+    (TranscriptionOptions(prompt="Glossary: vlmd, paged attention."), "es"),
+]
+
+
+@pytest.mark.parametrize(
+    "regime",
+    [
+        {},
+        {"max_num_batched_tokens": 3},  # prompts split across steps (chunked prefill)
+        {"num_kv_blocks": 5, "max_num_seqs": 8},  # 80 slots for 20 requests of up to 64 tokens
+    ],
+    ids=["batched", "chunked-prefill", "preemption"],
+)
+def test_tiny_whisper_matches_transformers(tiny_whisper_dir, regime):
+    built = _engine(tiny_whisper_dir, **regime)
+    requests, references = [], {}
+    for case_index, (options, language) in enumerate(CASES):
+        for clip_index, samples in enumerate(CLIPS):
+            request_id = f"case{case_index}-clip{clip_index}"
+            requests.append(_request(built, request_id, samples, options, language))
+            references[request_id] = _reference(tiny_whisper_dir, samples, options, language)
+    outputs = _run(built, requests)
+    for request_id, reference in references.items():
+        assert_greedy_match(outputs[request_id], reference)
+    if "num_kv_blocks" in regime:
+        assert built.core.scheduler.num_preemptions > 0
+
+
+def test_language_detection_matches_transformers(tiny_whisper_dir):
+    import torch
+
+    from whisper_support import load_hf_whisper
+
+    built = _engine(tiny_whisper_dir)
+    transcriber = built.transcriber
+    model, processor = load_hf_whisper(str(tiny_whisper_dir.resolve()))
+    requests = [transcriber.detection_request(f"d{i}", transcriber.prepare_samples(clip).windows[0])
+                for i, clip in enumerate(CLIPS)]
+    outputs = _run(built, requests)
+    features = processor([clip for clip in CLIPS], sampling_rate=16000, return_tensors="pt").input_features
+    with torch.inference_mode():
+        expected = model.detect_language(features).tolist()
+    assert [outputs[f"d{i}"][0] for i in range(len(CLIPS))] == expected
+    assert all(transcriber.language_of(token) in transcriber.processor.languages() for token in expected)
+
+
+@needs_tiny_en
+@needs_espeak
+@pytest.mark.parametrize("timestamps", [False, True])
+def test_tiny_en_matches_transformers_on_speech(tiny_en_dir, timestamps):
+    built = _engine(tiny_en_dir)
+    samples = read_samples(speech_wav(FOX))
+    options = TranscriptionOptions(timestamps=timestamps)
+    outputs = _run(built, [_request(built, "fox", samples, options, None)])
+    reference = _reference(tiny_en_dir, samples, options, None)
+    assert outputs["fox"] == reference["output_token_ids"]
+    text = built.tokenizer.decode(outputs["fox"], skip_special_tokens=True)
+    assert "quick brown fox" in text.lower()
+    if timestamps:
+        segments = built.transcriber.segments(outputs["fox"], built.transcriber.prepare_samples(samples).windows[0])
+        assert segments and 0 <= segments[0].start < segments[-1].end <= len(samples) / 16000 + 0.02
