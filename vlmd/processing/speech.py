@@ -77,6 +77,10 @@ class SpeechToTextProcessor(ABC):
     def token_constraints(self) -> TokenConstraints:
         """Tokens the generation config forbids (always / as the first output token)."""
 
+    def language_name(self, code: str | None) -> str:
+        """How responses name the language (OpenAI's verbose_json says "english")."""
+        return code or ""
+
     @abstractmethod
     def split_segments(self, token_ids: list[int], window_seconds: float) -> list[TimedSegment]:
         """Split one window's output at its timestamp tokens (one segment if it has none)."""

@@ -10,6 +10,7 @@ import structlog
 from aiohttp import web
 
 from vlmd.errors import AuthenticationError, VlmdError
+from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.metrics import CONTENT_TYPE
 from vlmd.server.state import ServerState
@@ -108,6 +109,8 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)
     app["state"] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    app.router.add_post("/v1/audio/translations", translations)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

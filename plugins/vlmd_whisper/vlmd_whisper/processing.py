@@ -137,6 +137,12 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
             prompt.append(self.no_timestamps)
         return prompt
 
+    def language_name(self, code: str | None) -> str:
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES  # no torch import
+
+        code = code or "en"  # English-only models
+        return LANGUAGES.get(code, code)
+
     def detection_prompt(self) -> list[int]:
         return [self.sot]
 

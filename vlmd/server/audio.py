@@ -1,0 +1,217 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations (OpenAI's multipart API).
+
+The upload is decoded, cut into windows of at most 30 s (at quiet points) and featurized on
+the preprocessing pool. A multilingual model without a ``language`` first detects it on the
+first window. Every window is then one engine request, all submitted at once, so the windows
+of one upload (and of other uploads) are batched together; the texts are joined in window
+order and segment times are offset by each window's start. ``stream`` sends text deltas as
+server-sent events (``transcript.text.delta`` then ``transcript.text.done``), window by
+window in order while later windows decode in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+
+import orjson
+import structlog
+from aiohttp import web
+
+from vlmd.errors import BadRequestError, NotFoundError
+from vlmd.processing.speech import TranscriptionOptions
+from vlmd.server.audio_form import TranscriptionForm, read_transcription_form
+from vlmd.server.detokenizer import IncrementalDetokenizer
+from vlmd.server.state import ServerState
+from vlmd.server.transcript_formats import Segment, join_texts, render, usage
+from vlmd.types import EngineRequest, FinishReason
+
+log = structlog.get_logger(__name__)
+
+
+class EngineFailure(Exception):
+    pass
+
+
+async def transcriptions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "transcribe")
+
+
+async def translations(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "translate")
+
+
+async def _handle(request: web.Request, task: str) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    transcriber = state.extra.get("transcriber")
+    if transcriber is None:
+        raise BadRequestError(
+            f"the model `{state.config.model_name}` does not take audio; /v1/audio/* needs a speech-to-text model",
+            param="model",
+        )
+    form = await read_transcription_form(request, transcriber.policy.max_audio_bytes)
+    if form.model != state.config.model_name:
+        raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
+    options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)
+    transcriber.check(options)
+    started = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    prepared = await loop.run_in_executor(state.pool, transcriber.prepare, form.file, options)
+    base_id = f"trsc-{uuid.uuid4().hex}"
+    try:
+        language = options.language
+        if language is None and transcriber.multilingual:
+            language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
+        prompt = transcriber.window_prompt(options, language, prepared.prompt_ids)
+        requests = [
+            transcriber.engine_request(
+                f"{base_id}-{window.index}", window, prompt, state.eos_token_ids, temperature=form.temperature,
+                logprobs=0 if form.response_format == "verbose_json" else None,
+                seed=None if form.seed is None else form.seed + window.index,
+            )
+            for window in prepared.windows
+        ]
+        if form.stream:
+            return await _stream(request, state, form, requests, prepared.duration)
+        outputs = await _decode_all(state, requests)
+    except EngineFailure as exc:
+        return web.json_response(_server_error(str(exc)), status=500, dumps=lambda body: orjson.dumps(body).decode())
+    text, segments = _assemble(state, transcriber, prepared, outputs, form)
+    language_name = transcriber.processor.language_name(language)
+    body, content_type = render(form.response_format, text, segments, task=task, language=language_name,
+                                duration=prepared.duration, temperature=form.temperature)
+    log.info("transcription finished", request_id=base_id, windows=len(prepared.windows),
+             audio_seconds=round(prepared.duration, 2), seconds=round(time.perf_counter() - started, 3))
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _detect_language(state: ServerState, transcriber, window, base_id: str) -> str:
+    (tokens, _), = await _decode_all(state, [transcriber.detection_request(f"{base_id}-language", window)])
+    if not tokens:
+        raise EngineFailure("language detection produced no token")
+    return transcriber.language_of(tokens[0])
+
+
+async def _decode_window(state: ServerState, request: EngineRequest) -> tuple[list[int], list[float]]:
+    """One window's output tokens (end of text dropped) and their log-probabilities."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    async with aclosing(state.engine.generate(request)) as stream:
+        async for delta in stream:
+            if delta.finish_reason is FinishReason.ERROR:
+                raise EngineFailure(delta.error or "engine error")
+            tokens.extend(delta.new_token_ids)
+            logprobs.extend(entry.logprob for entry in delta.logprobs or ())
+    if tokens and tokens[-1] in state.eos_token_ids:
+        tokens.pop()
+        logprobs = logprobs[: len(tokens)]
+    return tokens, logprobs
+
+
+async def _decode_all(state: ServerState, requests: list[EngineRequest]) -> list[tuple[list[int], list[float]]]:
+    """Decode all windows concurrently; on failure or cancellation, abort every one."""
+    tasks = [asyncio.ensure_future(_decode_window(state, request)) for request in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # leaving generate() early aborts the request in the engine
+
+
+def _assemble(state: ServerState, transcriber, prepared, outputs, form: TranscriptionForm) -> tuple[str, list[Segment]]:
+    decode = state.tokenizer.decode
+    if not form.timestamps:
+        return join_texts([decode(tokens, skip_special_tokens=True) for tokens, _ in outputs]), []
+    segments: list[Segment] = []
+    for window, (tokens, logprobs) in zip(prepared.windows, outputs):
+        scored = list(zip(tokens, logprobs or [0.0] * len(tokens)))
+        cursor = 0
+        for timed in transcriber.segments(tokens, window):
+            segment_logprobs = []
+            for token in timed.token_ids:  # a segment's tokens are a subsequence of the output
+                while scored[cursor][0] != token:
+                    cursor += 1
+                segment_logprobs.append(scored[cursor][1])
+                cursor += 1
+            text = decode(timed.token_ids, skip_special_tokens=True)
+            segments.append(Segment(timed.start, timed.end, text, timed.token_ids, segment_logprobs,
+                                    seek=int(round(window.start * 100))))
+    return join_texts([segment.text for segment in segments]), segments
+
+
+class _TextJoiner:
+    """Streamed pieces whose concatenation equals ``join_texts`` of the window texts."""
+
+    def __init__(self):
+        self.text = ""
+        self._held = ""  # trailing whitespace, released only if text follows
+        self._window_started = False
+
+    def push(self, piece: str) -> str:
+        prefix = ""
+        if not self._window_started:
+            piece = piece.lstrip()
+            if not piece:
+                return ""
+            self._window_started = True
+            prefix = " " if self.text else ""
+        full = self._held + piece
+        kept = full.rstrip()
+        self._held = full[len(kept):]
+        delta = prefix + kept
+        self.text += delta
+        return delta
+
+    def end_window(self) -> None:
+        self._held, self._window_started = "", False
+
+
+async def _stream_window(state: ServerState, request: EngineRequest, queue: asyncio.Queue) -> None:
+    detokenizer = IncrementalDetokenizer(state.tokenizer)
+    try:
+        async with aclosing(state.engine.generate(request)) as stream:
+            async for delta in stream:
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise EngineFailure(delta.error or "engine error")
+                text = detokenizer.push(delta.new_token_ids, final=delta.finish_reason is not None)
+                if text:
+                    queue.put_nowait(text)
+        queue.put_nowait(None)
+    except EngineFailure as exc:
+        queue.put_nowait(exc)
+
+
+async def _stream(request: web.Request, state: ServerState, form: TranscriptionForm, requests, duration: float):
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(body: dict) -> None:
+        await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+
+    queues = [asyncio.Queue() for _ in requests]
+    tasks = [asyncio.ensure_future(_stream_window(state, r, q)) for r, q in zip(requests, queues)]
+    joiner = _TextJoiner()
+    try:
+        for queue in queues:  # windows in order; later ones keep decoding meanwhile
+            while (piece := await queue.get()) is not None:
+                if isinstance(piece, EngineFailure):
+                    raise piece
+                delta = joiner.push(piece)
+                if delta:
+                    await send({"type": "transcript.text.delta", "delta": delta})
+            joiner.end_window()
+        await send({"type": "transcript.text.done", "text": joiner.text, "usage": usage(duration)})
+    except EngineFailure as exc:
+        await send(_server_error(str(exc)))
+    finally:
+        for task in tasks:
+            task.cancel()
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _server_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}

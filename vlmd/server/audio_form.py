@@ -1,0 +1,142 @@
+"""Reading a /v1/audio/* multipart form (OpenAI's fields) into a plain request object.
+
+The body is streamed part by part, so its size is bounded here rather than by aiohttp's
+``client_max_size`` (which only covers bodies read whole): the file part may not exceed the
+audio upload bound (413), every other field is a few kilobytes at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from vlmd.errors import BadRequestError, PayloadTooLargeError
+
+RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+TIMESTAMP_FORMATS = ("srt", "verbose_json", "vtt")
+MAX_FIELD_BYTES = 64 * 1024
+_TEXT_FIELDS = ("model", "language", "prompt", "response_format", "temperature", "stream", "seed")
+_LIST_FIELDS = ("timestamp_granularities", "include")
+
+
+@dataclass
+class TranscriptionForm:
+    file: bytes
+    filename: str
+    model: str
+    language: str | None = None
+    prompt: str | None = None
+    response_format: str = "json"
+    temperature: float = 0.0
+    stream: bool = False
+    seed: int | None = None
+
+    @property
+    def timestamps(self) -> bool:
+        return self.response_format in TIMESTAMP_FORMATS
+
+
+async def read_transcription_form(request: web.Request, max_file_bytes: int) -> TranscriptionForm:
+    if not request.content_type.startswith("multipart/form-data"):
+        raise BadRequestError("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
+    try:
+        reader = await request.multipart()
+    except (ValueError, AssertionError) as exc:
+        raise BadRequestError(f"malformed multipart body: {exc}") from None
+    fields: dict[str, str] = {}
+    lists: dict[str, list[str]] = {}
+    upload: tuple[bytes, str] | None = None
+    while True:
+        try:
+            part = await reader.next()
+        except ValueError as exc:
+            raise BadRequestError(f"malformed multipart body: {exc}") from None
+        if part is None:
+            break
+        name = (part.name or "").removesuffix("[]")
+        if name == "file":
+            if upload is not None:
+                raise BadRequestError("send exactly one 'file'", param="file")
+            upload = (await _read_limited(part, max_file_bytes, "file"), part.filename or "")
+        elif name in _TEXT_FIELDS or name in _LIST_FIELDS:
+            value = (await _read_limited(part, MAX_FIELD_BYTES, name)).decode("utf-8", errors="replace")
+            if name in _LIST_FIELDS:
+                lists.setdefault(name, []).append(value)
+            elif name in fields:
+                raise BadRequestError(f"'{name}' is given twice", param=name)
+            else:
+                fields[name] = value
+        else:
+            await _read_limited(part, MAX_FIELD_BYTES, name)  # unknown fields are ignored, as by OpenAI
+    if upload is None:
+        raise BadRequestError("'file' is required: the audio to transcribe", param="file")
+    return _validated(upload, fields, lists)
+
+
+async def _read_limited(part, limit: int, name: str) -> bytes:
+    chunks, size = [], 0
+    while True:
+        chunk = await part.read_chunk(64 * 1024)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            if name == "file":
+                raise PayloadTooLargeError(f"the audio file is larger than the limit of {limit} bytes", param="file")
+            raise BadRequestError(f"'{name}' is longer than {limit} bytes", param=name)
+        chunks.append(chunk)
+
+
+def _validated(upload: tuple[bytes, str], fields: dict[str, str], lists: dict[str, list[str]]) -> TranscriptionForm:
+    model = fields.get("model", "").strip()
+    if not model:
+        raise BadRequestError("'model' is required", param="model")
+    response_format = fields.get("response_format", "json").strip() or "json"
+    if response_format not in RESPONSE_FORMATS:
+        raise BadRequestError(f"'response_format' must be one of {list(RESPONSE_FORMATS)}", param="response_format")
+    granularities = set(lists.get("timestamp_granularities", []))
+    if granularities - {"segment"}:
+        raise BadRequestError("only segment timestamps are supported (timestamp_granularities[]=segment)",
+                              param="timestamp_granularities")
+    if granularities and response_format != "verbose_json":
+        raise BadRequestError("timestamp_granularities needs response_format verbose_json",
+                              param="timestamp_granularities")
+    if set(lists.get("include", [])):
+        raise BadRequestError("'include' is not supported", param="include")
+    temperature = _number(fields, "temperature", 0.0)
+    if not 0.0 <= temperature <= 1.0:
+        raise BadRequestError("'temperature' must be between 0 and 1", param="temperature")
+    stream = _boolean(fields, "stream")
+    if stream and response_format not in ("json", "text"):
+        raise BadRequestError("streaming returns text deltas: use response_format json or text", param="stream")
+    seed = fields.get("seed")
+    if seed is not None and not seed.strip().lstrip("-").isdigit():
+        raise BadRequestError("'seed' must be an integer", param="seed")
+    language = fields.get("language", "").strip().lower() or None
+    prompt = fields.get("prompt")
+    return TranscriptionForm(
+        file=upload[0], filename=upload[1], model=model, language=language,
+        prompt=prompt if prompt and prompt.strip() else None, response_format=response_format,
+        temperature=temperature, stream=stream, seed=int(seed) if seed is not None else None,
+    )
+
+
+def _number(fields: dict[str, str], name: str, default: float) -> float:
+    text = fields.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadRequestError(f"'{name}' must be a number", param=name) from None
+    if value != value:  # NaN
+        raise BadRequestError(f"'{name}' must be a number", param=name)
+    return value
+
+
+def _boolean(fields: dict[str, str], name: str) -> bool:
+    text = fields.get(name, "false").strip().lower()
+    if text not in ("true", "false", "1", "0", ""):
+        raise BadRequestError(f"'{name}' must be true or false", param=name)
+    return text in ("true", "1")

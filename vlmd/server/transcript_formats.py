@@ -1,0 +1,87 @@
+"""Transcription response bodies: json, text, srt, vtt and verbose_json (OpenAI's shapes)."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import orjson
+
+
+@dataclass
+class Segment:
+    start: float  # seconds from the start of the upload
+    end: float
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each output token, under the model's distribution
+    seek: int  # the window's start, in 10 ms mel frames (OpenAI's "seek")
+
+    def body(self, index: int, temperature: float) -> dict:
+        encoded = self.text.encode("utf-8")
+        return {
+            "id": index,
+            "seek": self.seek,
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+            "tokens": self.token_ids,
+            "temperature": temperature,
+            "avg_logprob": sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0,
+            # OpenAI's measure of repetition: text bytes over their zlib-compressed size.
+            "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
+        }
+
+
+def join_texts(texts: list[str]) -> str:
+    """Window (or segment) texts joined with single spaces, each stripped."""
+    return " ".join(text.strip() for text in texts if text.strip())
+
+
+def usage(duration: float) -> dict:
+    return {"type": "duration", "seconds": round(duration, 3)}
+
+
+def render(
+    response_format: str, text: str, segments: list[Segment], *, task: str, language: str,
+    duration: float, temperature: float,
+) -> tuple[bytes, str]:
+    """(body, content type) for a finished transcription."""
+    if response_format == "json":
+        return orjson.dumps({"text": text, "usage": usage(duration)}), "application/json"
+    if response_format == "text":
+        return (text + "\n").encode(), "text/plain; charset=utf-8"
+    if response_format == "srt":
+        return srt(segments).encode(), "text/plain; charset=utf-8"
+    if response_format == "vtt":
+        return vtt(segments).encode(), "text/vtt; charset=utf-8"
+    body = {
+        "task": task,
+        "language": language,
+        "duration": round(duration, 3),
+        "text": text,
+        "segments": [segment.body(index, temperature) for index, segment in enumerate(segments)],
+        "usage": usage(duration),
+    }
+    return orjson.dumps(body), "application/json"
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = int(round(max(seconds, 0.0) * 1000))
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"
+
+
+def srt(segments: list[Segment]) -> str:
+    blocks = [
+        f"{index}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
+        for index, s in enumerate(segments, start=1)
+    ]
+    return "\n".join(blocks) + ("\n" if blocks else "")
+
+
+def vtt(segments: list[Segment]) -> str:
+    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in segments]
+    return "WEBVTT\n\n" + "\n".join(blocks)
