@@ -171,6 +171,24 @@ def tiny_en_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def whisper_server(tiny_whisper_dir, tmp_path_factory):
+    """The tiny multilingual Whisper, with audio bounds small enough to test cheaply."""
+    server = Server(
+        tiny_whisper_dir, "--media-io-kwargs", '{"audio": {"max_bytes": 3000000, "max_duration_s": 100}}',
+        name="tiny-whisper", log_dir=tmp_path_factory.mktemp("logs"),
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_en_server(tiny_en_dir, tmp_path_factory):
+    server = Server(tiny_en_dir, name="whisper-tiny.en", log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def media_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("media")
 

@@ -26,6 +26,22 @@ PARAGRAPH = (
     "where his daughter kept a little stall near the fountain. "
     "In the evening they counted the money together and planned the next day."
 )
+LIBRARY = (
+    "The library opened at nine o'clock on Saturday. Students came in with heavy backpacks "
+    "and found seats near the tall windows. A librarian sorted returned books onto a wooden cart "
+    "while a printer hummed in the corner. Outside, the rain started to fall on the empty parking lot."
+)
+TRAIN = "Finally, the train arrived at the station twenty minutes late, and the passengers hurried toward the exit."
+SENTENCES = (
+    FOX,
+    "Please call Stella and ask her to bring these things from the store.",
+    "The weather today is sunny with a light breeze from the west.",
+    "My grandmother grows tomatoes and peppers in her garden.",
+    "We will meet at the coffee shop after the meeting ends.",
+    "The children played football in the park until it got dark.",
+    "Turn left at the second traffic light and drive for two miles.",
+    "Reading a good book before bed helps me fall asleep.",
+)
 ESPEAK_VOICE = "en-us+f2"
 ESPEAK_WPM = 140
 
@@ -114,3 +130,27 @@ def hf_whisper_generate(model_dir, samples: np.ndarray, **generate_kwargs) -> di
         generated = generated[:-1]
     return {"output_token_ids": generated, "gaps": [top2_gap(step[0]) for step in logits],
             "sequence": tokens}
+
+
+def multipart(fields: dict[str, str | list[str]], file: bytes | None, filename: str = "audio.wav") -> tuple[bytes, str]:
+    """A multipart/form-data body (and its content type) as OpenAI's client sends it."""
+    import uuid
+
+    boundary = uuid.uuid4().hex
+    parts = []
+    for name, value in fields.items():
+        for one in value if isinstance(value, list) else [value]:
+            parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{one}\r\n'.encode())
+    if file is not None:
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n".encode() + file + b"\r\n"
+        )
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+def post_audio(server, fields: dict, file: bytes | None, path: str = "/v1/audio/transcriptions",
+               timeout: float = 180.0) -> tuple[int, bytes]:
+    body, content_type = multipart({"model": server.model, **fields}, file)
+    return server.request("POST", path, body, headers={"Content-Type": content_type}, timeout=timeout)
