@@ -82,8 +82,10 @@ CASES = [
         {},
         {"max_num_batched_tokens": 3},  # prompts split across steps (chunked prefill)
         {"num_kv_blocks": 5, "max_num_seqs": 8},  # 80 slots for 20 requests of up to 64 tokens
+        # The audio has no placeholders: a step budget below its 1,500 vectors is no obstacle.
+        {"disable_chunked_mm_input": True, "max_num_batched_tokens": 8},
     ],
-    ids=["batched", "chunked-prefill", "preemption"],
+    ids=["batched", "chunked-prefill", "preemption", "unchunked-mm-small-budget"],
 )
 def test_tiny_whisper_matches_transformers(tiny_whisper_dir, regime):
     built = _engine(tiny_whisper_dir, **regime)

@@ -78,18 +78,16 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     processor = family.load("processor")(info)
     dummy = family.load("dummy_inputs")(info)
     try:  # under the server-wide kwargs, which may raise an item's size
-        max_item_tokens = max(
-            (
-                _encoder_tokens(processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs))
-                for m in info.supported_mm_limits()
-            ),
-            default=0,
-        )
+        largest = [
+            processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs) for m in info.supported_mm_limits()
+        ]
     except VlmdError as exc:
         raise ValueError(f"--mm-processor-kwargs: {exc.message}") from None
-    if config.disable_chunked_mm_input and max_item_tokens > config.max_num_batched_tokens:
+    max_item_tokens = max((_encoder_tokens(processed) for processed in largest), default=0)
+    max_placeholders = max((_placeholders(processed) for processed in largest), default=0)
+    if config.disable_chunked_mm_input and max_placeholders > config.max_num_batched_tokens:
         raise ValueError(
-            f"--disable-chunked-mm-input needs --max-num-batched-tokens >= {max_item_tokens} "
+            f"--disable-chunked-mm-input needs --max-num-batched-tokens >= {max_placeholders} "
             f"(the largest item), got {config.max_num_batched_tokens}"
         )
     # Both default to the token budget and are raised to fit the largest item, so every
@@ -152,11 +150,17 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     )
 
 
+def _placeholders(processed) -> int:
+    if processed.num_placeholders is not None:
+        return processed.num_placeholders
+    return len(processed.replacement) - processed.placeholder_offset
+
+
 def _encoder_tokens(processed) -> int:
     """Encoder vectors of one processed item: one per placeholder unless it says otherwise."""
     if processed.num_encoder_tokens is not None:
         return processed.num_encoder_tokens
-    return len(processed.replacement)
+    return _placeholders(processed)
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
