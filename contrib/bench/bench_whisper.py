@@ -8,8 +8,8 @@ timestamps, English. Each engine transcribes once to warm up, then ``--runs`` ti
 times are medians, measured one engine at a time (vlmd: one HTTP request to ``vlmd serve``,
 upload, decode and features included). Prints one JSON line:
 
-    {"audio_s": 28.8, "cpus": 2, "vlmd": {"wer": .., "seconds": ..}, "transformers": {...},
-     "faster_whisper": {...}, ...}
+    {"audio_s": 28.77, "cpus": 2, "vlmd": {"wer": .., "seconds": ..}, "transformers": {...},
+     "faster_whisper_float32": {...}, "faster_whisper_int8": {...}, ...}
 
     pip install -e '.[bench]'   # faster-whisper is a benchmark dependency only; vlmd never imports it
     python contrib/bench/bench_whisper.py

@@ -172,7 +172,7 @@ def _our_name(name: str, params: dict[str, torch.Tensor]) -> tuple[str, tuple[in
     ):
         for index, part in enumerate(parts):
             fragment = f".{attention}.{part}."
-            if fragment in name and not (attention == "encoder_attn" and part == "q_proj"):
+            if fragment in name:
                 target = name.replace(fragment, f".{attention}.{fused}.")
                 size = params[target].shape[0] // len(parts) if target in params else 0
                 return target, (index * size, size)
