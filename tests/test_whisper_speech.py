@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 
 from whisper_support import (
-    LIBRARY, PARAGRAPH, SENTENCES, TRAIN, hf_whisper_generate, load_hf_whisper, needs_espeak, needs_tiny_en,
+    LIBRARY, PARAGRAPH, SENTENCES, TRAIN, WEATHER, hf_whisper_generate, load_hf_whisper, needs_espeak, needs_tiny_en,
     post_audio, read_samples, silence, speech_wav, wav_bytes,
 )
 
@@ -50,27 +50,24 @@ def test_paragraph_is_recognised_exactly_as_transformers_does(tiny_en_server, ti
 
 
 def test_a_70_second_clip_is_one_transcript_from_three_windows_in_order(tiny_en_server):
-    parts = [read_samples(speech_wav(text)) for text in (PARAGRAPH, LIBRARY, TRAIN)]
-    pause = silence(1.0)
-    samples = np.concatenate([parts[0], pause, parts[1], pause, parts[2]])
-    seconds = samples.shape[0] / 16000
-    if seconds < 70:
-        samples = np.concatenate([samples, silence(70 - seconds)])
+    texts = (PARAGRAPH, LIBRARY, WEATHER, TRAIN)  # 72 s of speech with 1 s pauses between
+    parts = [read_samples(speech_wav(text)) for text in texts]
+    samples = np.concatenate([np.concatenate([part, silence(1.0)]) for part in parts])
+    assert samples.shape[0] / 16000 >= 70
     status, body = post_audio(tiny_en_server, {"response_format": "verbose_json"}, wav_bytes(samples))
     assert status == 200, body
     verbose = orjson.loads(body)
     assert verbose["duration"] >= 70
     seeks = sorted({segment["seek"] for segment in verbose["segments"]})
-    assert len(seeks) == 3, seeks  # three windows contributed segments
+    assert len(seeks) == 3 and seeks[0] == 0, seeks  # three windows, each with speech
     starts = [segment["start"] for segment in verbose["segments"]]
     assert starts == sorted(starts) and verbose["segments"][-1]["end"] <= verbose["duration"]
     for segment in verbose["segments"]:
-        assert segment["start"] >= segment["seek"] / 100 - 1e-6
+        assert segment["seek"] / 100 - 1e-6 <= segment["start"] <= segment["end"]
     text = verbose["text"].lower()
-    positions = [text.find(word) for word in ("fisherman", "librar", "train")]
+    positions = [text.find(word) for word in ("fisherman", "librar", "coast", "train")]
     assert -1 not in positions and positions == sorted(positions), text
-    reference = " ".join((PARAGRAPH, LIBRARY, TRAIN))
-    assert word_error_rate(reference, verbose["text"]) <= 0.3, verbose["text"]
+    assert word_error_rate(" ".join(texts), verbose["text"]) <= 0.2, verbose["text"]
 
 
 def test_eight_concurrent_transcriptions_equal_one_at_a_time(tiny_en_server):

@@ -31,6 +31,10 @@ LIBRARY = (
     "and found seats near the tall windows. A librarian sorted returned books onto a wooden cart "
     "while a printer hummed in the corner. Outside, the rain started to fall on the empty parking lot."
 )
+WEATHER = (
+    "Tomorrow the weather will change. Strong winds are expected along the coast in the afternoon, "
+    "and heavy rain will follow during the night. Drivers should take care on the mountain roads."
+)
 TRAIN = "Finally, the train arrived at the station twenty minutes late, and the passengers hurried toward the exit."
 SENTENCES = (
     FOX,
