@@ -131,3 +131,20 @@ def test_sampled_transcriptions_are_reproducible_with_a_seed(whisper_server, tem
     fields = {"language": "en", "temperature": temperature, "seed": "11"}
     first, second = _json(whisper_server, fields, data), _json(whisper_server, fields, data)
     assert first == second
+
+
+def test_chat_completions_on_a_speech_model_is_a_clear_400(whisper_server):
+    status, body = whisper_server.chat({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+    assert status == 400
+    assert "/v1/audio/transcriptions" in body["error"]["message"]
+    assert whisper_server.request("GET", "/health")[0] == 200
+
+
+def test_float_arrays_hash_by_value_dtype_and_shape():
+    from vlmd.processing.hashing import item_identifier
+
+    samples = np.linspace(-1, 1, 1600, dtype=np.float32)
+    same = item_identifier("m", "audio", samples.copy(), {})
+    assert item_identifier("m", "audio", samples, {}) == same
+    assert item_identifier("m", "audio", samples.astype(np.float64), {}) != same
+    assert item_identifier("m", "audio", samples.reshape(40, 40), {}) != same

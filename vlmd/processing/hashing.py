@@ -22,7 +22,8 @@ def _feed(hasher: blake3, value: Any) -> None:
         hasher.update(value.tobytes())
     elif isinstance(value, np.ndarray):
         hasher.update(f"ndarray:{value.dtype.str}:{value.shape}:".encode())
-        hasher.update(np.ascontiguousarray(value).data)
+        # As raw bytes: a memoryview of a float array has a format blake3 does not take.
+        hasher.update(memoryview(np.ascontiguousarray(value)).cast("B"))
     elif isinstance(value, (bytes, bytearray, memoryview)):
         hasher.update(b"bytes:")
         hasher.update(value)

@@ -65,6 +65,11 @@ class InputPreprocessor:
         return item
 
     def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequestError(
+                "this model has no chat template, so it does not serve chat completions "
+                "(a speech model is served at /v1/audio/transcriptions)"
+            )
         conversation, refs = to_conversation(messages, self._part_for)
         check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
