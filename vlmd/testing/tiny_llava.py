@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 
+from vlmd.testing.checkpoint_io import save_model
+
 __all__ = ["SIZES", "build_tiny_llava", "LLAVA_CHAT_TEMPLATE"]
 
 IMAGE_SIZE = 336
@@ -309,18 +311,8 @@ def build_tiny_llava(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     n_params = sum(p.numel() for p in model.parameters())
 
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
-    from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    # transformers writes the weights through a private temp file (mode 0600); make it 0644 like
-    # every other file so copies and hashes see the same thing.
-    (out / "model.safetensors").chmod(0o644)
+    save_model(model, out)
 
     image_processor = CLIPImageProcessorPil(
         do_resize=True,

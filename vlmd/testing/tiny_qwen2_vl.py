@@ -20,6 +20,8 @@ import json
 import math
 from pathlib import Path
 
+from vlmd.testing.checkpoint_io import save_model
+
 __all__ = ["SIZES", "QWEN2_VL_CHAT_TEMPLATE", "build_tiny_qwen2_vl", "qwen2_vl_config"]
 
 PATCH_SIZE = 14
@@ -268,7 +270,6 @@ def build_tiny_qwen2_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     import torch
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     spec = SIZES[size]
     out = Path(out_dir)
@@ -286,14 +287,7 @@ def build_tiny_qwen2_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
     )
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    (out / "model.safetensors").chmod(0o644)  # written through a 0600 temp file
+    save_model(model, out)
 
     # Stable bytes, and the 4.x spelling of M-RoPE (rope_scaling.type "mrope") beside 5.x's.
     cfg_path = out / "config.json"

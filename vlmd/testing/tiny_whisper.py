@@ -22,6 +22,8 @@ import math
 import random
 from pathlib import Path
 
+from vlmd.testing.checkpoint_io import save_model
+
 __all__ = ["SIZES", "build_tiny_whisper", "special_token_names"]
 
 NUM_LANGUAGES = 99  # openai/whisper-tiny .. large-v2 (large-v3 adds <|yue|>)
@@ -159,7 +161,6 @@ def build_tiny_whisper(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     from vlmd.testing.tokenizer_builder import build_bpe_tokenizer
 
@@ -196,14 +197,7 @@ def build_tiny_whisper(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     model = WhisperForConditionalGeneration(config).to(torch.float32).eval()
     _init_weights(model, seed, vocab["<|0.00|>"])
     n_params = sum(p.numel() for p in model.parameters())
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    (out / "model.safetensors").chmod(0o644)
+    save_model(model, out)
     _write_json(out / "generation_config.json", generation)
     _write_json(out / "config.json", json.loads((out / "config.json").read_text(encoding="utf-8")))
 
