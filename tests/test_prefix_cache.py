@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_scheduler import FakeRunner, image, make_request, make_scheduler
+from sched_support import FakeRunner, image, make_request, make_scheduler
 
 from vlmd.sched.block_hash import block_extra_keys, extend_block_hashes
 from vlmd.sched.block_pool import BlockPool

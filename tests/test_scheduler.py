@@ -1,6 +1,6 @@
 """The scheduler on its own, without torch: requests in, SchedulerOutputs out, RunnerOutputs back.
 
-``FakeRunner`` keeps the same per-request bookkeeping as the real runner (token ids, computed
+``FakeRunner`` (tests/sched_support.py) keeps the same per-request bookkeeping as the real runner (token ids, computed
 count, block table, resident encoder outputs) from nothing but the SchedulerOutputs, and checks
 the protocol on every step: budgets, block tables of exactly ceil(tokens / block_size), encoder
 outputs present for every placeholder a chunk touches, no output encoded twice while resident.
@@ -12,200 +12,22 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from collections import Counter
 
 import pytest
 
-from vlmd.sched.block_pool import BlockPool
-from vlmd.sched.encoder_cache import EncoderCacheManager
-from vlmd.sched.kv_manager import KVCacheManager, blocks_needed
-from vlmd.sched.output import RunnerOutput, SchedulerOutput
+from vlmd.sched.output import RunnerOutput
 from vlmd.sched.request import RequestStatus
-from vlmd.sched.scheduler import Scheduler, SchedulerConfig
-from vlmd.types import EngineRequest, FinishReason, MultiModalItem, RequestDelta, SamplingParams, TokenLogprob
+from vlmd.types import FinishReason, TokenLogprob
 
-EOS = 2
-FILLER = 7  # what the fake runner samples when a request has no script
-
-
-def make_scheduler(**overrides) -> Scheduler:
-    config = dict(
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=512,
-        block_size=4,
-        num_kv_blocks=128,
-        max_num_encoder_input_tokens=64,
-        encoder_cache_size=64,
-        # Most tests reuse the same token ids across requests; prefix caching has its own tests.
-        enable_prefix_caching=False,
-    )
-    config.update(overrides)
-    if "max_model_len" not in overrides and config["block_size"] > 0:
-        # A small test cache also bounds the context: the config rejects a cache that
-        # cannot hold one max_model_len sequence.
-        config["max_model_len"] = min(512, config["num_kv_blocks"] * config["block_size"])
-    return Scheduler(SchedulerConfig(**config))
-
-
-def image(identifier: str, offset: int, length: int) -> MultiModalItem:
-    return MultiModalItem(modality="image", identifier=identifier, offset=offset, length=length)
-
-
-def make_request(
-    request_id: str,
-    num_prompt: int,
-    *,
-    items: tuple[MultiModalItem, ...] = (),
-    eos: tuple[int, ...] = (EOS,),
-    **sampling,
-) -> EngineRequest:
-    sampling.setdefault("max_tokens", 16)
-    return EngineRequest(
-        request_id=request_id,
-        prompt_token_ids=[100 + i for i in range(num_prompt)],
-        sampling=SamplingParams(**sampling),
-        mm_items=list(items),
-        eos_token_ids=eos,
-    )
-
-
-class _State:
-    def __init__(self, data):
-        self.token_ids = list(data.token_ids)
-        self.num_prompt = data.num_prompt_tokens
-        self.computed = data.num_computed_tokens
-        self.blocks = list(data.block_ids)
-        self.items = list(data.mm_items)
-
-
-class FakeRunner:
-    """The runner's bookkeeping without tensors, asserting the scheduler's promises."""
-
-    def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None):
-        self.sched = sched
-        self.config = sched.config
-        self.script = script or {}
-        self.states: dict[str, _State] = {}
-        self.encoder_outputs: dict[str, int] = {}  # identifier -> number of vectors
-        self.encode_counts: Counter[str] = Counter()
-        self.outputs: list[str] = []  # every request id ever sampled for, in order
-        self.deltas: dict[str, list[RequestDelta]] = {}
-
-    def step(self) -> tuple[SchedulerOutput, list[RequestDelta]]:
-        out = self.sched.schedule()
-        result = self.execute(out)
-        deltas = self.sched.update_from_output(out, result)
-        for delta in deltas:
-            self.deltas.setdefault(delta.request_id, []).append(delta)
-        self.check_accounting()
-        return out, deltas
-
-    def run(self, max_steps: int = 1000) -> int:
-        for steps in range(1, max_steps + 1):
-            self.step()
-            if not self.sched.has_work():
-                return steps
-        raise AssertionError(f"still busy after {max_steps} steps: {self.sched.running} {list(self.sched.waiting)}")
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        config = self.config
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
-        assert len(out.num_scheduled_tokens) <= config.max_num_seqs
-        assert len(self.sched.running) <= config.max_num_seqs
-
-        # Same order as the real runner: forget, evict, then add and update.
-        for request_id in out.dropped_request_ids:
-            self.states.pop(request_id, None)
-        for identifier in out.evicted_encoder_identifiers:
-            assert identifier in self.encoder_outputs, f"evicted {identifier} that was never encoded"
-            del self.encoder_outputs[identifier]
-        for data in out.new_requests:
-            assert data.request_id not in self.states, f"{data.request_id} sent as new twice"
-            if not config.enable_prefix_caching:
-                assert data.num_computed_tokens == 0
-            # A prefix hit is whole blocks and always leaves the last token to compute.
-            assert data.num_computed_tokens % config.block_size == 0
-            assert data.num_computed_tokens < len(data.token_ids)
-            self.states[data.request_id] = _State(data)
-        for data in out.cached_requests:
-            state = self.states[data.request_id]
-            assert data.num_computed_tokens == state.computed
-            state.blocks.extend(data.new_block_ids)
-        sent = {d.request_id for d in out.new_requests} | {d.request_id for d in out.cached_requests}
-        assert sent == set(out.num_scheduled_tokens)
-
-        encoded_now: set[str] = set()
-        for request_id, indices in out.scheduled_encoder_inputs.items():
-            assert request_id in out.num_scheduled_tokens
-            for index in indices:
-                item = self.states[request_id].items[index]
-                assert item.identifier not in encoded_now, f"{item.identifier} scheduled twice in one step"
-                assert item.identifier not in self.encoder_outputs, f"{item.identifier} re-encoded while resident"
-                encoded_now.add(item.identifier)
-                self.encode_counts[item.identifier] += 1
-                self.encoder_outputs[item.identifier] = item.length
-
-        owners: dict[int, str] = {}
-        result = RunnerOutput()
-        for request_id, num_new in out.num_scheduled_tokens.items():
-            state = self.states[request_id]
-            assert num_new >= 1
-            start, end = state.computed, state.computed + num_new
-            assert end <= len(state.token_ids)
-            assert len(state.blocks) == blocks_needed(end, config.block_size)
-            assert state.blocks == self.sched.kv.block_ids(request_id)
-            for block in state.blocks:
-                assert 0 <= block < config.num_kv_blocks
-                if not config.enable_prefix_caching:  # with it, full prefix blocks are shared
-                    assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
-                owners[block] = request_id
-            for item in state.items:
-                if item.offset < end and item.end > start:
-                    assert item.identifier in self.encoder_outputs, (
-                        f"{request_id} computes [{start}, {end}) over {item.identifier} without its output"
-                    )
-                    if config.disable_chunked_mm_input:
-                        assert start <= item.offset and item.end <= end, (
-                            f"{request_id} splits {item.identifier} [{item.offset}, {item.end}) at [{start}, {end})"
-                        )
-            state.computed = end
-            if end == len(state.token_ids):
-                script = self.script.get(request_id, [])
-                index = len(state.token_ids) - state.num_prompt
-                token = script[index] if index < len(script) else FILLER
-                state.token_ids.append(token)
-                result.sampled_token_ids[request_id] = token
-                self.outputs.append(request_id)
-        return result
-
-    def check_accounting(self) -> None:
-        kv = self.sched.kv
-        live = [r.request_id for r in self.sched.running] + [r.request_id for r in self.sched.waiting]
-        tables = [kv.block_ids(request_id) for request_id in live]
-        for table in tables:
-            assert len(set(table)) == len(table)  # a request never holds a block twice
-        held = {block for table in tables for block in table}  # shared prefix blocks count once
-        assert kv.num_free_blocks + len(held) == self.config.num_kv_blocks
-        # The scheduler's resident set is what the runner holds; every slot is free or used by one.
-        cache = self.sched.encoder_cache
-        for identifier in self.encoder_outputs:
-            assert cache.is_resident(identifier)
-        assert cache.num_free_slots + sum(self.encoder_outputs.values()) == cache.cache_size
-        assert cache.num_free_slots <= cache.num_freeable_slots <= cache.cache_size
-
-    def output_tokens(self, request_id: str) -> list[int]:
-        return [t for delta in self.deltas.get(request_id, []) for t in delta.new_token_ids]
-
-    def finish_reason(self, request_id: str) -> FinishReason | None:
-        deltas = self.deltas.get(request_id, [])
-        return deltas[-1].finish_reason if deltas else None
-
-
-def chunk_ranges(runner: FakeRunner, out: SchedulerOutput, request_id: str) -> tuple[int, int]:
-    end = runner.states[request_id].computed
-    return end - out.num_scheduled_tokens[request_id], end
+from sched_support import (
+    EOS,
+    FILLER,
+    FakeRunner,
+    chunk_ranges,
+    image,
+    make_request,
+    make_scheduler,
+)
 
 
 # ---- layering -------------------------------------------------------------------------
@@ -225,95 +47,6 @@ def test_config_rejects_non_positive_sizes():
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
         with pytest.raises(ValueError, match=name):
             make_scheduler(**{name: 0})
-
-
-# ---- block pool and KV manager -----------------------------------------------------------
-
-
-def test_block_pool_reuses_the_block_freed_longest_ago():
-    pool = BlockPool(4)
-    assert pool.num_free_blocks == 4 and pool.usage == 0.0
-    assert pool.allocate(3) == [0, 1, 2]
-    assert pool.num_free_blocks == 1 and pool.usage == 0.75
-    pool.free([1])
-    pool.free([0])
-    # 3 was never used, then 1, then 0: oldest free first.
-    assert pool.allocate(3) == [3, 1, 0]
-    assert pool.usage == 1.0
-    with pytest.raises(ValueError):
-        pool.allocate(1)
-    pool.free([2, 3])
-    assert pool.allocate(0) == []
-    assert pool.allocate(2) == [2, 3]
-
-
-def test_block_pool_needs_a_block():
-    with pytest.raises(ValueError):
-        BlockPool(0)
-
-
-def test_kv_manager_grows_tables_and_frees_tail_first():
-    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    a, b = make_request("a", 4), make_request("b", 4)
-    assert kv.allocate_slots(a, 5) == [0, 1]
-    assert kv.allocate_slots(a, 8) == []  # still two blocks
-    assert kv.allocate_slots(a, 9) == [2]
-    assert kv.block_ids("a") == [0, 1, 2]
-    assert kv.allocate_slots(b, 13) is None  # four needed, three free: nothing taken
-    assert kv.num_free_blocks == 3 and kv.block_ids("b") == []
-    kv.free("a")
-    assert kv.num_free_blocks == 6 and kv.block_ids("a") == []
-    # Never-used blocks first, then a's tail before its head.
-    assert kv.allocate_slots(b, 24) == [3, 4, 5, 2, 1, 0]
-    kv.free("missing")  # harmless
-
-
-# ---- encoder cache manager ------------------------------------------------------------
-
-
-def test_encoder_cache_acquire_release_and_lru_eviction():
-    cache = EncoderCacheManager(cache_size=30)
-    assert not cache.acquire_if_resident("r1", "x")
-    assert cache.can_allocate(10, encoder_budget=30, pending_tokens=0)
-    cache.allocate("r1", "x", 10)
-    cache.allocate("r1", "y", 10)
-    cache.allocate("r2", "z", 10)
-    assert cache.num_free_slots == 0 and cache.num_freeable_slots == 0 and cache.usage == 1.0
-    assert cache.acquire_if_resident("r3", "x")  # shared: no new slots
-    assert cache.num_queries == 2 and cache.num_hits == 1
-
-    assert not cache.can_allocate(10, encoder_budget=30, pending_tokens=0)  # all held
-    cache.release("r1", "x")  # r3 still holds x
-    assert cache.num_freeable_slots == 0
-    cache.release("r1", "y")
-    cache.release("r2", "z")
-    cache.release("r3", "x")
-    cache.release("r3", "x")  # twice: no-op
-    cache.release("nobody", "z")  # not a holder: no-op
-    assert cache.num_free_slots == 0 and cache.num_freeable_slots == 30
-    assert all(cache.is_resident(i) for i in "xyz")  # released outputs stay until evicted
-
-    # y was released first, then z, then x: y goes first, and only as much as needed.
-    assert cache.can_allocate(10, encoder_budget=10, pending_tokens=0)
-    assert cache.take_evicted() == ["y"]
-    assert cache.take_evicted() == []
-    assert not cache.is_resident("y") and cache.num_free_slots == 10
-
-    # Re-acquiring an unused output protects it from eviction.
-    assert cache.acquire_if_resident("r4", "z")
-    assert cache.num_freeable_slots == 20
-    assert cache.can_allocate(10, encoder_budget=20, pending_tokens=10)  # 10 promised + 10 more
-    assert cache.take_evicted() == ["x"]
-    assert cache.is_resident("z")
-
-
-def test_encoder_cache_respects_budget_and_pending():
-    cache = EncoderCacheManager(cache_size=20)
-    assert not cache.can_allocate(11, encoder_budget=10, pending_tokens=0)
-    assert cache.can_allocate(10, encoder_budget=10, pending_tokens=10)
-    assert not cache.can_allocate(10, encoder_budget=10, pending_tokens=11)
-    assert cache.take_evicted() == []
-    assert EncoderCacheManager(0).usage == 0.0
 
 
 # ---- continuous batching ---------------------------------------------------------------

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from test_scheduler import FakeRunner, image, make_request, make_scheduler
+from sched_support import FakeRunner, image, make_request, make_scheduler
 from vlmd.types import MultiModalItem
 
 
