@@ -63,6 +63,7 @@ def test_encoder_cache_acquire_release_and_lru_eviction():
     cache.allocate("r2", "z", 10)
     assert cache.num_free_slots == 0 and cache.num_freeable_slots == 0 and cache.usage == 1.0
     assert cache.acquire_if_resident("r3", "x")  # shared: no new slots
+    cache.record_lookups(2, 1)  # the scheduler counts once per scheduled chunk
     assert cache.num_queries == 2 and cache.num_hits == 1
 
     assert not cache.can_allocate(10, encoder_budget=30, pending_tokens=0)  # all held

@@ -626,3 +626,19 @@ def test_finishing_delta_carries_prompt_size_and_logprobs():
     (delta,) = sched.update_from_output(out, RunnerOutput(sampled_token_ids={"a": 5}, logprobs={"a": logprob}))
     assert delta.new_token_ids == [5] and delta.logprobs == [logprob]
     assert delta.num_prompt_tokens == 4 and delta.finish_reason is FinishReason.LENGTH
+
+
+def test_a_blocked_head_of_queue_is_not_counted_again_at_every_retry():
+    # "b" waits for KV blocks for several steps while its image is resident; its lookup
+    # counts once, when it is finally admitted.
+    sched = make_scheduler(block_size=4, num_kv_blocks=10, max_model_len=40)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 20, items=(image("img", 2, 8),), max_tokens=20))
+    runner.step()
+    sched.add_request(make_request("b", 20, items=(image("img", 2, 8),), max_tokens=1))
+    for _ in range(3):
+        runner.step()
+    assert "b" in [r.request_id for r in sched.waiting]  # a holds most blocks
+    runner.run()
+    cache = sched.encoder_cache
+    assert (cache.num_queries, cache.num_hits) == (2, 1)  # a's miss; b's hit, at admission

@@ -29,15 +29,18 @@ class EncoderCacheManager:
 
     def acquire_if_resident(self, request_id: str, identifier: str) -> bool:
         """Take a reference on an already computed (or scheduled) output."""
-        self.num_queries += 1
         if identifier not in self._sizes:
             return False
-        self.num_hits += 1
         users = self._users.setdefault(identifier, set())
         if not users and identifier in self._unused:
             self.num_freeable_slots -= self._unused.pop(identifier)
         users.add(request_id)
         return True
+
+    def record_lookups(self, num_queries: int, num_hits: int) -> None:
+        """Count lookups once, for a chunk that was scheduled (not for plans dropped)."""
+        self.num_queries += num_queries
+        self.num_hits += num_hits
 
     def can_allocate(self, num_tokens: int, encoder_budget: int, pending_tokens: int) -> bool:
         """Whether an item of ``num_tokens`` fits this step's budget and the cache.

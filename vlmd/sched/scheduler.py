@@ -115,7 +115,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_new, encoder_inputs = self._plan_chunk(request, budget)
+            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget)
             if num_new == 0:
                 index += 1
                 continue
@@ -126,7 +126,7 @@ class Scheduler:
             out.cached_requests.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
             )
-            self._commit_chunk(out, request, num_new, encoder_inputs, budget)
+            self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
             index += 1
 
         while (
@@ -138,7 +138,7 @@ class Scheduler:
             request = self.waiting[0]
             computed = self.kv.computed_blocks(request)
             request.num_computed_tokens = len(computed) * self.config.block_size
-            num_new, encoder_inputs = self._plan_chunk(request, budget)
+            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget)
             if (
                 num_new == 0
                 or self.kv.allocate_slots(request, request.num_computed_tokens + num_new, computed) is None
@@ -156,20 +156,22 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.new_requests.append(self._new_request_data(request))
-            self._commit_chunk(out, request, num_new, encoder_inputs, budget)
+            self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
 
         out.evicted_encoder_identifiers = self.encoder_cache.take_evicted()
         out.dropped_request_ids, self._dropped = self._dropped, []
         return out
 
-    def _plan_chunk(self, request: Request, budget: "_Budget") -> tuple[int, list[int]]:
-        """How many tokens of ``request`` to compute now, and which items to encode."""
+    def _plan_chunk(self, request: Request, budget: "_Budget") -> tuple[int, list[int], int]:
+        """How many tokens of ``request`` to compute now, which items to encode, and how
+        many items this chunk found already encoded (for the hit-rate counters)."""
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget.tokens)
         end = start + num_new
         to_encode: list[int] = []
         planned: set[str] = set()
         pending = 0
+        hits = 0
         for index, item in enumerate(request.mm_items):
             if item.offset >= end:
                 break
@@ -178,7 +180,7 @@ class Scheduler:
             if self.config.disable_chunked_mm_input and item.offset >= start and item.end > end:
                 # Checked before the cache: an item must go in one step even when its output
                 # is already resident (or held for an earlier occurrence of the same image).
-                return item.offset - start, to_encode
+                return item.offset - start, to_encode, hits
             if item.identifier in request.held_encoder_items:
                 continue
             if item.identifier in planned:
@@ -186,15 +188,16 @@ class Scheduler:
                 continue
             if self.encoder_cache.acquire_if_resident(request.request_id, item.identifier):
                 request.held_encoder_items.add(item.identifier)
+                hits += 1
                 continue
             if not self.encoder_cache.can_allocate(item.num_encoder_tokens, budget.encoder - pending, pending):
                 # Compute the text before the item now; if the chunk already starts inside
                 # the item (a prefix hit past its start), this request waits for room.
-                return max(item.offset - start, 0), to_encode
+                return max(item.offset - start, 0), to_encode, hits
             pending += item.num_encoder_tokens
             to_encode.append(index)
             planned.add(item.identifier)
-        return num_new, to_encode
+        return num_new, to_encode, hits
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
         """Allocate blocks, preempting from the back of ``running`` until they fit.
@@ -214,8 +217,15 @@ class Scheduler:
                 return None, True
 
     def _commit_chunk(
-        self, out: SchedulerOutput, request: Request, num_new: int, encoder_inputs: list[int], budget: "_Budget"
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new: int,
+        encoder_inputs: list[int],
+        encoder_hits: int,
+        budget: "_Budget",
     ) -> None:
+        self.encoder_cache.record_lookups(encoder_hits + len(encoder_inputs), encoder_hits)
         for index in encoder_inputs:
             item = request.mm_items[index]
             self.encoder_cache.allocate(request.request_id, item.identifier, item.num_encoder_tokens)
