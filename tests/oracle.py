@@ -62,6 +62,33 @@ def top2_gap(logits) -> float:
     return float(top[0] - top[1])
 
 
+def _greedy(model, inputs, max_new_tokens: int):
+    """transformers' greedy generate: (output ids, top-1/top-2 gap per step, step logits)."""
+    import torch
+
+    config = model.generation_config
+    prompt_len = inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    output_ids = out.sequences[0, prompt_len:].tolist()
+    gaps = [top2_gap(step_logits[0]) for step_logits in out.logits]
+    # generate() would pad finished rows in a batch; with batch 1 it stops right after eos.
+    assert len(gaps) == len(output_ids), (len(gaps), len(output_ids))
+    return output_ids, gaps, out.logits
+
+
 def hf_llava_generate(model_dir, messages: list[dict[str, Any]], images: list, max_new_tokens: int) -> dict:
     """Greedy generation with transformers.
 
@@ -73,7 +100,6 @@ def hf_llava_generate(model_dir, messages: list[dict[str, Any]], images: list, m
     each generated step the top-1/top-2 log-prob gap of the model's distribution, and the rendered
     prompt text.
     """
-    import torch
 
     model, processor = load_hf_llava(model_dir)
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -84,26 +110,7 @@ def hf_llava_generate(model_dir, messages: list[dict[str, Any]], images: list, m
         add_special_tokens=False,
     )
     prompt_ids = inputs["input_ids"][0].tolist()
-    eos_id = model.generation_config.eos_token_id
-    pad_id = model.generation_config.pad_token_id
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    output_ids = out.sequences[0, len(prompt_ids) :].tolist()
-    gaps = [top2_gap(step_logits[0]) for step_logits in out.logits]
-    # generate() would pad finished rows in a batch; with batch 1 it stops right after eos.
-    assert len(gaps) == len(output_ids), (len(gaps), len(output_ids))
+    output_ids, gaps, _ = _greedy(model, inputs, max_new_tokens)
     return {
         "prompt": prompt,
         "prompt_token_ids": prompt_ids,
@@ -231,27 +238,10 @@ def hf_qwen2_vl_generate(
         **kwargs,
     )
     prompt_ids = inputs["input_ids"][0].tolist()
-    config = model.generation_config
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=config.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    output_ids = out.sequences[0, len(prompt_ids) :].tolist()
-    gaps = [top2_gap(step_logits[0]) for step_logits in out.logits]
-    assert len(gaps) == len(output_ids), (len(gaps), len(output_ids))
+    output_ids, gaps, logits = _greedy(model, inputs, max_new_tokens)
     logprobs = [
         float(torch.log_softmax(step_logits[0].float(), dim=-1)[token])
-        for step_logits, token in zip(out.logits, output_ids)
+        for step_logits, token in zip(logits, output_ids)
     ]
     grids = {key: inputs[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if key in inputs}
     return {
