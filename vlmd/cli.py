@@ -152,7 +152,7 @@ def serve(config: ServeConfig) -> None:
         created=int(time.time()),
     )
     state.metrics = metrics
-    state.extra["transcriber"] = built.transcriber  # None unless the model is speech-to-text
+    state.transcriber = built.transcriber
     app = create_app(state)
     try:
         web.run_app(

@@ -77,7 +77,3 @@ class BlockPool:
             self._hash_of[block_id] = None
             if self._by_hash.get(block_hash) == block_id:
                 del self._by_hash[block_hash]
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._by_hash)

@@ -45,7 +45,7 @@ async def translations(request: web.Request) -> web.StreamResponse:
 
 async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     state: ServerState = request.app["state"]
-    transcriber = state.extra.get("transcriber")
+    transcriber = state.transcriber
     if transcriber is None:
         raise BadRequestError(
             f"the model `{state.config.model_name}` does not take audio; /v1/audio/* needs a speech-to-text model",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlmd.config import ServeConfig
 from vlmd.engine.async_engine import AsyncEngine
@@ -20,4 +20,5 @@ class ServerState:
     pool: ThreadPoolExecutor
     metrics: object = None
     created: int = 0
-    extra: dict = field(default_factory=dict)
+    # Speech-to-text front end (vlmd_whisper's transcriber); None for other models.
+    transcriber: object = None
