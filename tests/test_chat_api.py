@@ -96,10 +96,17 @@ def test_seeded_sampling_is_reproducible(llava_server):
     assert greedy != first[0]
 
 
-def test_ignore_eos_and_min_tokens_are_accepted(llava_server):
-    status, body = llava_server.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
-                                      "min_tokens": 5, "ignore_eos": True, "temperature": 0})
-    assert status == 200 and body["usage"]["completion_tokens"] == 9
+def test_stop_token_ids_and_min_tokens(llava_server):
+    body = {"messages": image_message("Say something.", random_image(5)), "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    first_token = llava_server.chat(body)[1]["choices"][0]["token_ids"][0]
+    _, stopped = llava_server.chat({**body, "stop_token_ids": [first_token]})
+    assert stopped["choices"][0]["token_ids"] == [first_token]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    # Until min_tokens, stop tokens are masked out of sampling: the greedy first token changes.
+    _, held = llava_server.chat({**body, "stop_token_ids": [first_token], "min_tokens": 4})
+    tokens = held["choices"][0]["token_ids"]
+    assert len(tokens) >= 4 and first_token not in tokens[:4]
 
 
 def test_models_and_health(llava_server):
