@@ -12,6 +12,14 @@ _ROLES = {"system", "developer", "user", "assistant"}
 _MEDIA_PARTS = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"), "audio_url": ("audio", "audio_url")}
 
 
+# input_audio.format -> the media type of the data URL it becomes (the decoder reads the
+# container from the bytes; the name must still be one OpenAI's API allows, or one we read).
+INPUT_AUDIO_FORMATS = {
+    "wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg",
+    "m4a": "audio/mp4", "webm": "audio/webm",
+}
+
+
 @dataclass(frozen=True)
 class MediaRef:
     modality: str
@@ -70,4 +78,26 @@ def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef
         converted = part_for_modality(modality)
         media.append(MediaRef(modality, url))
         return converted
+    if kind == "input_audio":
+        url = _input_audio_url(part.get("input_audio"), where)
+        converted = part_for_modality("audio")
+        media.append(MediaRef("audio", url))
+        return converted
     raise BadRequestError(f"{where}.type {kind!r} is not supported", param="messages")
+
+
+def _input_audio_url(value: Any, where: str) -> str:
+    """OpenAI's ``{"data": base64, "format": "wav"}`` as a data URL (decoded with the others)."""
+    if not isinstance(value, dict):
+        raise BadRequestError(f"{where}.input_audio must be an object with data and format", param="messages")
+    data, fmt = value.get("data"), value.get("format")
+    if not isinstance(data, str) or not data:
+        raise BadRequestError(f"{where}.input_audio.data must be a non-empty base64 string", param="messages")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise BadRequestError(
+            f"{where}.input_audio.format must be one of {sorted(INPUT_AUDIO_FORMATS)}, got {fmt!r}", param="messages"
+        )
+    unknown = sorted(set(value) - {"data", "format"})
+    if unknown:
+        raise BadRequestError(f"{where}.input_audio has unknown fields {unknown}", param="messages")
+    return f"data:{INPUT_AUDIO_FORMATS[fmt]};base64,{data}"

@@ -6,12 +6,14 @@ engine thread.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from typing import Any
 
 from vlmd.config import check_mm_limits
 from vlmd.errors import BadRequestError
+from vlmd.media.audio import load_audio
 from vlmd.media.image import load_image
 from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
@@ -19,7 +21,7 @@ from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, to_conversation
 
-_LOADERS = {"image": load_image, "video": load_video}
+_LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
 
 
 class InputPreprocessor:
@@ -49,13 +51,18 @@ class InputPreprocessor:
 
     def _part_for(self, modality: str) -> dict:
         if modality not in self.supported or modality not in _LOADERS:
-            raise BadRequestError(f"this model does not accept {modality} input", param="messages")
+            raise BadRequestError(
+                f"the model `{self.info.ctx.model_id}` does not accept {modality} input", param="messages"
+            )
         return self.info.chat_part(modality)
 
     def _load(self, ref: MediaRef) -> Any:
         """Fetch and decode one item; concurrent loads of one URL share a single fetch."""
         started = time.perf_counter()
         load = _LOADERS[ref.modality]
+        if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
+            rate = getattr(self.processor, "sampling_rate", 16000)
+            load = functools.partial(load_audio, target_rate=rate)
         if ref.url.startswith("data:"):
             item = load(ref.url, self.policy)
         else:

@@ -1,8 +1,9 @@
 """POST /v1/audio/transcriptions and /v1/audio/translations (OpenAI's multipart API).
 
-The upload is decoded, cut into windows of at most 30 s (at quiet points) and featurized on
-the preprocessing pool. A multilingual model without a ``language`` first detects it on the
-first window. Every window is then one engine request, all submitted at once, so the windows
+The upload is decoded and cut into windows of at most 30 s (at quiet points) on the
+preprocessing pool. A model that detects languages, asked without a ``language``, first
+detects it on the first window. Every window then becomes one engine request (the family's
+whole generation prompt for it, built on the pool), all submitted at once, so the windows
 of one upload (and of other uploads) are batched together; the texts are joined in window
 order and segment times are offset by each window's start. ``stream`` sends text deltas as
 server-sent events (``transcript.text.delta`` then ``transcript.text.done``), window by
@@ -64,15 +65,18 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         language = options.language
         if language is None and transcriber.multilingual:
             language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
-        prompt = transcriber.window_prompt(options, language, prepared.prompt_ids)
-        requests = [
-            transcriber.engine_request(
-                f"{base_id}-{window.index}", window, prompt, state.eos_token_ids, temperature=form.temperature,
-                logprobs=0 if form.response_format == "verbose_json" else None,
-                seed=None if form.seed is None else form.seed + window.index,
-            )
-            for window in prepared.windows
-        ]
+
+        def window_requests():  # on the pool: each window's prompt computes its features
+            return [
+                transcriber.engine_request(
+                    f"{base_id}-{window.index}", window, options, language, state.eos_token_ids,
+                    temperature=form.temperature, logprobs=0 if form.response_format == "verbose_json" else None,
+                    seed=None if form.seed is None else form.seed + window.index,
+                )
+                for window in prepared.windows
+            ]
+
+        requests = await loop.run_in_executor(state.pool, window_requests)
         if form.stream:
             return await _stream(request, state, form, requests, prepared.duration)
         outputs = await _decode_all(state, requests)
@@ -88,7 +92,9 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
 
 
 async def _detect_language(state: ServerState, transcriber, window, base_id: str) -> str:
-    (tokens, _), = await _decode_all(state, [transcriber.detection_request(f"{base_id}-language", window)])
+    loop = asyncio.get_running_loop()
+    request = await loop.run_in_executor(state.pool, transcriber.detection_request, f"{base_id}-language", window)
+    (tokens, _), = await _decode_all(state, [request])
     if not tokens:
         raise EngineFailure("language detection produced no token")
     return transcriber.language_of(tokens[0])
