@@ -153,6 +153,13 @@ def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen2_audio", tmp_path_factory.mktemp("tiny-qwen2-audio"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_whisper_dir(tmp_path_factory) -> Path:
     from vlmd.testing.tiny import build_tiny
 
