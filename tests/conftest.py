@@ -209,3 +209,17 @@ def llava_server(tiny_llava_dir, media_dir, tmp_path_factory):
     )
     yield server
     server.stop()
+
+
+def qwen2_audio_flags(media_dir: Path) -> tuple[str, ...]:
+    """The tiny Qwen2-Audio servers' flags: local files, two clips a prompt, 3 MB a clip."""
+    return ("--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "audio=2",
+            "--media-io-kwargs", '{"audio": {"max_bytes": 3000000}}')
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio_server(tiny_qwen2_audio_dir, media_dir, tmp_path_factory):
+    server = Server(tiny_qwen2_audio_dir, *qwen2_audio_flags(media_dir), "--max-model-len", "2048",
+                    name="tiny-audio", log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()

@@ -22,7 +22,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from conftest import Server
+from conftest import Server, qwen2_audio_flags
 from oracle import assert_greedy_match, hf_qwen2_audio_generate
 
 RATE = 16000
@@ -128,16 +128,9 @@ def _check(body, ref):
     assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
 
 
-def _server(model_dir, media_dir, log_dir, *flags) -> Server:
-    return Server(model_dir, "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "audio=2",
-                  "--media-io-kwargs", '{"audio": {"max_bytes": 3000000}}', *flags, name="tiny-audio", log_dir=log_dir)
-
-
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_audio_dir, media_dir, tmp_path_factory):
-    server = _server(tiny_qwen2_audio_dir, media_dir, tmp_path_factory.mktemp("qwen2-audio-logs"), "--max-model-len", "2048")
-    yield server
-    server.stop()
+def server(qwen2_audio_server):
+    return qwen2_audio_server
 
 
 def _run_concurrently(server, cases):
@@ -163,8 +156,8 @@ def test_parity_8_concurrent(server, cases, references):
 
 
 def test_parity_split_placeholders_and_preemption(tiny_qwen2_audio_dir, media_dir, cases, references, tmp_path):
-    server = _server(tiny_qwen2_audio_dir, media_dir, tmp_path, "--max-num-batched-tokens", "32",
-                     "--num-kv-blocks", "76", "--max-model-len", "1216")
+    server = Server(tiny_qwen2_audio_dir, *qwen2_audio_flags(media_dir), "--max-num-batched-tokens", "32",
+                    "--num-kv-blocks", "76", "--max-model-len", "1216", name="tiny-audio", log_dir=tmp_path)
     try:
         steps_before = server.metrics()["vlmd_engine_steps_total"]
         bodies = _run_concurrently(server, cases)
