@@ -55,6 +55,10 @@ class TranscriptionPreprocessor:
         if options.task not in TASKS:
             raise BadRequestError(f"task must be one of {list(TASKS)}", param="task")
         if options.task not in self.processor.speech_tasks:
+            if options.task == "translate" and not self.multilingual:
+                raise BadRequestError(
+                    "this model is English-only: it cannot translate; use /v1/audio/transcriptions", param="model"
+                )
             raise BadRequestError(
                 f"this model cannot {options.task}; it serves {', '.join(self.processor.speech_tasks)}", param="model"
             )
