@@ -61,6 +61,7 @@ def test_audio_to_a_model_without_audio_names_the_model(llava_server):
 def test_features_and_placeholder_counts_equal_transformers(qwen2_audio_server, tiny_qwen2_audio_dir):
     from transformers import AutoConfig, AutoTokenizer
 
+    from vlmd.errors import BadRequestError
     from vlmd.processing.base import ProcessingContext
     from vlmd_qwen2_audio.processing import Qwen2AudioProcessingInfo, Qwen2AudioProcessor
 
@@ -68,13 +69,46 @@ def test_features_and_placeholder_counts_equal_transformers(qwen2_audio_server, 
                             AutoTokenizer.from_pretrained(tiny_qwen2_audio_dir))
     ours = Qwen2AudioProcessor(Qwen2AudioProcessingInfo(ctx))
     _, hf = load_hf_qwen2_audio(tiny_qwen2_audio_dir)
-    for length in (1, 159, 160, 161, 16000, 123457, 479999, 480000):
+    for length in (1, 320):  # transformers would give these no placeholder: refused
+        with pytest.raises(BadRequestError, match="too short"):
+            ours.process_item("audio", make_clip(0.1, 30)[:length], {})
+    for length in (321, 16000, 123457, 479999, 480000):
         samples = make_clip(length / 16000, 30)[:length]
         processed = ours.process_item("audio", samples, {})
         reference = hf(text="<|AUDIO|>", audio=[samples], sampling_rate=16000, return_tensors="np")
         assert len(processed.replacement) == int((reference["input_ids"] == ctx.hf_config.audio_token_id).sum())
         assert np.array_equal(processed.encoder_inputs["input_features"], reference["input_features"][0])
         assert processed.encoder_inputs["num_frames"] == int(reference["feature_attention_mask"].sum())
+
+
+def test_encoder_over_the_clip_alone_equals_transformers_masked_encoder(tiny_qwen2_audio_dir):
+    """Our encoder runs the layers over the clip's positions only; transformers runs all 1,500
+    and masks the keys past the clip. The vectors must agree."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_bidirectional_mask
+
+    from vlmd_qwen2_audio.model import Qwen2AudioModel
+    from vlmd_qwen2_audio.processing import conv_output_frames, num_audio_tokens
+
+    hf_model, hf = load_hf_qwen2_audio(tiny_qwen2_audio_dir)
+    ours = Qwen2AudioModel.load(tiny_qwen2_audio_dir, AutoConfig.from_pretrained(tiny_qwen2_audio_dir), torch.float32)
+    clips = [make_clip(seconds, 50 + i) for i, seconds in enumerate((0.05, 1.3, 17.77, 30.0))]
+    extracted = hf.feature_extractor(clips, sampling_rate=16000, padding="max_length", return_attention_mask=True,
+                                     return_tensors="pt")
+    frames = extracted["attention_mask"].sum(-1).tolist()
+    inputs = [{"input_features": f.numpy(), "num_frames": n} for f, n in zip(extracted["input_features"], frames)]
+    with torch.inference_mode():
+        vectors = ours.embed_multimodal("audio", inputs)
+        tower = hf_model.model.audio_tower if hasattr(hf_model, "model") else hf_model.audio_tower
+        keys = (torch.arange(1500)[None, :] < torch.tensor([conv_output_frames(n) for n in frames])[:, None]).long()
+        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(len(clips), 1500, 1),
+                                         attention_mask=keys)
+        projector = hf_model.model.multi_modal_projector if hasattr(hf_model, "model") else hf_model.multi_modal_projector
+        reference = projector(tower(extracted["input_features"], attention_mask=mask).last_hidden_state)
+    for index, n in enumerate(frames):
+        assert vectors[index].shape[0] == num_audio_tokens(n)
+        torch.testing.assert_close(vectors[index], reference[index, : num_audio_tokens(n)], atol=2e-5, rtol=1e-5)
 
 
 def test_transcription_through_a_decoder_only_model(qwen2_audio_server, tiny_qwen2_audio_dir):

@@ -3,9 +3,11 @@
 The audio encoder needs no KV cache, so it is transformers' own ``Qwen2AudioEncoder`` built
 from the checkpoint config (two convolutions over 3,000 log-mel frames, 1,500 positions,
 pre-norm layers, 2x average pooling, a final layer norm); the language model, where the paged
-cache lives, is ours. Every clip's features are padded to 30 s; as in transformers, the
-encoder's attention masks the *keys* past the clip's own frames (queries are not masked), and
-only the first ``num_audio_tokens`` pooled vectors of a clip are kept.
+cache lives, is ours. Every clip's features are padded to 30 s and both convolutions run over
+all of them, as in transformers; transformers then masks the encoder's *keys* past the clip's
+own frames (queries are not masked) and keeps the first ``num_audio_tokens`` pooled vectors,
+so the layers here run over the clip's own positions only (``_encode_clip`` says why that is
+the same result).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlmd.models.loader import iterate_weights
@@ -101,26 +104,35 @@ class Qwen2AudioModel(nn.Module):
         return self.language_model.embed_input_ids(input_ids)
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """One encoder pass over the step's clips: ``[num_audio_tokens, hidden]`` per clip."""
+        """The step's clips through the encoder: ``[num_audio_tokens, hidden]`` per clip."""
         if modality != "audio":
             raise ValueError(f"Qwen2-Audio does not encode {modality}")
-        from transformers.masking_utils import create_bidirectional_mask
-
+        tower = self.audio_tower
         dtype = self.multi_modal_projector.linear.weight.dtype
         features = torch.from_numpy(np.stack([np.asarray(i["input_features"]) for i in encoder_inputs])).to(dtype)
-        frames = [int(i["num_frames"]) for i in encoder_inputs]
-        positions = self.audio_tower.config.max_source_positions
-        lengths = torch.tensor([conv_output_frames(n) for n in frames])
-        keys_2d = (torch.arange(positions)[None, :] < lengths[:, None]).to(torch.long)
-        # As transformers builds it: a mask over keys only, broadcast over every query.
-        mask = create_bidirectional_mask(
-            config=self.audio_tower.config,
-            inputs_embeds=torch.zeros(len(frames), positions, 1, dtype=dtype),
-            attention_mask=keys_2d,
-        )
-        hidden = self.audio_tower(features, attention_mask=mask).last_hidden_state
-        projected = self.multi_modal_projector(hidden)
-        return [projected[index, : num_audio_tokens(n)] for index, n in enumerate(frames)]
+        # The convolutions see the whole 30 s, padding included, as in transformers.
+        hidden = F.gelu(tower.conv2(F.gelu(tower.conv1(features)))).permute(0, 2, 1)
+        outputs = []
+        for index, inputs in enumerate(encoder_inputs):
+            num_frames = int(inputs["num_frames"])
+            outputs.append(self._encode_clip(hidden[index : index + 1], num_frames))
+        return outputs
+
+    def _encode_clip(self, hidden: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """The encoder layers over the clip's own positions only.
+
+        transformers runs all 1,500 positions and masks the keys past the clip, so a padded
+        position never reaches a clip position (queries are not masked, but those rows are
+        dropped at the end): leaving them out is the same arithmetic, minus masked terms that
+        are exactly zero, for (1,500 / clip positions) times less attention work.
+        """
+        tower = self.audio_tower
+        length = conv_output_frames(num_frames)
+        hidden = hidden[:, :length] + tower.embed_positions.weight[:length]
+        for layer in tower.layers:
+            hidden = layer(hidden, None)
+        pooled = tower.avg_pooler(hidden.permute(0, 2, 1)).permute(0, 2, 1)
+        return self.multi_modal_projector(tower.layer_norm(pooled))[0, : num_audio_tokens(num_frames)]
 
     def forward(self, inputs_embeds, positions, meta, kv_caches) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches)

@@ -111,6 +111,12 @@ class Qwen2AudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
         )
         num_frames = int(extracted["attention_mask"][0].sum())
         count = num_audio_tokens(num_frames)
+        if count < 1:  # transformers would give the clip no placeholder at all
+            raise BadRequestError(
+                f"an audio clip of {samples.shape[0]} samples is too short for this model (it needs more than "
+                f"{2 * int(self.info.feature_settings.get('hop_length', 160))} samples at {self.sampling_rate} Hz)",
+                param="messages",
+            )
         return ProcessedItem(
             encoder_inputs={"input_features": extracted["input_features"][0].astype(np.float32), "num_frames": num_frames},
             replacement=[self.info.marker_token_id("audio")] * count,
