@@ -212,8 +212,9 @@ def llava_server(tiny_llava_dir, media_dir, tmp_path_factory):
 
 
 def qwen2_audio_flags(media_dir: Path) -> tuple[str, ...]:
-    """The tiny Qwen2-Audio servers' flags: local files, two clips a prompt, 3 MB a clip."""
-    return ("--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "audio=2",
+    """The tiny Qwen2-Audio servers' flags: local files and a loopback http server, two clips
+    a prompt, 3 MB a clip."""
+    return ("--allowed-local-media-path", str(media_dir), "--allow-private-media-urls", "--limit-mm-per-prompt", "audio=2",
             "--media-io-kwargs", '{"audio": {"max_bytes": 3000000}}')
 
 

@@ -294,3 +294,10 @@ def test_tiny_builders_and_converters_come_from_plugins():
     assert converters()["ct2"].startswith("vlmd_whisper.")
     for target in [*builders.values(), *converters().values()]:
         assert target.split(".")[0].startswith("vlmd_"), target
+
+
+def test_vlmd_convert_names_the_formats_plugins_register():
+    result = subprocess.run([sys.executable, "-m", "vlmd", "convert", "--from", "nope", "a", "b"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "no installed plugin converts from 'nope'; known formats: ct2" in result.stderr

@@ -4,14 +4,21 @@ decoder-only model, and the tiny checkpoint's rules (byte-identical per seed, of
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
+import io
+import threading
 
 import numpy as np
 import openai
 import pytest
+import soundfile as sf
 
-from oracle import hf_qwen2_audio_generate, load_hf_qwen2_audio
-from test_qwen2_audio import decoded, encode, input_audio, make_clip, text
+from oracle import assert_greedy_match, hf_qwen2_audio_generate, load_hf_qwen2_audio
+from qwen2_audio_support import decoded, encode, input_audio, make_clip, text
+from vlmd.media.audio import decode_audio
+from vlmd.media.policy import MediaPolicy
 
 
 def _good(server) -> None:
@@ -123,6 +130,33 @@ def test_transcription_through_a_decoder_only_model(qwen2_audio_server, tiny_qwe
     assert result.text == expected and result.text
     with pytest.raises(openai.BadRequestError, match="gives no timestamps"):
         client.audio.transcriptions.create(model="tiny-audio", file=("tone.wav", data), response_format="verbose_json")
+
+
+def test_http_url_and_mp3_clips(qwen2_audio_server, tiny_qwen2_audio_dir, tmp_path):
+    """audio_url over http (the media policy's fetch) and input_audio as mp3 (PyAV)."""
+    wav = encode(make_clip(3.3, 60), "WAV")
+    (tmp_path / "clip.wav").write_bytes(wav)
+    mp3_buffer = io.BytesIO()
+    sf.write(mp3_buffer, make_clip(2.2, 61), 16000, format="MP3", subtype="MPEG_LAYER_III")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    clip = {"type": "audio", "audio": "clip"}
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/clip.wav"
+        cases = [({"type": "audio_url", "audio_url": {"url": url}}, decoded(wav)),
+                 (input_audio(mp3_buffer.getvalue(), "mp3"), decode_audio(mp3_buffer.getvalue(), MediaPolicy()))]
+        for part, samples in cases:
+            status, body = qwen2_audio_server.chat({**_audio_chat(part), "max_tokens": 6, "temperature": 0,
+                                                    "return_token_ids": True})
+            assert status == 200, body
+            reference = hf_qwen2_audio_generate(tiny_qwen2_audio_dir, [{"role": "user", "content": [
+                clip, text("What is it?")]}], [samples], 6)
+            assert body["prompt_token_ids"] == reference["prompt_token_ids"]
+            assert_greedy_match(body["choices"][0]["token_ids"], reference)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def _digests(directory) -> dict[str, str]:
