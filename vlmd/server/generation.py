@@ -123,7 +123,8 @@ class Generation:
         metrics = self.state.metrics
         if metrics is not None:
             if self.last_token_time is None:
-                metrics.ttft.observe(now - self.started)
+                if self.counts_prompt:  # one time-to-first-token per prompt, not per choice
+                    metrics.ttft.observe(now - self.started)
             else:
                 metrics.itl.observe(now - self.last_token_time)
         self.last_token_time = now
