@@ -131,6 +131,27 @@ def test_warpers_equal_transformers_chain(params):
         torch.testing.assert_close(ours[row : row + 1], scores.softmax(dim=-1))
 
 
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.5])  # peaked: top 256 suffice; wider; flat: a full sort
+def test_top_p_over_a_large_vocabulary_equals_transformers(scale):
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(5)) * scale
+    sampling = [SamplingParams(top_p=p) for p in (0.9, 0.5, 0.99)]
+    ours = warp(logits.clone(), sampling)
+    for row, p in enumerate(sampling):
+        expected = TopPLogitsWarper(p.top_p)(torch.tensor([[0]]), logits[row : row + 1].clone()).softmax(dim=-1)
+        assert torch.equal(ours[row] > 0, expected[0] > 0)
+        torch.testing.assert_close(ours[row : row + 1], expected)
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_masked_token():
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0]]).repeat(4000, 1)
+    states = [_state(SamplingParams(temperature=1.0), [1], request_id=f"r{i}") for i in range(4000)]
+    from vlmd.runner.sampler import _draw
+
+    tokens = _draw(probs, states, torch.Generator().manual_seed(0))
+    assert set(tokens) == {1, 3}
+    assert abs(tokens.count(3) / 4000 - 0.8) < 0.03
+
+
 def test_min_p_removes_tokens_below_the_fraction_of_the_top_probability():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     probs = warp(logits, [SamplingParams(min_p=0.35)])

@@ -65,18 +65,22 @@ def sample(
 
 
 def _draw(probs: torch.Tensor, states: list[RunnerRequestState], default_generator: torch.Generator) -> list[int]:
-    """One token per row of ``probs``: a seeded request draws from its own generator
-    (so its answer does not depend on the batch), the rest share one draw."""
-    tokens = [0] * len(states)
+    """One token per row of ``probs`` by inverting its cumulative distribution: a seeded
+    request takes its uniform number from its own generator (so its answer does not depend
+    on the batch), the rest from the shared one. (``torch.multinomial`` costs ~1.7 ms per
+    32k-token row on this CPU; the float64 cumsum and search cost ~0.1 ms per row.)"""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    uniform = torch.empty(len(states), 1, dtype=torch.float64)
     unseeded = []
     for index, state in enumerate(states):
         generator = state.generator_for_next_token()
         if generator is None:
             unseeded.append(index)
         else:
-            tokens[index] = int(torch.multinomial(probs[index], 1, generator=generator))
+            uniform[index] = torch.rand(1, generator=generator, dtype=torch.float64)
     if unseeded:
-        drawn = torch.multinomial(probs[unseeded], 1, generator=default_generator).squeeze(1).tolist()
-        for index, token in zip(unseeded, drawn):
-            tokens[index] = token
-    return tokens
+        uniform[unseeded] = torch.rand(len(unseeded), 1, generator=default_generator, dtype=torch.float64)
+    # Strictly below the total, so the search lands on a token of non-zero probability.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()
