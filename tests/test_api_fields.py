@@ -180,3 +180,27 @@ def test_audio_form_fields_we_do_not_implement_are_400(whisper_server, field, fr
         client.audio.transcriptions.create(model=whisper_server.model, file=("a.wav", _wav()),
                                            extra_body={field: "auto"})
     assert field in info.value.message and fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([{"role": "user", "content": "hi", "name": "alice"}], "messages[0].name"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+         "messages[1].tool_calls"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}], "cache_control"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,", "detail": "high"}}]}],
+         "detail"),
+    ],
+)
+def test_message_fields_we_do_not_implement_are_400(llava_server, messages, fragment):
+    status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
+    assert_error(status, body, 400, fragment, param="messages")
+
+
+def test_message_fields_with_no_effect_are_accepted(llava_server):
+    url = image_message("hi", random_image(34, 32, 32))[0]["content"][0]["image_url"]["url"]
+    messages = [{"role": "user", "name": None, "content": [
+        {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}, {"type": "text", "text": "hi"}]}]
+    status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
+    assert status == 200, body
