@@ -158,6 +158,20 @@ def test_chat_template_kwargs_change_the_rendered_prompt(qwen2_vl_server):
     assert chat["prompt_token_ids"] == with_id["tokens"]
 
 
+def test_qwen2_vl_completions_and_n_with_m_rope(qwen2_vl_server):
+    """Text prompts get M-RoPE positions from the family's processor too; n greedy choices
+    of an image chat are twins."""
+    status, raw = qwen2_vl_server.request("POST", "/v1/completions", orjson.dumps(
+        {"model": qwen2_vl_server.model, "prompt": "What is", "max_tokens": 4, "temperature": 0, "n": 2}))
+    body = orjson.loads(raw)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]
+    status, chat = qwen2_vl_server.chat({"messages": image_message("Describe", random_image(35, 112, 84)),
+                                         "max_tokens": 4, "temperature": 0, "n": 2, "return_token_ids": True})
+    assert status == 200, chat
+    assert chat["choices"][0]["token_ids"] == chat["choices"][1]["token_ids"]
+
+
 # --- the audio form ------------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ def sample(
     apply_token_constraints(logits, states)
     if process_logits is not None:
         logits = process_logits(logits, states)
+    # (structured outputs: the grammar's token mask is applied here, before bias/penalties)
     apply_logit_bias(logits, states)
     apply_penalties(logits, states)
 
