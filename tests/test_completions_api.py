@@ -52,7 +52,8 @@ def test_a_batch_of_prompts_with_n_orders_choices_prompt_major(llava_server):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     for index, prompt in enumerate(prompts):
         _, alone = _complete(llava_server, prompt=prompt, max_tokens=5, temperature=0)
-        assert body["choices"][2 * index]["text"] == body["choices"][2 * index + 1]["text"] == alone["choices"][0]["text"]
+        first, second = body["choices"][2 * index : 2 * index + 2]
+        assert first["text"] == second["text"] == alone["choices"][0]["text"]
     assert body["usage"]["prompt_tokens"] == sum(len(_token_ids(llava_server, p)) for p in prompts)
     _, batched_ids = _complete(llava_server, prompt=[_token_ids(llava_server, p) for p in prompts], max_tokens=5,
                                temperature=0)

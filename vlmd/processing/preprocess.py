@@ -120,6 +120,7 @@ def template_variables(tokenizer, chat_template_kwargs: dict | None) -> dict:
     for name in chat_template_kwargs:
         if not isinstance(name, str) or not name.isidentifier() or name in reserved:
             raise BadRequestError(
-                f"chat_template_kwargs may not set {name!r}: it is not a template variable", param="chat_template_kwargs"
+                f"chat_template_kwargs may not set {name!r}: it is not a template variable",
+                param="chat_template_kwargs",
             )
     return dict(chat_template_kwargs)

@@ -40,8 +40,9 @@ class Delta:
     finish_reason: str | None  # set on the choice's last delta
 
 
-def choice_requests(state: ServerState, request_id: str, processed, sampling: SamplingFields, first_index: int = 0
-                    ) -> list[EngineRequest]:
+def choice_requests(
+    state: ServerState, request_id: str, processed, sampling: SamplingFields, first_index: int = 0
+) -> list[EngineRequest]:
     """The engine requests of one prompt's ``n`` choices (``processed``: a ProcessorOutput)."""
     num_prompt = len(processed.prompt_token_ids)
     return [

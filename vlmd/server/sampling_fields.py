@@ -55,7 +55,9 @@ class SamplingFields:
                 )
 
 
-def read_sampling_fields(fields: RequestFields, *, logprobs: int | None, default_max_tokens: int | None) -> SamplingFields:
+def read_sampling_fields(
+    fields: RequestFields, *, logprobs: int | None, default_max_tokens: int | None
+) -> SamplingFields:
     max_tokens = fields.get("max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = fields.get("max_tokens", int, default_max_tokens)

@@ -38,8 +38,9 @@ async def tokenize(request: web.Request) -> web.Response:
         if add_special_tokens:
             raise BadRequestError("add_special_tokens is not supported with messages (the template adds them)",
                                   param="add_special_tokens")
+        process = state.preprocessor.process_chat
         processed = await loop.run_in_executor(
-            state.pool, lambda: state.preprocessor.process_chat(messages, mm_kwargs, template_kwargs, check_length=False)
+            state.pool, lambda: process(messages, mm_kwargs, template_kwargs, check_length=False)
         )
         tokens = processed.prompt_token_ids
     else:
