@@ -218,3 +218,13 @@ def test_message_fields_with_no_effect_are_accepted(llava_server):
         {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}, {"type": "text", "text": "hi"}]}]
     status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
     assert status == 200, body
+
+
+def test_text_routes_on_a_speech_model_say_where_it_is_served(whisper_server):
+    status, raw = whisper_server.request("POST", "/v1/completions", orjson.dumps(
+        {"model": whisper_server.model, "prompt": "hello", "max_tokens": 2}))
+    assert_error(status, raw, 400, "/v1/audio/transcriptions")
+    status, raw = whisper_server.request("POST", "/tokenize", orjson.dumps({"messages": TEXT}))
+    assert_error(status, raw, 400, "/v1/audio/transcriptions")
+    status, raw = whisper_server.request("POST", "/tokenize", orjson.dumps({"prompt": "hello"}))
+    assert status == 200 and orjson.loads(raw)["count"] > 0
