@@ -7,6 +7,7 @@ engine thread.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections import Counter
 from typing import Any
@@ -71,7 +72,10 @@ class InputPreprocessor:
             self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
         return item
 
-    def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
+    def process_chat(
+        self, messages: Any, mm_processor_kwargs: dict | None = None, chat_template_kwargs: dict | None = None,
+        check_length: bool = True,
+    ) -> ProcessorOutput:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError(
                 "this model has no chat template, so it does not serve chat completions "
@@ -79,19 +83,51 @@ class InputPreprocessor:
             )
         conversation, refs = to_conversation(messages, self._part_for)
         check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        template_kwargs = template_variables(self.tokenizer, chat_template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         media: dict[str, list] = {}
         for ref in refs:
             media.setdefault(ref.modality, []).append(self._load(ref))
+        return self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length)
+
+    def process_prompt(self, prompt_ids: list[int], check_length: bool = True) -> ProcessorOutput:
+        """A text prompt given as token ids (``/v1/completions``): no media, but the same
+        checks (a typed media marker without its item is refused by the processor)."""
+        if self.info.ctx.hf_config.is_encoder_decoder:
+            raise BadRequestError(
+                "this model needs an audio input for every prompt; it is served at /v1/audio/transcriptions"
+            )
+        return self._apply(prompt_ids, {}, None, "prompt", check_length)
+
+    def _apply(self, prompt_ids, media: dict, mm_processor_kwargs, param: str, check_length: bool) -> ProcessorOutput:
         for modality in self.supported:
             media.setdefault(modality, [])
         output = self.processor.apply(prompt_ids, media, mm_processor_kwargs)
         num_tokens = len(output.prompt_token_ids)
-        if num_tokens >= self.max_model_len:
+        if check_length and num_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"the prompt has {num_tokens} tokens (text plus multimodal placeholders) but "
                 f"max_model_len is {self.max_model_len}; leave room for at least one output token",
-                param="messages",
+                param=param,
             )
         return output
+
+
+def template_variables(tokenizer, chat_template_kwargs: dict | None) -> dict:
+    """``chat_template_kwargs`` as extra variables of the template render (e.g. Qwen2-VL's
+    ``add_vision_id``). A name that ``apply_chat_template`` itself takes (``tokenize``,
+    ``tools``, ``chat_template``...) or that the template is given (``messages``) is
+    refused: it would change how we render, not what the template sees."""
+    if not chat_template_kwargs:
+        return {}
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages", "kwargs"}
+    for name in chat_template_kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or name in reserved:
+            raise BadRequestError(
+                f"chat_template_kwargs may not set {name!r}: it is not a template variable",
+                param="chat_template_kwargs",
+            )
+    return dict(chat_template_kwargs)

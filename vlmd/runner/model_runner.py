@@ -53,7 +53,7 @@ class ModelRunner:
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
             for state, token, logprob in zip(batch.sample_states, tokens, logprobs):
-                state.token_ids.append(token)
+                state.append_token(token)
                 result.sampled_token_ids[state.request_id] = token
                 if logprob is not None:
                     result.logprobs[state.request_id] = logprob

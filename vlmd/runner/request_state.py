@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vlmd.runner.token_counts import TokenCounts
 from vlmd.sched.output import NewRequestData
 from vlmd.types import MultiModalItem, SamplingParams
 
@@ -26,6 +27,8 @@ class RunnerRequestState:
     # Encoder-decoder models: what the decoder attends to (e.g. Whisper's cross-attention
     # K/V), derived once from the encoder output and kept for the request's life.
     cross_state: Any = None
+    # Penalized requests only: counts of the tokens seen, built at the first sample.
+    token_counts: TokenCounts | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -41,6 +44,18 @@ class RunnerRequestState:
             mrope_positions=data.mrope_positions,
             mrope_position_delta=data.mrope_position_delta,
         )
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token (and count it, for a penalized request)."""
+        self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
+
+    def token_counts_for(self, vocab_size: int) -> TokenCounts:
+        if self.token_counts is None:
+            prompt = self.token_ids[: self.num_prompt_tokens]
+            self.token_counts = TokenCounts(prompt, self.token_ids[self.num_prompt_tokens :], vocab_size)
+        return self.token_counts
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,9 +9,12 @@ import orjson
 import structlog
 from aiohttp import web
 
+import vlmd
 from vlmd.errors import AuthenticationError, VlmdError
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
+from vlmd.server.completions import completions
+from vlmd.server.tokenize import detokenize, tokenize
 from vlmd.server.metrics import CONTENT_TYPE
 from vlmd.server.state import ServerState
 
@@ -94,7 +97,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 with an empty body (``/ping`` is the same, under the API key)."""
     return web.Response(text="")
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.Response(body=orjson.dumps({"version": vlmd.__version__}), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -109,6 +117,12 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)
     app["state"] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
     app.router.add_post("/v1/audio/transcriptions", transcriptions)
     app.router.add_post("/v1/audio/translations", translations)
     app.router.add_get("/v1/models", models)
