@@ -153,6 +153,7 @@ def serve(config: ServeConfig) -> None:
     )
     state.metrics = metrics
     state.transcriber = built.transcriber
+    state.grammar_compiler = built.grammar_compiler
     app = create_app(state)
     try:
         web.run_app(

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vlmd.runner.grammar_mask import GrammarState
 from vlmd.sched.output import NewRequestData
 from vlmd.types import MultiModalItem, SamplingParams
 
@@ -26,6 +27,8 @@ class RunnerRequestState:
     # Encoder-decoder models: what the decoder attends to (e.g. Whisper's cross-attention
     # K/V), derived once from the encoder output and kept for the request's life.
     cross_state: Any = None
+    # Structured output: the matcher, in the state this request's generated tokens lead to.
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -40,6 +43,11 @@ class RunnerRequestState:
             stop_token_ids=data.stop_token_ids,
             mrope_positions=data.mrope_positions,
             mrope_position_delta=data.mrope_position_delta,
+            # Rebuilt from scratch on every (re)admission: after a preemption the request
+            # brings back the tokens it generated, and the matcher replays them.
+            grammar=GrammarState(data.sampling.grammar, data.token_ids[data.num_prompt_tokens :])
+            if data.sampling.grammar is not None
+            else None,
         )
 
     @property

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from vlmd.runner.grammar_mask import apply_grammar_masks
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.types import SamplingParams, TokenLogprob
 
@@ -29,6 +30,8 @@ def sample(
     apply_token_constraints(logits, states)
     if process_logits is not None:
         logits = process_logits(logits, states)
+    # Structured outputs last: whatever the other rules leave, the grammar has the final word.
+    apply_grammar_masks(logits, states)
 
     tokens = logits.argmax(dim=-1).tolist()
     for row, state in enumerate(states):

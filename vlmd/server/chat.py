@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -119,11 +120,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             param="stop_token_ids",
         )
     loop = asyncio.get_running_loop()
+    grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
     processed = await loop.run_in_executor(
         state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs
     )
     num_prompt = len(processed.prompt_token_ids)
     sampling = chat.sampling_params(num_prompt, state.max_model_len)
+    if grammar is not None:
+        sampling = dataclasses.replace(sampling, grammar=grammar)
     engine_request = EngineRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         prompt_token_ids=processed.prompt_token_ids,
@@ -138,6 +142,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if chat.stream:
         return await _stream(request, state, chat, generation)
     return await _complete(state, chat, generation)
+
+
+async def compile_structured_output(state: ServerState, spec):
+    """The compiled grammar for a request's constraint: from the cache, or compiled on the
+    preprocessing pool (never on the event loop or the engine thread). Bad input is a 400
+    before any media is fetched."""
+    compiler = state.grammar_compiler
+    if compiler is None:
+        raise BadRequestError("this model does not support structured outputs", param=spec.param)
+    cached = compiler.cached(spec)
+    if cached is not None:
+        return cached
+    return await asyncio.get_running_loop().run_in_executor(state.pool, compiler.compile, spec)
 
 
 async def _complete(state: ServerState, chat: ChatCompletionRequest, generation: _Generation) -> web.Response:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmd.errors import BadRequestError
+from vlmd.structured.spec import StructuredOutputSpec, parse_structured_output
 from vlmd.types import SamplingParams
 
 _MISSING = object()
@@ -44,6 +45,7 @@ class ChatCompletionRequest:
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     mm_processor_kwargs: dict[str, Any] | None = None
+    structured: StructuredOutputSpec | None = None  # response_format / structured_outputs / guided_*
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         room = max_model_len - num_prompt_tokens
@@ -108,6 +110,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         return_token_ids=_field(body, "return_token_ids", bool, False),
         skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
         mm_processor_kwargs=mm_kwargs,
+        structured=parse_structured_output(body),
     )
     if request.top_logprobs and not request.logprobs:
         raise BadRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
