@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from vlmd.errors import BadRequestError
-from vlmd.runner.grammar_mask import GrammarState, advance_grammars, apply_grammar_masks, unpack_bitmask
+from vlmd.runner.grammar_mask import GrammarState, advance_grammars, apply_bitmask, apply_grammar_masks
 from vlmd.structured.compiler import GrammarCompiler
 from vlmd.structured.spec import ANY_JSON_OBJECT, StructuredOutputSpec, parse_structured_output
 
@@ -113,12 +113,16 @@ def _allowed(row, vocab):
     return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
 
-def test_unpack_bitmask_matches_bit_arithmetic():
+def test_apply_bitmask_matches_bit_arithmetic():
     words = torch.tensor([[0b101, -1, 0], [-(1 << 31), 0, 7]], dtype=torch.int32)
-    bits = unpack_bitmask(words, 70)
-    expected = [[(int(w) >> b) & 1 == 1 for w in row.tolist() for b in range(32)][:70] for row in words]
-    assert bits.tolist() == expected
-    assert unpack_bitmask(words, 100)[:, 96:].any().item() is False  # padded logits are forbidden
+    logits = torch.randn(3, 100)
+    before = logits.clone()
+    apply_bitmask(logits, [2, 0], words)
+    for index, row in enumerate([2, 0]):
+        allowed = [(int(w) >> b) & 1 == 1 for w in words[index].tolist() for b in range(32)] + [False] * 4
+        expected = torch.where(torch.tensor(allowed), before[row], float("-inf"))
+        assert torch.equal(logits[row], expected)
+    assert torch.equal(logits[1], before[1])  # a row without a mask is untouched
 
 
 def test_mask_allows_exactly_the_grammar_and_completes(compiler, tokenizer):

@@ -15,6 +15,7 @@ Each directory holds a Hugging Face tokenizer (e.g. a tiny checkpoint built by
   and worst step).
 
 Both libraries are asked for the same thing vlmd needs: a bounded-whitespace JSON grammar.
+The ``apply`` line is vlmd's own step after either library: the bitmask applied to the logits.
 """
 
 from __future__ import annotations
@@ -218,6 +219,20 @@ def main() -> None:
             row = bench(library, tokenizer, args.batch, args.steps)
             figures = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
             print(f"vocab={vocab_size:>6}  {library.name:<10}  {figures}", flush=True)
+        print(f"vocab={vocab_size:>6}  {'apply':<10}  {_apply_figures(vocab_size, args.batch)}", flush=True)
+
+
+def _apply_figures(vocab_size: int, batch_sizes) -> str:
+    """vlmd's own step after either library: the bitmask applied to float32 logits."""
+    from vlmd.runner.grammar_mask import apply_bitmask
+
+    figures = []
+    for n in batch_sizes:
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (n, (vocab_size + 31) // 32), dtype=torch.int32)
+        logits = torch.randn(n, vocab_size)
+        seconds = _median_seconds(lambda: apply_bitmask(logits, list(range(n)), bitmask), 50)
+        figures.append(f"apply_b{n}_us={seconds * 1e6:.3g}")
+    return "  ".join(figures)
 
 
 if __name__ == "__main__":

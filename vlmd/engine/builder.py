@@ -137,9 +137,9 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     if isinstance(processor, SpeechToTextProcessor):
         transcriber = TranscriptionPreprocessor(processor, policy, max_model_len)
     eos = _eos_token_ids(model_dir, tokenizer)
-    # Structured outputs need a fast tokenizer; the vocabulary view is built on first use.
+    # Structured outputs: for chat models with a fast tokenizer (llguidance reads its JSON).
     grammar_compiler = None
-    if getattr(tokenizer, "is_fast", False):
+    if getattr(tokenizer, "is_fast", False) and getattr(tokenizer, "chat_template", None):
         grammar_compiler = GrammarCompiler(tokenizer, preprocessor.vocab_size, eos)
     log.info(
         "engine ready",

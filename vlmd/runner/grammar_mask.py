@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 _BIT = torch.arange(32, dtype=torch.int32)
+_NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf, as a signed int32
 
 
 class GrammarState:
@@ -40,9 +41,7 @@ def apply_grammar_masks(logits: torch.Tensor, states: Sequence) -> None:
     if missing:
         _fill_next_masks(missing)
     bitmask = torch.stack([states[row].grammar.next_mask for row in rows])
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    apply_bitmask(logits, rows, bitmask)
 
 
 def advance_grammars(states: Sequence, tokens: Sequence[int]) -> set[str]:
@@ -70,15 +69,24 @@ def advance_grammars(states: Sequence, tokens: Sequence[int]) -> set[str]:
     return completed
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 (bit j of word i = token 32 i + j) -> [rows, vocab_size] bool.
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """Forbid (-inf), in place, the tokens whose bit is clear in ``bitmask[i]`` on ``logits[rows[i]]``.
 
-    Logits wider than the mask (a padded embedding) are forbidden past the mask's end.
+    ``bitmask`` is [len(rows), words] int32, bit j of word i = token 32 i + j. Pure integer
+    work on the float bits (AND keeps an allowed logit, OR writes -inf's bit pattern): torch's
+    masked_fill / where with a bool mask ran ~100x slower on this CPU (8 ms per 1M logits),
+    and row by row keeps the temporaries in cache (128k vocab, 8 rows: ~1 ms in all).
+    Logits past the mask (a padded embedding) are forbidden too.
     """
-    bits = ((bitmask.unsqueeze(-1) >> _BIT) & 1).bool().view(bitmask.shape[0], -1)
-    if bits.shape[1] >= vocab_size:
-        return bits[:, :vocab_size]
-    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    for index, row in enumerate(rows):
+        keep = ((bitmask[index].unsqueeze(-1) >> _BIT) & 1).neg_().view(-1)[:covered]  # -1 allowed, 0 not
+        target = logits[row]
+        if covered < vocab:
+            target[covered:] = float("-inf")
+        bits = target[:covered].view(torch.int32)
+        bits.bitwise_and_(keep).bitwise_or_(keep.bitwise_not().bitwise_and_(_NEG_INF_BITS))
 
 
 def _fill_next_masks(grammars: list[GrammarState]) -> torch.Tensor:

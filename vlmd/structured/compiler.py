@@ -70,23 +70,23 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Turns a ``StructuredOutputSpec`` into a ``CompiledGrammar`` for one model's vocabulary.
 
-    The vocabulary view is built on first use (about a second for a 150k vocabulary), so a
-    server that never sees a constraint never pays for it. Compiled grammars are kept in an
-    LRU of ``cache_entries`` constraints, keyed by their canonical text; thread-safe.
+    The library's view of the vocabulary is built here, at start-up (0.05 s for a 4k
+    vocabulary, 0.6-3.6 s for 128k on 2 loaded vCPUs), rather than in the first constrained
+    request. Compiled grammars are kept in an LRU of ``cache_entries`` constraints, keyed by
+    their canonical text; thread-safe.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
                  cache_entries: int = DEFAULT_CACHE_ENTRIES):
         if cache_entries < 1:
             raise ValueError("the grammar cache needs at least one entry")
-        self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.mask_words = (vocab_size + 31) // 32
         self.cache_entries = cache_entries
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
         self._executor: llguidance.LLExecutor | None = None
         self.num_compiles = 0
         self.num_hits = 0
@@ -104,7 +104,7 @@ class GrammarCompiler:
         compiled = self.cached(spec)
         if compiled is not None:
             return compiled
-        tokenizer = self._llg_tokenizer()
+        tokenizer = self._tokenizer
         grammar = _grammar_text(spec)
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:
@@ -135,14 +135,6 @@ class GrammarCompiler:
         self._executor.unsafe_compute_mask_ptr(
             [(m.matcher, row) for row, m in enumerate(matchers)], address, row_bytes, len(matchers)
         )
-
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.stop_token_ids)
-                )
-            return self._tokenizer
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
