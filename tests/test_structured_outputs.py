@@ -162,15 +162,24 @@ def test_vllm_json_shapes_and_streaming(client):
 
 
 def test_max_tokens_too_small_is_length_not_a_crash(llava_server, client):
-    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3,
-                                           response_format=_schema_format("person"), temperature=0)
+    schema = {**PERSON, "description": "a schema this test alone uses"}
+    before = llava_server.metrics()
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == 3
     assert reply.choices[0].message.content.startswith("{")
-    # The server is fine afterwards, and the same schema (now cached) still validates.
-    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400,
-                                           response_format=_schema_format("person"), temperature=0)
+    # The server is fine afterwards, and the same schema, now compiled, comes from the cache.
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=400, temperature=0,
+        extra_body={"guided_json": schema})
     _valid(reply.choices[0].message.content, PERSON)
+    after = llava_server.metrics()
+    assert after["vlmd_grammar_compiles_total"] - before["vlmd_grammar_compiles_total"] == 1
+    assert after["vlmd_grammar_cache_queries_total"] - before["vlmd_grammar_cache_queries_total"] == 2
+    assert after["vlmd_grammar_cache_hits_total"] - before["vlmd_grammar_cache_hits_total"] == 1
+    assert after["vlmd_grammar_compile_seconds_count"] - before.get("vlmd_grammar_compile_seconds_count", 0) == 1
 
 
 def test_bad_constraints_are_400s(client):

@@ -18,6 +18,7 @@ random (and real) weights otherwise loop on spaces or newlines until ``max_token
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -88,22 +89,28 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
         self._executor: llguidance.LLExecutor | None = None
-        self.num_compiles = 0
+        # Counters for /metrics: lookups by requests (``cached``), hits, compilations.
+        self.num_lookups = 0
         self.num_hits = 0
+        self.num_compiles = 0
+        self.observer = None  # ``observe_grammar_compile(seconds)``, set by the server
 
     def cached(self, spec: StructuredOutputSpec) -> CompiledGrammar | None:
+        """The cached grammar for ``spec`` (counted as one request's lookup), or None."""
         with self._lock:
-            compiled = self._cache.get(spec)
+            self.num_lookups += 1
+            compiled = self._lookup(spec)
             if compiled is not None:
-                self._cache.move_to_end(spec)
                 self.num_hits += 1
             return compiled
 
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         """The compiled grammar for ``spec``; BadRequestError (the library's reason) if invalid."""
-        compiled = self.cached(spec)
+        with self._lock:
+            compiled = self._lookup(spec)  # another thread may have compiled it meanwhile
         if compiled is not None:
             return compiled
+        started = time.perf_counter()
         tokenizer = self._tokenizer
         grammar = _grammar_text(spec)
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -115,12 +122,20 @@ class GrammarCompiler:
         # The lexer is built lazily: build it here, off the engine thread, with the first mask.
         template.compute_bitmask()
         compiled = CompiledGrammar(self, spec, template)
+        if self.observer is not None:
+            self.observer.observe_grammar_compile(time.perf_counter() - started)
         with self._lock:
             self.num_compiles += 1
             self._cache[spec] = compiled
             self._cache.move_to_end(spec)
             while len(self._cache) > self.cache_entries:
                 self._cache.popitem(last=False)
+        return compiled
+
+    def _lookup(self, spec: StructuredOutputSpec) -> CompiledGrammar | None:
+        compiled = self._cache.get(spec)
+        if compiled is not None:
+            self._cache.move_to_end(spec)
         return compiled
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher], address: int) -> None:
