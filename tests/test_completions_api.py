@@ -126,7 +126,7 @@ def test_openai_client_completions(llava_server):
         ({"prompt": "x", "n": 17}, "n", ("n",)),
         ({"prompt": ["x"] * 40, "n": 2}, "prompt", ("64",)),
         ({"prompt": "x", "max_tokens": 5000}, "max_tokens", ("context length",)),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", ("response_format",)),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", ("response_format",)),
         ({"prompt": "x", "whatever": 1}, "whatever", ("unrecognized",)),
         ({"prompt": "USER: <image>\nWhat?"}, None, ("image",)),
     ],
@@ -134,3 +134,22 @@ def test_openai_client_completions(llava_server):
 def test_bad_completion_requests(llava_server, extra, param, fragments):
     status, body = _complete(llava_server, **{"max_tokens": 2, **extra})
     assert_error(status, body, 400, *fragments, **({"param": param} if param else {}))
+
+
+def test_structured_outputs_constrain_text_completions(llava_server):
+    """The same grammar path as chat: every choice of a batch is one of the allowed answers,
+    and a JSON schema's answer parses (random weights never write either by themselves)."""
+    choices = ["alpha", "beta gamma"]
+    status, body = _complete(llava_server, prompt=["Pick:", "Again:"], n=2, temperature=1.0, seed=3,
+                             max_tokens=20, structured_outputs={"choice": choices})
+    assert status == 200, body
+    assert len(body["choices"]) == 4
+    assert all(c["text"] in choices and c["finish_reason"] == "stop" for c in body["choices"])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    status, body = _complete(llava_server, prompt="JSON:", max_tokens=30, temperature=0,
+                             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert status == 200, body
+    answer = orjson.loads(body["choices"][0]["text"])
+    assert set(answer) == {"ok"} and isinstance(answer["ok"], bool)
+    assert body["choices"][0]["finish_reason"] == "stop"

@@ -112,7 +112,9 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     if config.warmup:
         warm_up(built)
     engine = AsyncEngine(loop)
-    metrics = Metrics(engine, built.preprocessor.processor.cache)
+    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler)
+    if built.grammar_compiler is not None:
+        built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
     built.preprocessor.processor.observer = metrics
     worker = EngineWorker(built.core, engine.post_deltas, config.torch_threads, observe_step=metrics.observe_step)
@@ -130,6 +132,7 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     )
     state.metrics = metrics
     state.transcriber = built.transcriber
+    state.grammar_compiler = built.grammar_compiler
     app = create_app(state)
     log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
     try:

@@ -44,6 +44,9 @@ class SamplingParams:
     begin_suppress_token_ids: tuple[int, ...] = ()
     # When set, every sampled token is one of these (e.g. Whisper's language detection).
     allowed_token_ids: tuple[int, ...] | None = None
+    # Structured output: a grammar compiled on the preprocessing pool
+    # (vlmd.structured.compiler.CompiledGrammar); the runner masks every token with it.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

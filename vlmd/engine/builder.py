@@ -27,6 +27,7 @@ from vlmd.processing.transcription import TranscriptionPreprocessor
 from vlmd.runner.kv_cache import num_blocks_for
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
+from vlmd.structured.compiler import GrammarCompiler
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +45,7 @@ class BuiltEngine:
     dummy_inputs: object
     # vlmd.processing.transcription.TranscriptionPreprocessor for speech-to-text families.
     transcriber: object = None
+    grammar_compiler: GrammarCompiler | None = None
 
 
 def text_config_of(hf_config):
@@ -137,6 +139,10 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     if isinstance(processor, SpeechToTextProcessor):
         transcriber = TranscriptionPreprocessor(processor, policy, max_model_len)
     eos = _eos_token_ids(model_dir, tokenizer)
+    # Structured outputs: for chat models with a fast tokenizer (llguidance reads its JSON).
+    grammar_compiler = None
+    if getattr(tokenizer, "is_fast", False) and getattr(tokenizer, "chat_template", None):
+        grammar_compiler = GrammarCompiler(tokenizer, preprocessor.vocab_size, eos)
     log.info(
         "engine ready",
         family=family.name,
@@ -148,7 +154,7 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     )
     return BuiltEngine(
         EngineCore(Scheduler(scheduler_config), runner), preprocessor, tokenizer, eos, max_model_len,
-        scheduler_config, dummy, transcriber
+        scheduler_config, dummy, transcriber, grammar_compiler
     )
 
 

@@ -6,12 +6,14 @@ processor it equals on the same inputs (tests/test_sampler.py checks each one):
 1. ``apply_token_constraints``: min_tokens' stop-token mask, suppress lists, allowed ids
    (``MinNewTokensLengthLogitsProcessor``, ``SuppressTokens[AtBegin]LogitsProcessor``);
 2. the model's own rule, if any (Whisper's timestamp rules);
-3. (structured outputs: the grammar's token mask goes here);
-4. ``apply_logit_bias``: OpenAI's ``logit_bias`` (``SequenceBiasLogitsProcessor`` with
+3. ``apply_logit_bias``: OpenAI's ``logit_bias`` (``SequenceBiasLogitsProcessor`` with
    one-token sequences);
-5. ``apply_penalties``: repetition (``RepetitionPenaltyLogitsProcessor``, prompt and
+4. ``apply_penalties``: repetition (``RepetitionPenaltyLogitsProcessor``, prompt and
    output), then OpenAI's frequency and presence penalties (output only), as vLLM does;
-   greedy rows take their argmax after this step;
+5. ``grammar_mask.apply_grammar_masks``: structured outputs forbid (-inf) every token that
+   would leave the grammar; last, so no bias can lift a forbidden token (a -inf stays -inf
+   under bias and penalties, so the order changes nothing for the allowed ones); greedy
+   rows take their argmax after this step;
 6. ``warp`` (sampled rows): temperature, top-k, top-p, min-p (``TemperatureLogitsWarper``,
    ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``, in transformers' order)
    into the probabilities the token is drawn from (``sampler.draw``).

@@ -10,6 +10,7 @@ import torch
 
 from vlmd.models.base import MultimodalModel
 from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
+from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.kv_cache import allocate_kv_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
@@ -52,6 +53,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
+            result.grammar_completed = advance_grammars(batch.sample_states, tokens)
             for state, token, logprob in zip(batch.sample_states, tokens, logprobs):
                 state.append_token(token)
                 result.sampled_token_ids[state.request_id] = token

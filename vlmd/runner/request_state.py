@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from vlmd.runner.token_counts import TokenCounts
+from vlmd.runner.grammar_mask import GrammarState
 from vlmd.sched.output import NewRequestData
 from vlmd.types import MultiModalItem, SamplingParams
 
@@ -29,6 +30,8 @@ class RunnerRequestState:
     cross_state: Any = None
     # Penalized requests only: counts of the tokens seen, built at the first sample.
     token_counts: TokenCounts | None = None
+    # Structured output: the matcher, in the state this request's generated tokens lead to.
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -43,6 +46,11 @@ class RunnerRequestState:
             stop_token_ids=data.stop_token_ids,
             mrope_positions=data.mrope_positions,
             mrope_position_delta=data.mrope_position_delta,
+            # Rebuilt from scratch on every (re)admission: after a preemption the request
+            # brings back the tokens it generated, and the matcher replays them.
+            grammar=GrammarState(data.sampling.grammar, data.token_ids[data.num_prompt_tokens :])
+            if data.sampling.grammar is not None
+            else None,
         )
 
     def append_token(self, token_id: int) -> None:

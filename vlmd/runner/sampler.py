@@ -1,7 +1,7 @@
 """Picking the next token per row: the logits processors in order, then argmax or a draw.
 
 The order (documented in ``logits_processors``) is: token constraints, the model's own
-rule, [structured-output mask], logit bias, penalties; greedy rows take the argmax there;
+rule, logit bias, penalties, the structured-output mask; greedy rows take the argmax there;
 sampled rows are warped (temperature, top-k, top-p, min-p) into probabilities and drawn
 from: seeded rows each with their own generator, the others in one draw.
 """
@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from vlmd.runner.logits_processors import apply_logit_bias, apply_penalties, apply_token_constraints, warp
+from vlmd.runner.grammar_mask import apply_grammar_masks
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.types import TokenLogprob
 
@@ -39,9 +40,10 @@ def sample(
     apply_token_constraints(logits, states)
     if process_logits is not None:
         logits = process_logits(logits, states)
-    # (structured outputs: the grammar's token mask is applied here, before bias/penalties)
     apply_logit_bias(logits, states)
     apply_penalties(logits, states)
+    # Structured outputs last: whatever the other rules leave, the grammar has the final word.
+    apply_grammar_masks(logits, states)
 
     tokens = logits.argmax(dim=-1).tolist()
     sampled = [row for row, state in enumerate(states) if not state.sampling.is_greedy]

@@ -276,7 +276,10 @@ class Scheduler:
             if token_id is None:
                 continue
             request.all_token_ids.append(token_id)
-            reason = request.stop_reason_for(token_id, self.config.max_model_len)
+            if request_id in result.grammar_completed:
+                reason = FinishReason.STOP  # the answer is whole, even if it also hit max_tokens
+            else:
+                reason = request.stop_reason_for(token_id, self.config.max_model_len)
             logprob = result.logprobs.get(request_id)
             delta = RequestDelta(
                 request_id,

@@ -16,6 +16,7 @@ from vlmd.server import responses
 from vlmd.server.generation import EngineFailure, Generation, choice_requests, merged_deltas, usage
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
 from vlmd.server.state import ServerState
+from vlmd.server.structured_output import compile_structured_output
 
 log = structlog.get_logger(__name__)
 
@@ -36,11 +37,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     loop = asyncio.get_running_loop()
+    grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
     processed = await loop.run_in_executor(
         state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs,
         chat.chat_template_kwargs,
     )
-    engine_requests = choice_requests(state, f"chatcmpl-{uuid.uuid4().hex}", processed, chat.sampling)
+    engine_requests = choice_requests(state, f"chatcmpl-{uuid.uuid4().hex}", processed, chat.sampling, grammar)
     generations = [
         Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0)
         for index, engine_request in enumerate(engine_requests)

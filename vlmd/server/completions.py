@@ -20,6 +20,7 @@ from vlmd.server.chat import read_json
 from vlmd.server.completions_protocol import CompletionRequest, parse_completion_request
 from vlmd.server.generation import EngineFailure, Generation, choice_requests, merged_deltas, usage
 from vlmd.server.state import ServerState
+from vlmd.server.structured_output import compile_structured_output
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -30,12 +31,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise NotFoundError(f"The model `{completion.model}` does not exist.", param="model", code="model_not_found")
     completion.sampling.check_vocabulary(state.preprocessor.vocab_size)
     loop = asyncio.get_running_loop()
+    grammar = await compile_structured_output(state, completion.structured) if completion.structured else None
     processed = await loop.run_in_executor(state.pool, _process_prompts, state, completion)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = completion.sampling.n
     generations = []
     for prompt_index, output in enumerate(processed):
-        engine_requests = choice_requests(state, request_id, output, completion.sampling, prompt_index * n)
+        engine_requests = choice_requests(state, request_id, output, completion.sampling, grammar, prompt_index * n)
         generations.extend(
             Generation(state, engine_request, completion.sampling, started, prompt_index * n + choice, choice == 0)
             for choice, engine_request in enumerate(engine_requests)

@@ -14,6 +14,7 @@ from typing import Any
 from vlmd.errors import BadRequestError
 from vlmd.server.protocol import MAX_TOP_LOGPROBS, parse_structured_output, read_stream_options
 from vlmd.server.request_fields import RequestFields
+from vlmd.structured.spec import StructuredOutputSpec
 from vlmd.server.sampling_fields import SamplingFields, read_sampling_fields
 
 MAX_CHOICES = 64  # prompts x n in one request
@@ -31,7 +32,7 @@ class CompletionRequest:
     include_usage: bool = False
     add_special_tokens: bool = True
     return_token_ids: bool = False
-    structured_output: Any = None
+    structured: StructuredOutputSpec | None = None  # response_format / structured_outputs / guided_*
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -60,7 +61,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         include_usage=read_stream_options(fields),
         add_special_tokens=fields.get("add_special_tokens", bool, True),
         return_token_ids=fields.get("return_token_ids", bool, False),
-        structured_output=parse_structured_output(fields),
+        structured=parse_structured_output(fields),
     )
     fields.finish()
     return request

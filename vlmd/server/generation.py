@@ -10,6 +10,8 @@ own request id, index, seed stream (``seed + index``) and finish reason.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import time
 from collections.abc import AsyncIterator
@@ -41,15 +43,18 @@ class Delta:
 
 
 def choice_requests(
-    state: ServerState, request_id: str, processed, sampling: SamplingFields, first_index: int = 0
+    state: ServerState, request_id: str, processed, sampling: SamplingFields, grammar=None, first_index: int = 0
 ) -> list[EngineRequest]:
-    """The engine requests of one prompt's ``n`` choices (``processed``: a ProcessorOutput)."""
+    """The engine requests of one prompt's ``n`` choices (``processed``: a ProcessorOutput).
+
+    ``grammar`` (compiled, immutable) is shared: each choice gets its own matcher in the runner.
+    """
     num_prompt = len(processed.prompt_token_ids)
     return [
         EngineRequest(
             request_id=f"{request_id}-{first_index + choice}",
             prompt_token_ids=processed.prompt_token_ids,
-            sampling=sampling.for_choice(choice, num_prompt, state.max_model_len),
+            sampling=dataclasses.replace(sampling.for_choice(choice, num_prompt, state.max_model_len), grammar=grammar),
             mm_items=processed.items,
             eos_token_ids=state.eos_token_ids,
             arrival_time=time.time(),

@@ -11,6 +11,8 @@ from typing import Any
 
 from vlmd.errors import BadRequestError
 from vlmd.server.request_fields import RequestFields
+from vlmd.structured.spec import StructuredOutputSpec
+from vlmd.structured.spec import parse_structured_output as parse_spec
 from vlmd.server.sampling_fields import SamplingFields, read_sampling_fields
 
 MAX_TOP_LOGPROBS = 20
@@ -27,7 +29,7 @@ class ChatCompletionRequest:
     return_token_ids: bool = False
     mm_processor_kwargs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    structured_output: Any = None  # what parse_structured_output returned; None = free text
+    structured: StructuredOutputSpec | None = None  # response_format / structured_outputs / guided_*
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
@@ -53,7 +55,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         return_token_ids=fields.get("return_token_ids", bool, False),
         mm_processor_kwargs=fields.get("mm_processor_kwargs", dict, None),
         chat_template_kwargs=fields.get("chat_template_kwargs", dict, None),
-        structured_output=parse_structured_output(fields),
+        structured=parse_structured_output(fields),
     )
     fields.finish()
     return request
@@ -72,24 +74,14 @@ def read_stream_options(fields: RequestFields) -> bool:
 
 
 # ---- structured outputs ------------------------------------------------------------------
-# The ONE place the structured-output fields of chat and text completions are read.
-# (Issue 12's structured-outputs part replaces the body of parse_structured_output with the
-# real thing; nothing else needs to change to accept them.)
+# The ONE place the structured-output fields of chat and text completions are read;
+# vlmd/structured/spec.py turns them into a StructuredOutputSpec (400s name the field).
 
 STRUCTURED_OUTPUT_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 )
 
 
-def parse_structured_output(fields: RequestFields) -> Any:
-    """What constrains the output's shape, or None for free text.
-
-    Until structured outputs are implemented, every such field is a 400 naming it, except
-    ``response_format: {"type": "text"}``, which is the default and asks for nothing.
-    """
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        value = fields.raw(name)
-        if value is None or (name == "response_format" and value == {"type": "text"}):
-            continue
-        raise BadRequestError(f"'{name}' is not implemented yet (structured outputs)", param=name)
-    return None
+def parse_structured_output(fields: RequestFields) -> StructuredOutputSpec | None:
+    """What constrains the output's shape, or None for free text."""
+    return parse_spec({name: fields.raw(name) for name in STRUCTURED_OUTPUT_FIELDS})

@@ -22,3 +22,5 @@ class ServerState:
     created: int = 0
     # Speech-to-text front end (vlmd_whisper's transcriber); None for other models.
     transcriber: object = None
+    # vlmd.structured.compiler.GrammarCompiler: structured outputs, compiled on the pool.
+    grammar_compiler: object = None
