@@ -20,7 +20,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError
+from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
 from vlmd.processing.speech import TranscriptionOptions
 from vlmd.server.audio_form import TranscriptionForm, read_transcription_form
 from vlmd.server.detokenizer import IncrementalDetokenizer
@@ -29,10 +29,6 @@ from vlmd.server.transcript_formats import Segment, join_texts, render, usage
 from vlmd.types import EngineRequest, FinishReason
 
 log = structlog.get_logger(__name__)
-
-
-class EngineFailure(Exception):
-    pass
 
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
@@ -60,24 +56,22 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     prepared = await loop.run_in_executor(state.pool, transcriber.prepare, form.file, options)
     base_id = f"trsc-{uuid.uuid4().hex}"
-    try:
-        language = options.language
-        if language is None and transcriber.multilingual:
-            language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
-        prompt = transcriber.window_prompt(options, language, prepared.prompt_ids)
-        requests = [
-            transcriber.engine_request(
-                f"{base_id}-{window.index}", window, prompt, state.eos_token_ids, temperature=form.temperature,
-                logprobs=0 if form.response_format == "verbose_json" else None,
-                seed=None if form.seed is None else form.seed + window.index,
-            )
-            for window in prepared.windows
-        ]
-        if form.stream:
-            return await _stream(request, state, form, requests, prepared.duration)
-        outputs = await _decode_all(state, requests)
-    except EngineFailure as exc:
-        return web.json_response(_server_error(str(exc)), status=500, dumps=lambda body: orjson.dumps(body).decode())
+    # An engine error propagates to the error middleware (400 or 500).
+    language = options.language
+    if language is None and transcriber.multilingual:
+        language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
+    prompt = transcriber.window_prompt(options, language, prepared.prompt_ids)
+    requests = [
+        transcriber.engine_request(
+            f"{base_id}-{window.index}", window, prompt, state.eos_token_ids, temperature=form.temperature,
+            logprobs=0 if form.response_format == "verbose_json" else None,
+            seed=None if form.seed is None else form.seed + window.index,
+        )
+        for window in prepared.windows
+    ]
+    if form.stream:
+        return await _stream(request, state, form, requests, prepared.duration)
+    outputs = await _decode_all(state, requests)
     text, segments = _assemble(state, transcriber, prepared, outputs, form)
     language_name = transcriber.processor.language_name(language)
     body, content_type = render(form.response_format, text, segments, task=task, language=language_name,
@@ -90,7 +84,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
 async def _detect_language(state: ServerState, transcriber, window, base_id: str) -> str:
     (tokens, _), = await _decode_all(state, [transcriber.detection_request(f"{base_id}-language", window)])
     if not tokens:
-        raise EngineFailure("language detection produced no token")
+        raise ServerError("language detection produced no token", request_id=base_id)
     return transcriber.language_of(tokens[0])
 
 
@@ -101,7 +95,7 @@ async def _decode_window(state: ServerState, request: EngineRequest) -> tuple[li
     async with aclosing(state.engine.generate(request)) as stream:
         async for delta in stream:
             if delta.finish_reason is FinishReason.ERROR:
-                raise EngineFailure(delta.error or "engine error")
+                raise from_engine(delta.error, delta.error_status, request.request_id)
             tokens.extend(delta.new_token_ids)
             logprobs.extend(entry.logprob for entry in delta.logprobs or ())
     if tokens and tokens[-1] in state.eos_token_ids:
@@ -174,12 +168,12 @@ async def _stream_window(state: ServerState, request: EngineRequest, queue: asyn
         async with aclosing(state.engine.generate(request)) as stream:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
-                    raise EngineFailure(delta.error or "engine error")
+                    raise from_engine(delta.error, delta.error_status, request.request_id)
                 text = detokenizer.push(delta.new_token_ids, final=delta.finish_reason is not None)
                 if text:
                     queue.put_nowait(text)
         queue.put_nowait(None)
-    except EngineFailure as exc:
+    except VlmdError as exc:
         queue.put_nowait(exc)
 
 
@@ -194,24 +188,23 @@ async def _stream(request: web.Request, state: ServerState, form: TranscriptionF
     tasks = [asyncio.ensure_future(_stream_window(state, r, q)) for r, q in zip(requests, queues)]
     joiner = _TextJoiner()
     try:
-        for queue in queues:  # windows in order; later ones keep decoding meanwhile
-            while (piece := await queue.get()) is not None:
-                if isinstance(piece, EngineFailure):
-                    raise piece
-                delta = joiner.push(piece)
-                if delta:
-                    await send({"type": "transcript.text.delta", "delta": delta})
-            joiner.end_window()
-        await send({"type": "transcript.text.done", "text": joiner.text, "usage": usage(duration)})
-    except EngineFailure as exc:
-        await send(_server_error(str(exc)))
+        try:
+            for queue in queues:  # windows in order; later ones keep decoding meanwhile
+                while (piece := await queue.get()) is not None:
+                    if isinstance(piece, VlmdError):
+                        raise piece
+                    delta = joiner.push(piece)
+                    if delta:
+                        await send({"type": "transcript.text.delta", "delta": delta})
+                joiner.end_window()
+            await send({"type": "transcript.text.done", "text": joiner.text, "usage": usage(duration)})
+        except VlmdError as exc:  # the status line is sent: the error goes in the stream
+            await send(exc.to_dict())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: a normal abort
+        log.info("client disconnected during the stream", request_id=requests[0].request_id if requests else None)
     finally:
         for task in tasks:
             task.cancel()
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
     return response
-
-
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}

@@ -11,7 +11,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError, VlmdError
+from vlmd.errors import BadRequestError, NotFoundError, VlmdError, from_engine
 from vlmd.server import responses
 from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
@@ -68,7 +68,7 @@ class _Generation:
         async with aclosing(self.state.engine.generate(self.engine_request)) as stream:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
-                    raise EngineFailure(delta.error or "engine error")
+                    raise from_engine(delta.error, delta.error_status, self.engine_request.request_id)
                 if delta.new_token_ids:
                     self._observe_latency()
                 self.num_cached_tokens = delta.num_cached_tokens
@@ -99,10 +99,6 @@ class _Generation:
 
     def usage(self) -> dict:
         return responses.usage(len(self.engine_request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
-
-
-class EngineFailure(Exception):
-    pass
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -142,11 +138,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(state: ServerState, chat: ChatCompletionRequest, generation: _Generation) -> web.Response:
     text_parts = []
-    try:
-        async for text, _, _ in generation.deltas():
-            text_parts.append(text)
-    except EngineFailure as exc:
-        return web.json_response(_server_error(str(exc)), status=500, dumps=_dumps)
+    async for text, _, _ in generation.deltas():  # an engine error propagates: 400 or 500
+        text_parts.append(text)
     request_id = generation.engine_request.request_id
     body = responses.completion(
         request_id,
@@ -173,31 +166,30 @@ async def _stream(request: web.Request, state: ServerState, chat: ChatCompletion
         await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
     first_extra = {"prompt_token_ids": generation.engine_request.prompt_token_ids} if chat.return_token_ids else {}
-    await send(responses.chunk(request_id, created, model, {"role": "assistant", "content": ""}, **first_extra))
     try:
-        async for text, token_ids, logprobs in generation.deltas():
-            finish = generation.finish_reason
-            if not text and not finish and not chat.return_token_ids and not chat.logprobs:
-                continue
-            await send(
-                responses.chunk(
-                    request_id, created, model, {"content": text} if text else {}, finish,
-                    token_ids=list(token_ids) if chat.return_token_ids else None,
-                    logprobs=responses.logprobs_content(state.tokenizer, logprobs or []) if chat.logprobs else None,
+        await send(responses.chunk(request_id, created, model, {"role": "assistant", "content": ""}, **first_extra))
+        try:
+            async for text, token_ids, logprobs in generation.deltas():
+                finish = generation.finish_reason
+                if not text and not finish and not chat.return_token_ids and not chat.logprobs:
+                    continue
+                await send(
+                    responses.chunk(
+                        request_id, created, model, {"content": text} if text else {}, finish,
+                        token_ids=list(token_ids) if chat.return_token_ids else None,
+                        logprobs=responses.logprobs_content(state.tokenizer, logprobs or []) if chat.logprobs else None,
+                    )
                 )
-            )
-    except EngineFailure as exc:
-        await send(_server_error(str(exc)))
-    else:
-        if chat.include_usage:
-            await send(responses.usage_chunk(request_id, created, model, generation.usage()))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        except VlmdError as exc:  # the status line is sent: the error goes in the stream
+            await send(exc.to_dict())
+        else:
+            if chat.include_usage:
+                await send(responses.usage_chunk(request_id, created, model, generation.usage()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: a normal abort, not a server error
+        log.info("client disconnected during the stream", request_id=request_id)
     return response
-
-
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
 
 
 def _dumps(body) -> str:
