@@ -1,7 +1,9 @@
 """The front-end pipeline for one request: template, tokenize, fetch, decode, process.
 
 Runs on the preprocessing thread pool: nothing here may block the event loop or the
-engine thread.
+engine thread. Every stage is bounded before it runs: the text by characters (below), each
+item by the media policy (bytes, pixels, frames, seconds), all items in flight by the media
+lease, and the whole by the deadline, checked between stages.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from typing import Any
 
 from vlmd.config import check_mm_limits
 from vlmd.errors import BadRequestError
+from vlmd.media.budget import MediaLease, decoded_nbytes, encoder_input_nbytes
 from vlmd.media.image import load_image
 from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
 from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, to_conversation
+from vlmd.processing.deadline import NO_DEADLINE, Deadline
 
 _LOADERS = {"image": load_image, "video": load_video}
 
@@ -44,6 +48,13 @@ class InputPreprocessor:
         hf_config = processor.info.ctx.hf_config
         text_config = getattr(hf_config, "text_config", None) or hf_config
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))
+        # No token of the tokenizer stands for more characters than its longest vocabulary
+        # entry (byte-level BPE and SentencePiece entries hold at least one character per
+        # character of text they cover), so a prompt whose text is longer than this cannot
+        # fit max_model_len: refused in time linear in the body, before the template and
+        # the tokenizer (which needs ~5 s and ~600 MB for 4M characters) see it.
+        self.max_token_chars = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_token_chars * max_model_len
         self.single_flight = SingleFlight()
         self.observer = None  # ``observe_fetch(modality, seconds)``, set by the server
 
@@ -64,22 +75,60 @@ class InputPreprocessor:
             self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
         return item
 
-    def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
+    def check_text_length(self, messages: Any) -> None:
+        """400 when the messages' text cannot fit max_model_len tokens; O(parts), no tokenizing."""
+        if not isinstance(messages, list):
+            return  # to_conversation says what is wrong with it
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if isinstance(text, str):
+                        total += len(text)
+        if total > self.max_prompt_chars:
+            raise BadRequestError(
+                f"the messages hold {total} characters of text, more than {self.max_model_len} tokens "
+                f"(max_model_len) can hold: at most {self.max_prompt_chars} characters "
+                f"({self.max_token_chars}, the tokenizer's longest token, x {self.max_model_len})",
+                param="messages",
+            )
+
+    def process_chat(
+        self,
+        messages: Any,
+        mm_processor_kwargs: dict | None = None,
+        deadline: Deadline = NO_DEADLINE,
+        lease: MediaLease | None = None,
+    ) -> ProcessorOutput:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError(
                 "this model has no chat template, so it does not serve chat completions "
                 "(a speech model is served at /v1/audio/transcriptions)"
             )
+        self.check_text_length(messages)
         conversation, refs = to_conversation(messages, self._part_for)
         check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
+        deadline.check("rendering the chat template")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        deadline.check("tokenizing")
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         media: dict[str, list] = {}
-        for ref in refs:
-            media.setdefault(ref.modality, []).append(self._load(ref))
+        for index, ref in enumerate(refs):
+            deadline.check(f"fetching {ref.modality} {index}")
+            item = self._load(ref)
+            if lease is not None:
+                lease.hold(decoded_nbytes(item), f"{ref.modality} {index}")
+            media.setdefault(ref.modality, []).append(item)
         for modality in self.supported:
             media.setdefault(modality, [])
+        deadline.check("processing the media")
         output = self.processor.apply(prompt_ids, media, mm_processor_kwargs)
+        if lease is not None:  # the decoded media go; the encoder inputs stay until the request ends
+            lease.settle(encoder_input_nbytes(output.items))
         num_tokens = len(output.prompt_token_ids)
         if num_tokens >= self.max_model_len:
             raise BadRequestError(

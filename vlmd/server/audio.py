@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
+from vlmd.media.budget import encoder_input_nbytes
 from vlmd.processing.speech import TranscriptionOptions
 from vlmd.server.audio_form import TranscriptionForm, read_transcription_form
 from vlmd.server.detokenizer import IncrementalDetokenizer
@@ -41,6 +42,7 @@ async def translations(request: web.Request) -> web.StreamResponse:
 
 async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     state: ServerState = request.app["state"]
+    state.admission.check_capacity()  # 503 before the upload is read
     transcriber = state.transcriber
     if transcriber is None:
         raise BadRequestError(
@@ -53,8 +55,14 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)
     transcriber.check(options)
     started = time.perf_counter()
-    loop = asyncio.get_running_loop()
-    prepared = await loop.run_in_executor(state.pool, transcriber.prepare, form.file, options)
+    prepared = await state.admission.preprocess(lambda deadline: transcriber.prepare(form.file, options))
+    with state.admission.media_lease() as lease:  # the windows' features, until the answer is done
+        lease.hold(encoder_input_nbytes(window.item for window in prepared.windows), "the audio")
+        return await _transcribe(request, state, form, options, prepared, task, started)
+
+
+async def _transcribe(request, state: ServerState, form: TranscriptionForm, options, prepared, task: str, started):
+    transcriber = state.transcriber
     base_id = f"trsc-{uuid.uuid4().hex}"
     # An engine error propagates to the error middleware (400 or 500).
     language = options.language

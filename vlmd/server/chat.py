@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -104,6 +103,7 @@ class _Generation:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
+    state.admission.check_capacity()  # 503 before the body is parsed
     chat = parse_chat_request(await read_json(request))
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
@@ -114,9 +114,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             f"stop_token_ids must be below the vocabulary size {vocab_size}, got {out_of_range[0]}",
             param="stop_token_ids",
         )
-    loop = asyncio.get_running_loop()
-    processed = await loop.run_in_executor(
-        state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs
+    state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
+    with state.admission.media_lease() as lease:  # decoded media held until the answer is done
+        return await _generate(request, state, chat, started, lease)
+
+
+async def _generate(request: web.Request, state: ServerState, chat: ChatCompletionRequest, started: float, lease):
+    processed = await state.admission.preprocess(
+        lambda deadline: state.preprocessor.process_chat(chat.messages, chat.mm_processor_kwargs, deadline, lease)
     )
     num_prompt = len(processed.prompt_token_ids)
     sampling = chat.sampling_params(num_prompt, state.max_model_len)

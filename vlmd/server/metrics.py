@@ -17,9 +17,10 @@ _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _EngineCollector:
-    def __init__(self, engine, processor_cache):
+    def __init__(self, engine, processor_cache, owner):
         self.engine = engine
         self.processor_cache = processor_cache
+        self.owner = owner  # Metrics: its ``admission`` is set once the server has one
 
     def collect(self):
         stats = self.engine.stats
@@ -34,6 +35,12 @@ class _EngineCollector:
         cache = self.processor_cache
         if cache is not None:
             gauges["vlmd_processor_cache_bytes"] = ("Bytes of processed media cached", cache.nbytes)
+        admission = self.owner.admission
+        if admission is not None:
+            gauges["vlmd_preprocess_in_flight"] = ("Requests taken by or queued for a preprocessing thread",
+                                                   admission.num_preprocessing)
+            gauges["vlmd_inflight_media_bytes"] = ("Decoded media bytes held by requests in flight",
+                                                   admission.media.used_bytes)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
@@ -47,6 +54,14 @@ class _EngineCollector:
             "vlmd_processor_cache_queries": ("Processor-cache lookups", cache.queries if cache else 0),
             "vlmd_processor_cache_hits": ("Processor-cache lookups that hit", cache.hits if cache else 0),
         }
+        counters["vlmd_failed_steps"] = ("Engine steps that raised and were re-run without their culprit",
+                                         stats.num_failed_steps)
+        counters["vlmd_requests_failed_in_step"] = ("Requests a failed engine step was traced to",
+                                                    stats.num_requests_failed)
+        if admission is not None:
+            counters["vlmd_requests_overloaded"] = ("Requests answered 503 at an admission bound",
+                                                    admission.num_rejected)
+            counters["vlmd_preprocess_timeouts"] = ("Requests past --preprocess-timeout", admission.num_timeouts)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 
@@ -54,7 +69,8 @@ class _EngineCollector:
 class Metrics:
     def __init__(self, engine, processor_cache=None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, processor_cache))
+        self.admission = None  # vlmd.server.admission.Admission, set by the server
+        self.registry.register(_EngineCollector(engine, processor_cache, self))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)

@@ -22,3 +22,5 @@ class ServerState:
     created: int = 0
     # Speech-to-text front end (vlmd_whisper's transcriber); None for other models.
     transcriber: object = None
+    # Bounds on waiting work, preprocessing time and decoded media in flight.
+    admission: object = None  # vlmd.server.admission.Admission
