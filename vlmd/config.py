@@ -92,7 +92,7 @@ class ServeConfig:
         256, "requests waiting for preprocessing or for the engine; beyond it a request gets 503 "
         "with Retry-After", minimum=1)
     max_inflight_media_gb: float = setting(
-        2.0, "decoded media held by requests in flight, GiB; beyond it a request gets 503", minimum=0.001)
+        2.0, "decoded media held by requests in flight, GiB; beyond it a request gets 503", minimum=1e-6)
     warmup: bool = setting(True, "run one warm-up request before serving", negatable=True)
 
     @property

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from vlmd.errors import ServiceUnavailableError
 from vlmd.media.budget import MediaBudget, MediaLease
-from vlmd.processing.deadline import Deadline
+from vlmd.processing.deadline import Deadline, PreprocessTimeout
 
 T = TypeVar("T")
 
@@ -89,6 +89,9 @@ class Admission:
             except TimeoutError:
                 self.num_timeouts += 1
                 raise deadline.error("the work was abandoned") from None
+            except PreprocessTimeout:  # the thread found itself late at a stage boundary
+                self.num_timeouts += 1
+                raise
         finally:
             deadline.abandon()  # answered, failed or cancelled: the thread stops at its next stage
             job.cancel()  # not started yet: never starts
