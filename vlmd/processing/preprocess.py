@@ -76,15 +76,21 @@ class InputPreprocessor:
         return item
 
     def check_text_length(self, messages: Any) -> None:
-        """400 when the messages' text cannot fit max_model_len tokens; O(parts), no tokenizing."""
+        """400 when the messages cannot fit max_model_len tokens, in O(parts), no tokenizing:
+        more characters of text than max_model_len tokens can hold, or more messages and
+        content parts than max_model_len (every message renders at least its role marker
+        and every part at least one token in any real template: the template then only
+        ever renders bounded input)."""
         if not isinstance(messages, list):
             return  # to_conversation says what is wrong with it
-        total = 0
+        total = pieces = 0
         for message in messages:
+            pieces += 1
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, str):
                 total += len(content)
             elif isinstance(content, list):
+                pieces += len(content)
                 for part in content:
                     text = part.get("text") if isinstance(part, dict) else None
                     if isinstance(text, str):
@@ -94,6 +100,12 @@ class InputPreprocessor:
                 f"the messages hold {total} characters of text, more than {self.max_model_len} tokens "
                 f"(max_model_len) can hold: at most {self.max_prompt_chars} characters "
                 f"({self.max_token_chars}, the tokenizer's longest token, x {self.max_model_len})",
+                param="messages",
+            )
+        if pieces > self.max_model_len:
+            raise BadRequestError(
+                f"the messages hold {pieces} messages and content parts; at most max_model_len "
+                f"({self.max_model_len}) fit, one token each at least",
                 param="messages",
             )
 
