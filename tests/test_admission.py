@@ -188,3 +188,17 @@ def test_an_output_that_was_never_computed_is_forgotten():
     out = scheduler.schedule()
     assert out.scheduled_encoder_inputs == {"next": [0]}  # encoded again, not taken for resident
     assert "img" in out.evicted_encoder_identifiers
+
+
+def test_bodies_being_read_at_once_are_bounded():
+    with ThreadPoolExecutor(1) as pool:
+        admission = Admission(pool, SimpleNamespace(num_waiting=0), threads=1, max_queue=1, max_waiting=10,
+                              timeout_s=1, media_budget_bytes=1, max_body_bytes=100)
+        with admission.reading_body(100), admission.reading_body(100), admission.reading_body(None):
+            with admission.reading_body(100):  # 4 x the largest body: still admitted
+                with pytest.raises(ServiceUnavailableError, match="4 x --max-request-bytes"):
+                    with admission.reading_body(1):
+                        pass
+        assert admission.body_bytes == 0
+        with admission.reading_body(10**9):  # counted at most as the largest body
+            assert admission.body_bytes == 100

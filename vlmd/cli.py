@@ -133,7 +133,7 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     state.admission = Admission(
         state.pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
         max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
-        media_budget_bytes=int(config.max_inflight_media_gb * 2**30),
+        media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
     )
     metrics.admission = state.admission
     app = create_app(state)

@@ -101,6 +101,22 @@ class ServerError(VlmdError):
         self.request_id = request_id
 
 
+class HttpError(VlmdError):
+    """A condition aiohttp itself detected (no route, wrong method, body too large), in
+    the same shape as every other error."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.type = kind
+        self._headers = dict(headers or {})
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self._headers
+
+
 # How an engine-side failure is marked in a RequestDelta (plain data, no exception objects
 # cross the engine boundary): the HTTP status it maps to.
 ENGINE_REJECTED = 400  # the request was refused on arrival (RequestRejected)

@@ -8,7 +8,10 @@ Bounds, each with its answer (all 503 with Retry-After: the server is healthy, o
   clock starts when a thread takes it); then the client is answered and the thread abandons
   the work at its next stage boundary (see vlmd.processing.deadline);
 - decoded media in flight: ``--max-inflight-media-gb`` (vlmd.media.budget), one lease per
-  request, given back when its answer is done.
+  request, given back when its answer is done;
+- bodies being read and parsed at once: at most ``BODIES_IN_FLIGHT`` x ``--max-request-bytes``
+  (by Content-Length; a body without one counts as the largest), so many large bodies
+  arriving together cannot exhaust memory before any of them is looked at.
 /health and /metrics pass none of these: they answer under any load.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -25,10 +29,12 @@ from vlmd.processing.deadline import Deadline, PreprocessTimeout
 
 T = TypeVar("T")
 
+BODIES_IN_FLIGHT = 4  # bodies of the largest size that may be read and parsed at once
+
 
 class Admission:
     def __init__(self, pool: ThreadPoolExecutor, engine, *, threads: int, max_queue: int, max_waiting: int,
-                 timeout_s: float, media_budget_bytes: int):
+                 timeout_s: float, media_budget_bytes: int, max_body_bytes: int = 64 * 2**20):
         self.pool = pool
         self.engine = engine  # AsyncEngine: num_waiting
         self.threads = threads
@@ -36,6 +42,9 @@ class Admission:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.media = MediaBudget(media_budget_bytes)
+        self.max_body_bytes = max_body_bytes
+        self.body_budget_bytes = BODIES_IN_FLIGHT * max_body_bytes
+        self.body_bytes = 0  # Content-Length of the bodies being read and parsed now
         self.num_preprocessing = 0  # taken by a thread or queued for one
         self.num_timeouts = 0
         self.num_rejected = 0
@@ -56,6 +65,21 @@ class Admission:
             raise ServiceUnavailableError(
                 f"the server is at capacity: {waiting} requests are waiting (--max-waiting-requests "
                 f"{self.max_waiting}); retry later")
+
+    @contextmanager
+    def reading_body(self, content_length: int | None):
+        """Around reading and parsing one body (on the loop)."""
+        size = min(content_length if content_length is not None else self.max_body_bytes, self.max_body_bytes)
+        if self.body_bytes and self.body_bytes + size > self.body_budget_bytes:
+            self.num_rejected += 1
+            raise ServiceUnavailableError(
+                f"{self.body_bytes} bytes of request bodies are being read; this one ({size} bytes) would pass "
+                f"{self.body_budget_bytes} ({BODIES_IN_FLIGHT} x --max-request-bytes): retry later")
+        self.body_bytes += size
+        try:
+            yield
+        finally:
+            self.body_bytes -= size
 
     def media_lease(self) -> MediaLease:
         return self.media.lease()

@@ -10,7 +10,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import AuthenticationError, VlmdError, as_client_error
+from vlmd.errors import AuthenticationError, HttpError, VlmdError, as_client_error
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.metrics import CONTENT_TYPE
@@ -22,8 +22,7 @@ log = structlog.get_logger(__name__)
 def _error_response(
     status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None
 ) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+    return vlmd_error_response(HttpError(status, message, kind=kind, headers=headers))
 
 
 def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:

@@ -49,7 +49,8 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
             f"the model `{state.config.model_name}` does not take audio; /v1/audio/* needs a speech-to-text model",
             param="model",
         )
-    form = await read_transcription_form(request, transcriber.policy.max_audio_bytes)
+    with state.admission.reading_body(request.content_length):
+        form = await read_transcription_form(request, transcriber.policy.max_audio_bytes)
     if form.model != state.config.model_name:
         raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)

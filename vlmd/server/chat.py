@@ -104,7 +104,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
     state.admission.check_capacity()  # 503 before the body is parsed
-    chat = parse_chat_request(await read_json(request))
+    with state.admission.reading_body(request.content_length):
+        chat = parse_chat_request(await read_json(request))
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
     vocab_size = state.preprocessor.vocab_size
