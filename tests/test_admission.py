@@ -202,3 +202,20 @@ def test_bodies_being_read_at_once_are_bounded():
         assert admission.body_bytes == 0
         with admission.reading_body(10**9):  # counted at most as the largest body
             assert admission.body_bytes == 100
+
+
+def test_worker_reports_an_engine_refusal_as_400_and_a_bug_as_500():
+    from vlmd.engine.worker import AddRequest, EngineWorker
+
+    def refuse(request):
+        raise RequestRejected("a media item of 900 tokens exceeds the encoder budget of 576")
+
+    def crash(request):
+        raise KeyError("bug")
+
+    for add_request, status in ((refuse, 400), (crash, 500)):
+        core = SimpleNamespace(add_request=add_request, stats=lambda: None)
+        worker = EngineWorker(core, post_deltas=lambda deltas: None)
+        (delta,) = worker._handle(AddRequest(make_request("r", 4)))
+        assert delta.error_status == status
+        assert from_engine(delta.error, delta.error_status, "r").status == status

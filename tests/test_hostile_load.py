@@ -78,8 +78,12 @@ def test_four_40mb_text_bodies_beside_a_good_image(default_server):
     status, raw, seconds = results[4]
     assert status == 200, raw
     assert seconds < 2.0, f"the good image request took {seconds:.2f} s beside the flood"
-    assert sampler.peak - idle < 1024 * MB, f"RSS grew by {(sampler.peak - idle) / MB:.0f} MB"
-    assert max(health_seconds) < 2.0
+    figures = {"refuse_s": [round(r[2], 3) for r in results[:4]], "good_image_s": round(seconds, 3),
+               "rss_idle_mb": idle // MB, "rss_peak_mb": sampler.peak // MB,
+               "health_metrics_max_s": round(max(health_seconds), 3)}
+    print(orjson.dumps(figures).decode())
+    assert sampler.peak - idle < 1024 * MB, figures
+    assert max(health_seconds) < 2.0, figures
 
 
 def test_text_bound_names_both_numbers(llava_server):
