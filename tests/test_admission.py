@@ -219,3 +219,26 @@ def test_worker_reports_an_engine_refusal_as_400_and_a_bug_as_500():
         (delta,) = worker._handle(AddRequest(make_request("r", 4)))
         assert delta.error_status == status
         assert from_engine(delta.error, delta.error_status, "r").status == status
+
+
+def test_the_body_scanner_refuses_long_text_runs_but_never_data_urls():
+    from vlmd.server.body import _RunScanner
+
+    def scan(body: bytes, chunk: int) -> bool:
+        scanner = _RunScanner(100, "too long")
+        try:
+            for start in range(0, len(body), chunk):
+                scanner.feed(body[start:start + chunk])
+        except BadRequestError:
+            return True
+        return False
+
+    text = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 500 + b'"}]}'
+    media = b'{"url": "data:image/png;base64,' + b"Q" * 5000 + b'", "text": "' + b"b" * 90 + b'"}'
+    upper = b'{"url": "DATA:image/png;base64,' + b"Q" * 5000 + b'"}'
+    split = b'{"text": "' + b"c\\\"" * 400 + b'"}'  # escaped quotes only split runs: a miss, never a wrong refusal
+    for chunk in (1, 3, 7, 64, 1000, 10**6):
+        assert scan(text, chunk), chunk
+        assert not scan(media, chunk), chunk
+        assert not scan(upper, chunk), chunk
+        assert not scan(split, chunk), chunk

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, VlmdError, from_engine
 from vlmd.server import responses
+from vlmd.server.body import read_body
 from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
 from vlmd.server.state import ServerState
@@ -20,8 +21,8 @@ from vlmd.types import EngineRequest, FinishReason
 log = structlog.get_logger(__name__)
 
 
-async def read_json(request: web.Request):
-    raw = await request.read()
+async def read_json(request: web.Request, max_run_bytes: int | None = None, describe: str = ""):
+    raw = await read_body(request, max_run_bytes, describe)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -104,8 +105,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
     state.admission.check_capacity()  # 503 before the body is parsed
+    preprocessor = state.preprocessor
     with state.admission.reading_body(request.content_length):
-        chat = parse_chat_request(await read_json(request))
+        # A run of 12 bytes per character (a surrogate pair's escapes) past the character
+        # bound is refused while the body streams in, before any copy or parse.
+        chat = parse_chat_request(await read_json(
+            request, 12 * preprocessor.max_prompt_chars,
+            f"its text has more than {preprocessor.max_prompt_chars} characters: more than "
+            f"max_model_len ({preprocessor.max_model_len}) tokens can hold "
+            f"({preprocessor.max_token_chars} characters per token at most)"))
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
     vocab_size = state.preprocessor.vocab_size
