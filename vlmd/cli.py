@@ -102,6 +102,7 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     from vlmd.engine.async_engine import AsyncEngine
     from vlmd.engine.builder import build_engine, warm_up
     from vlmd.engine.worker import EngineWorker
+    from vlmd.server.admission import Admission
     from vlmd.server.app import create_app
     from vlmd.server.metrics import Metrics
     from vlmd.server.state import ServerState
@@ -133,6 +134,12 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     state.metrics = metrics
     state.transcriber = built.transcriber
     state.grammar_compiler = built.grammar_compiler
+    state.admission = Admission(
+        state.pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
+        max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
+        media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
+    )
+    metrics.admission = state.admission
     app = create_app(state)
     log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
     try:

@@ -162,3 +162,6 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # With FinishReason.ERROR: the HTTP status it means (vlmd.errors.ENGINE_REJECTED for a
+    # request refused on arrival, ENGINE_FAILED for one whose step raised).
+    error_status: int | None = None

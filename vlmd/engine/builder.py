@@ -28,6 +28,7 @@ from vlmd.runner.kv_cache import num_blocks_for
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.structured.compiler import GrammarCompiler
+from vlmd.testing.faults import install_from_env as install_fault_injection
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +101,7 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
     model = family.load("model").load(model_dir, hf_config, dtype)
+    install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION
     enable_prefix_caching = config.enable_prefix_caching
     if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
         # Decoder K/V depend on the request's encoder input through cross-attention, and a

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -13,7 +12,8 @@ from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, VlmdError
 from vlmd.server import responses
-from vlmd.server.generation import EngineFailure, Generation, choice_requests, merged_deltas, usage
+from vlmd.server.body import read_body
+from vlmd.server.generation import Generation, choice_requests, merged_deltas, usage
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
 from vlmd.server.state import ServerState
 from vlmd.server.structured_output import compile_structured_output
@@ -21,26 +21,48 @@ from vlmd.server.structured_output import compile_structured_output
 log = structlog.get_logger(__name__)
 
 
-async def read_json(request: web.Request):
-    raw = await request.read()
+async def read_json(request: web.Request, max_run_bytes: int | None = None, describe: str = ""):
+    raw = await read_body(request, max_run_bytes, describe)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
+async def read_text_body(request: web.Request, state: ServerState):
+    """The JSON body of a text front door, under the admission bounds: 503 past
+    --max-waiting-requests before it is read; a run of 12 bytes per character (a surrogate
+    pair's escapes) past the character bound is refused while it streams in, before any copy
+    or parse."""
+    state.admission.check_capacity()
+    preprocessor = state.preprocessor
+    with state.admission.reading_body(request.content_length):
+        return await read_json(
+            request, 12 * preprocessor.max_prompt_chars,
+            f"its text has more than {preprocessor.max_prompt_chars} characters: more than "
+            f"max_model_len ({preprocessor.max_model_len}) tokens can hold "
+            f"({preprocessor.max_token_chars} characters per token at most)")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
-    chat = parse_chat_request(await read_json(request))
+    chat = parse_chat_request(await read_text_body(request, state))
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
-    loop = asyncio.get_running_loop()
+    state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
-    processed = await loop.run_in_executor(
-        state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs,
-        chat.chat_template_kwargs,
+    with state.admission.media_lease() as lease:  # decoded media held until the answer is done
+        return await _generate(request, state, chat, started, grammar, lease)
+
+
+async def _generate(request: web.Request, state: ServerState, chat: ChatCompletionRequest, started: float,
+                    grammar, lease) -> web.StreamResponse:
+    processed = await state.admission.preprocess(
+        lambda deadline: state.preprocessor.process_chat(
+            chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
+        )
     )
     engine_requests = choice_requests(state, f"chatcmpl-{uuid.uuid4().hex}", processed, chat.sampling, grammar)
     generations = [
@@ -53,12 +75,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _complete(state: ServerState, chat: ChatCompletionRequest, generations: list[Generation]) -> web.Response:
-    try:
-        async with aclosing(merged_deltas(generations)) as deltas:
-            async for _ in deltas:
-                pass
-    except EngineFailure as exc:
-        return web.json_response(_server_error(str(exc)), status=500, dumps=_dumps)
+    async with aclosing(merged_deltas(generations)) as deltas:  # an engine error propagates: 400 or 500
+        async for _ in deltas:
+            pass
     first = generations[0]
     choices = [
         responses.completion_choice(
@@ -85,30 +104,33 @@ async def _stream(request: web.Request, state: ServerState, chat: ChatCompletion
         await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
     first_extra = {"prompt_token_ids": generations[0].engine_request.prompt_token_ids} if chat.return_token_ids else {}
-    for g in generations:
-        await send(responses.chunk(request_id, created, model, g.index, {"role": "assistant", "content": ""},
-                                   **(first_extra if g.index == 0 else {})))
     try:
-        async with aclosing(merged_deltas(generations)) as deltas:
-            async for delta in deltas:
-                if not delta.text and not delta.finish_reason and not chat.return_token_ids and not chat.logprobs:
-                    continue
-                await send(
-                    responses.chunk(
-                        request_id, created, model, delta.index, {"content": delta.text} if delta.text else {},
-                        delta.finish_reason,
-                        token_ids=list(delta.token_ids) if chat.return_token_ids else None,
-                        logprobs=responses.logprobs_content(state.tokenizer, delta.logprobs or [])
-                        if chat.logprobs else None,
+        for g in generations:
+            await send(responses.chunk(request_id, created, model, g.index, {"role": "assistant", "content": ""},
+                                       **(first_extra if g.index == 0 else {})))
+        try:
+            async with aclosing(merged_deltas(generations)) as deltas:
+                async for delta in deltas:
+                    if not delta.text and not delta.finish_reason and not chat.return_token_ids and not chat.logprobs:
+                        continue
+                    await send(
+                        responses.chunk(
+                            request_id, created, model, delta.index, {"content": delta.text} if delta.text else {},
+                            delta.finish_reason,
+                            token_ids=list(delta.token_ids) if chat.return_token_ids else None,
+                            logprobs=responses.logprobs_content(state.tokenizer, delta.logprobs or [])
+                            if chat.logprobs else None,
+                        )
                     )
-                )
-    except EngineFailure as exc:
-        await send(_server_error(str(exc)))
-    else:
-        if chat.include_usage:
-            await send(responses.usage_chunk(request_id, created, model, usage(generations)))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        except VlmdError as exc:  # the status line is sent: the error goes in the stream
+            await send(exc.to_dict())
+        else:
+            if chat.include_usage:
+                await send(responses.usage_chunk(request_id, created, model, usage(generations)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: a normal abort, not a server error
+        log.info("client disconnected during the stream", request_id=request_id)
     return response
 
 
@@ -117,12 +139,8 @@ def _response_id(generation: Generation) -> str:
     return generation.engine_request.request_id.rsplit("-", 1)[0]
 
 
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
-
-
 def _dumps(body) -> str:
     return orjson.dumps(body).decode()
 
 
-__all__ = ["chat_completions", "read_json", "VlmdError"]
+__all__ = ["chat_completions", "read_json", "read_text_body", "VlmdError"]

@@ -14,11 +14,11 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError
+from vlmd.errors import BadRequestError, NotFoundError, VlmdError
 from vlmd.server import responses
-from vlmd.server.chat import read_json
+from vlmd.server.chat import read_text_body
 from vlmd.server.completions_protocol import CompletionRequest, parse_completion_request
-from vlmd.server.generation import EngineFailure, Generation, choice_requests, merged_deltas, usage
+from vlmd.server.generation import Generation, choice_requests, merged_deltas, usage
 from vlmd.server.state import ServerState
 from vlmd.server.structured_output import compile_structured_output
 
@@ -26,13 +26,13 @@ from vlmd.server.structured_output import compile_structured_output
 async def completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
-    completion = parse_completion_request(await read_json(request))
+    completion = parse_completion_request(await read_text_body(request, state))
     if completion.model != state.config.model_name:
         raise NotFoundError(f"The model `{completion.model}` does not exist.", param="model", code="model_not_found")
     completion.sampling.check_vocabulary(state.preprocessor.vocab_size)
-    loop = asyncio.get_running_loop()
+    _check_prompt_lengths(state, completion)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, completion.structured) if completion.structured else None
-    processed = await loop.run_in_executor(state.pool, _process_prompts, state, completion)
+    processed = await state.admission.preprocess(lambda deadline: _process_prompts(state, completion))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = completion.sampling.n
     generations = []
@@ -46,6 +46,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if completion.stream:
         return await _stream(request, state, completion, request_id, generations, echoes)
     return await _complete(state, completion, request_id, generations, echoes)
+
+
+def _check_prompt_lengths(state: ServerState, completion: CompletionRequest) -> None:
+    """Text longer than max_model_len tokens can hold is refused by its characters, in time
+    linear in the body, before the tokenizer sees it (as chat messages are)."""
+    limit = state.preprocessor.max_prompt_chars
+    for index, prompt in enumerate(completion.prompts):
+        if isinstance(prompt, str) and len(prompt) > limit:
+            where = "prompt" if len(completion.prompts) == 1 else f"prompt[{index}]"
+            raise BadRequestError(
+                f"{where} holds {len(prompt)} characters, more than max_model_len "
+                f"({state.preprocessor.max_model_len}) tokens can hold: at most {limit} characters",
+                param="prompt",
+            )
 
 
 def _process_prompts(state: ServerState, completion: CompletionRequest) -> list:
@@ -84,12 +98,9 @@ def _logprobs(state: ServerState, completion: CompletionRequest, entries, offset
 
 async def _complete(state: ServerState, completion: CompletionRequest, request_id: str,
                     generations: list[Generation], echoes: list[str]) -> web.Response:
-    try:
-        async with aclosing(merged_deltas(generations)) as deltas:
-            async for _ in deltas:
-                pass
-    except EngineFailure as exc:
-        return web.json_response(_server_error(str(exc)), status=500, dumps=_dumps)
+    async with aclosing(merged_deltas(generations)) as deltas:  # an engine error propagates: 400 or 500
+        async for _ in deltas:
+            pass
     choices = [
         responses.text_choice(
             g.index, echo + g.text, g.finish_reason or "stop", _logprobs(state, completion, g.logprobs, len(echo)),
@@ -113,34 +124,34 @@ async def _stream(request: web.Request, state: ServerState, completion: Completi
     async def send(body: dict) -> None:
         await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
-    for g, echo in zip(generations, echoes):
-        if echo:
-            await send(responses.text_completion(request_id, created, model,
-                                                 [responses.text_choice(g.index, echo, None, None)], None, True))
     try:
-        async with aclosing(merged_deltas(generations)) as deltas:
-            async for delta in deltas:
-                if not delta.text and not delta.finish_reason and completion.logprobs is None:
-                    continue
-                logprobs = _logprobs(state, completion, delta.logprobs or [], offsets[delta.index])
-                offsets[delta.index] += len(delta.text)
-                choice = responses.text_choice(
-                    delta.index, delta.text, delta.finish_reason, logprobs,
-                    list(delta.token_ids) if completion.return_token_ids else None,
-                )
-                await send(responses.text_completion(request_id, created, model, [choice], None, True))
-    except EngineFailure as exc:
-        await send(_server_error(str(exc)))
-    else:
-        if completion.include_usage:
-            await send(responses.usage_chunk(request_id, created, model, usage(generations), "text_completion"))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        for g, echo in zip(generations, echoes):
+            if echo:
+                await send(responses.text_completion(request_id, created, model,
+                                                     [responses.text_choice(g.index, echo, None, None)], None, True))
+        try:
+            async with aclosing(merged_deltas(generations)) as deltas:
+                async for delta in deltas:
+                    if not delta.text and not delta.finish_reason and completion.logprobs is None:
+                        continue
+                    logprobs = _logprobs(state, completion, delta.logprobs or [], offsets[delta.index])
+                    offsets[delta.index] += len(delta.text)
+                    choice = responses.text_choice(
+                        delta.index, delta.text, delta.finish_reason, logprobs,
+                        list(delta.token_ids) if completion.return_token_ids else None,
+                    )
+                    await send(responses.text_completion(request_id, created, model, [choice], None, True))
+        except VlmdError as exc:  # the status line is sent: the error goes in the stream
+            await send(exc.to_dict())
+        else:
+            if completion.include_usage:
+                await send(responses.usage_chunk(request_id, created, model, usage(generations), "text_completion"))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: a normal abort, not a server error
+        pass
     return response
 
-
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
 
 
 def _dumps(body) -> str:

@@ -10,9 +10,8 @@ own request id, index, seed stream (``seed + index``) and finish reason.
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from vlmd.errors import VlmdError, from_engine
 from vlmd.server import responses
 from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.sampling_fields import SamplingFields
@@ -27,10 +27,6 @@ from vlmd.server.state import ServerState
 from vlmd.types import EngineRequest, FinishReason, TokenLogprob
 
 log = structlog.get_logger(__name__)
-
-
-class EngineFailure(Exception):
-    pass
 
 
 @dataclass
@@ -104,7 +100,7 @@ class Generation:
         async with aclosing(self.state.engine.generate(self.engine_request)) as stream:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
-                    raise EngineFailure(delta.error or "engine error")
+                    raise from_engine(delta.error, delta.error_status, self.engine_request.request_id)
                 if delta.new_token_ids:
                     self._observe_latency()
                 self.num_cached_tokens = delta.num_cached_tokens
@@ -152,7 +148,7 @@ async def merged_deltas(generations: list[Generation]) -> AsyncIterator[Delta]:
             async with aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
                     queue.put_nowait(delta)
-        except EngineFailure as exc:
+        except VlmdError as exc:
             queue.put_nowait(exc)
         queue.put_nowait(done)
 
@@ -163,7 +159,7 @@ async def merged_deltas(generations: list[Generation]) -> AsyncIterator[Delta]:
             item = await queue.get()
             if item is done:
                 remaining -= 1
-            elif isinstance(item, EngineFailure):
+            elif isinstance(item, VlmdError):
                 raise item
             else:
                 yield item

@@ -24,3 +24,5 @@ class ServerState:
     transcriber: object = None
     # vlmd.structured.compiler.GrammarCompiler: structured outputs, compiled on the pool.
     grammar_compiler: object = None
+    # Bounds on waiting work, preprocessing time and decoded media in flight.
+    admission: object = None  # vlmd.server.admission.Admission

@@ -8,25 +8,23 @@ the item will cost in the context. A prompt longer than the context is still cou
 
 from __future__ import annotations
 
-import asyncio
 
 import orjson
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError
-from vlmd.server.chat import read_json
+from vlmd.server.chat import read_json, read_text_body
 from vlmd.server.request_fields import RequestFields
 from vlmd.server.state import ServerState
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    fields = RequestFields(await read_json(request))
+    fields = RequestFields(await read_text_body(request, state))
     _check_model(state, fields)
     return_strs = fields.get("return_token_strs", bool, False)
     if "messages" in fields and "prompt" in fields:
         raise BadRequestError("send either 'prompt' or 'messages', not both", param="messages")
-    loop = asyncio.get_running_loop()
     if "messages" in fields:
         messages = fields.get("messages", list)
         add_special_tokens = fields.get("add_special_tokens", bool, False)
@@ -39,16 +37,24 @@ async def tokenize(request: web.Request) -> web.Response:
             raise BadRequestError("add_special_tokens is not supported with messages (the template adds them)",
                                   param="add_special_tokens")
         process = state.preprocessor.process_chat
-        processed = await loop.run_in_executor(
-            state.pool, lambda: process(messages, mm_kwargs, template_kwargs, check_length=False)
-        )
+        state.preprocessor.check_text_length(messages)  # bounded before the template and tokenizer
+        with state.admission.media_lease() as lease:
+            processed = await state.admission.preprocess(
+                lambda deadline: process(messages, mm_kwargs, template_kwargs, check_length=False,
+                                         deadline=deadline, lease=lease)
+            )
         tokens = processed.prompt_token_ids
     else:
         prompt = fields.get("prompt", str)
         add_special_tokens = fields.get("add_special_tokens", bool, True)
         fields.finish()
-        tokens = await loop.run_in_executor(
-            state.pool, lambda: state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        limit = state.preprocessor.max_prompt_chars
+        if len(prompt) > limit:  # more text than max_model_len tokens hold: not worth tokenizing
+            raise BadRequestError(
+                f"'prompt' holds {len(prompt)} characters, more than max_model_len "
+                f"({state.max_model_len}) tokens can hold: at most {limit} characters", param="prompt")
+        tokens = await state.admission.preprocess(
+            lambda deadline: state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         )
     body = {
         "count": len(tokens),
