@@ -1,4 +1,5 @@
-"""``vlmd serve [MODEL_DIR]`` (the daemon) and ``vlmd convert`` (checkpoint formats)."""
+"""``vlmd serve [MODEL_DIR]`` (the daemon), ``vlmd convert`` (checkpoint formats) and
+``vlmd cost MODEL_DIR`` (what media costs, from the config alone)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("source", help="the model directory to read")
     convert.add_argument("target", help="the directory to write (created if missing)")
     convert.add_argument("--log-level", default="info")
+    from vlmd.cost import add_parser as add_cost_parser
+
+    add_cost_parser(commands)
     return parser
 
 
@@ -171,6 +175,16 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level)
     if args.command == "serve":
         serve(config_from_args(args))
+    elif args.command == "cost":
+        from vlmd.cost import run as run_cost
+        from vlmd.errors import VlmdError
+
+        try:
+            print(run_cost(args))
+        except (OSError, ValueError, LookupError) as exc:
+            sys.exit(f"vlmd cost: {exc}")
+        except VlmdError as exc:
+            sys.exit(f"vlmd cost: {exc.message}")
     elif args.command == "convert":
         from vlmd.convert.ct2_whisper import convert_ct2_whisper
 

@@ -28,6 +28,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found in the prefix cache
     num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of every request added (placeholders included)
 
 
 @dataclass
@@ -43,10 +44,12 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.num_steps = 0
+        self.num_prompt_tokens = 0
         self.last_step_metrics = StepMetrics()
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
+        self.num_prompt_tokens += len(request.prompt_token_ids)
 
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
         return self.scheduler.abort_requests(request_ids)
@@ -92,4 +95,5 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
         )

@@ -64,7 +64,11 @@ class InputPreprocessor:
             self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
         return item
 
-    def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
+    def chat_prompt_ids(self, messages: Any) -> tuple[list[int], list[MediaRef]]:
+        """The templated prompt (one marker per item) and the media references, in order.
+
+        ``vlmd cost`` counts a prompt through this same step, so its figures are the server's.
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError(
                 "this model has no chat template, so it does not serve chat completions "
@@ -73,7 +77,10 @@ class InputPreprocessor:
         conversation, refs = to_conversation(messages, self._part_for)
         check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False), refs
+
+    def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
+        prompt_ids, refs = self.chat_prompt_ids(messages)
         media: dict[str, list] = {}
         for ref in refs:
             media.setdefault(ref.modality, []).append(self._load(ref))

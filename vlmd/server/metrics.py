@@ -40,6 +40,7 @@ class _EngineCollector:
             "vlmd_num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "vlmd_encoder_forwards": ("Media items run through an encoder", stats.num_encoder_forwards),
             "vlmd_engine_steps": ("Engine steps run", stats.num_steps),
+            "vlmd_prompt_tokens": ("Prompt tokens of requests added to the engine", stats.num_prompt_tokens),
             "vlmd_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
             "vlmd_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
             "vlmd_encoder_cache_queries": ("Encoder-cache lookups", stats.encoder_cache_queries),
