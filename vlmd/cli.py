@@ -7,104 +7,79 @@ import argparse
 import asyncio
 import os
 import shutil
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vlmd.config import ServeConfig, parse_json_object, parse_limit_mm_per_prompt
+import structlog
+
+from vlmd.cli_flags import add_serve_flags, config_from_flags, refused_flag
+from vlmd.config import ServeConfig
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_NAME = "vlmd-tiny-llava"
 
 
-def _parser() -> argparse.ArgumentParser:
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="vlmd", description="A multimodal inference server")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("model", nargs="?", help="checkpoint directory (default: a built-in tiny LLaVA)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--max-num-seqs", type=int, default=256)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--kv-cache-gb", type=float, default=4.0, help="memory for the KV cache (GiB)")
-    serve.add_argument("--num-kv-blocks", type=int, help="exact number of KV blocks (overrides --kv-cache-gb)")
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--limit-mm-per-prompt", default="", help="e.g. image=2,video=1")
-    serve.add_argument("--allowed-local-media-path", help="directory file:// media URLs may read from")
-    serve.add_argument("--allow-private-media-urls", action="store_true",
-                       help="let http(s) media URLs reach private, loopback and link-local addresses")
-    serve.add_argument("--allowed-media-domains", help="comma-separated hosts http(s) media may come from")
-    serve.add_argument("--preprocess-threads", type=int, default=4)
-    serve.add_argument("--torch-threads", type=int, help="intra-op threads of the engine thread")
-    serve.add_argument("--disable-chunked-mm-input", action="store_true")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="share KV blocks of identical prefixes, images included (default: on)")
-    serve.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
-                       help="processed-media cache on the front end (GiB; 0 disables)")
-    serve.add_argument("--max-num-encoder-input-tokens", type=int,
-                       help="encoder work per step, in output tokens (default: --max-num-batched-tokens)")
-    serve.add_argument("--encoder-cache-size", type=int,
-                       help="encoder outputs kept, in tokens (default: --max-num-batched-tokens)")
-    serve.add_argument("--mm-processor-kwargs", default="",
-                       help='processor settings for every request, JSON, e.g. \'{"max_pixels": 100352}\'')
-    serve.add_argument("--media-io-kwargs", default="",
-                       help='media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, '
-                            '"audio": {"max_duration_s": 600}}\'')
-    serve.add_argument("--api-key", default=os.environ.get("VLMD_API_KEY"))
-    serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
-    serve.add_argument("--log-level", default="info")
+    parser.add_argument("--version", action="version", version=f"vlmd {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint directory over an OpenAI-compatible HTTP API.",
+    )
+    add_serve_flags(serve)
     convert = commands.add_parser("convert", help="convert a checkpoint from another format to Hugging Face layout")
     convert.add_argument("--from", dest="source_format", required=True, choices=["ct2"],
                          help="ct2: a CTranslate2 (faster-whisper) Whisper model directory")
     convert.add_argument("source", help="the model directory to read")
     convert.add_argument("target", help="the directory to write (created if missing)")
-    convert.add_argument("--log-level", default="info")
     from vlmd.cost import add_parser as add_cost_parser
 
-    add_cost_parser(commands)
-    return parser
+    cost = add_cost_parser(commands)
+    for command in (serve, convert):
+        command.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log threshold (default: info)")
+    return parser, {"serve": serve, "convert": convert, "cost": cost}
 
 
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    model = args.model
-    served_name = args.served_model_name
-    if model is None:
-        model = str(default_model_dir())
-        served_name = served_name or DEFAULT_MODEL_NAME
-    domains = tuple(d.strip() for d in args.allowed_media_domains.split(",")) if args.allowed_media_domains else None
-    return ServeConfig(
-        model=model,
-        served_model_name=served_name,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        num_kv_blocks=args.num_kv_blocks,
-        seed=args.seed,
-        limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
-        allowed_local_media_path=args.allowed_local_media_path,
-        allow_private_media_urls=args.allow_private_media_urls,
-        allowed_media_domains=domains,
-        preprocess_threads=args.preprocess_threads,
-        torch_threads=args.torch_threads,
-        disable_chunked_mm_input=args.disable_chunked_mm_input,
-        enable_prefix_caching=args.enable_prefix_caching,
-        mm_processor_cache_gb=args.mm_processor_cache_gb,
-        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
-        encoder_cache_size=args.encoder_cache_size,
-        mm_processor_kwargs=parse_json_object(args.mm_processor_kwargs, "--mm-processor-kwargs"),
-        media_io_kwargs=parse_json_object(args.media_io_kwargs, "--media-io-kwargs"),
-        api_key=args.api_key,
-        warmup=not args.no_warmup,
-    )
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vlmd")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def check_model_dir(path: str) -> None:
+    """Fail before anything loads when MODEL_DIR cannot be a checkpoint directory."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.exists():
+        raise ValueError(f"MODEL_DIR {path!r} does not exist (vlmd serves local checkpoint directories only)")
+    if not model_dir.is_dir():
+        raise ValueError(f"MODEL_DIR {path!r} is not a directory")
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"MODEL_DIR {path!r} has no config.json: not a Hugging Face checkpoint directory")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen before the model loads, so a taken port is found in milliseconds, not after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)") from None
+    sock.listen(1024)
+    return sock
 
 
 def default_model_dir() -> Path:
@@ -114,6 +89,7 @@ def default_model_dir() -> Path:
     cache = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd"))
     target = cache / "models" / "tiny-llava-seed0"
     if not (target / "config.json").exists():
+        log.info("building the embedded default model (a tiny random LLaVA) once", path=str(target))
         staging = cache / "models" / f".tiny-llava-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         build_tiny("llava", staging, seed=0, size="tiny")
@@ -122,7 +98,7 @@ def default_model_dir() -> Path:
     return target
 
 
-def serve(config: ServeConfig) -> None:
+def serve(config: ServeConfig, sock: socket.socket) -> None:
     import uvloop
     from aiohttp import web
 
@@ -158,23 +134,42 @@ def serve(config: ServeConfig) -> None:
     state.metrics = metrics
     state.transcriber = built.transcriber
     app = create_app(state)
+    log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
     try:
-        web.run_app(
-            app, host=config.host, port=config.port, loop=loop, handler_cancellation=True,
-            access_log=None, print=lambda msg: print(msg, file=sys.stderr, flush=True),
-        )
+        web.run_app(app, sock=sock, loop=loop, handler_cancellation=True, access_log=None, print=None)
     finally:
         worker.stop()
         state.pool.shutdown(wait=False, cancel_futures=True)
+        log.info("shut down", model=config.model_name)
+
+
+def _serve_command(args: argparse.Namespace) -> None:
+    refused = refused_flag(args)
+    if refused:
+        raise ValueError(refused)
+    config = config_from_flags(args, model=args.model or "")  # validates every setting
+    if args.model is not None:
+        check_model_dir(args.model)
+    sock = bind_socket(config.host, config.port)
+    if args.model is None:
+        config.model = str(default_model_dir())
+        config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
+    serve(config, sock)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser, commands = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it with the usage of the command it was given to
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from vlmd.logs import configure_logging
 
     configure_logging(args.log_level)
     if args.command == "serve":
-        serve(config_from_args(args))
+        try:
+            _serve_command(args)
+        except (ValueError, LookupError, OSError) as exc:  # configuration the operator can fix
+            sys.exit(f"vlmd serve: {exc}")
     elif args.command == "cost":
         from vlmd.cost import run as run_cost
         from vlmd.errors import VlmdError

@@ -2,50 +2,121 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from vlmd.errors import BadRequestError
 
 
+def setting(default, help: str, *, parse=None, metavar: str | None = None, choices=None,
+            negatable: bool = False, env: str | None = None, minimum: float | None = None,
+            default_factory=None):
+    """One serve setting: its default, its ``--flag`` help, and how the flag's text becomes the value.
+
+    ``vlmd/cli_flags.py`` builds the ``vlmd serve`` flags from these fields alone, so a
+    setting is defined once: name (the flag is ``--name-with-dashes``), type, default, help.
+    ``parse`` turns the flag's text into the value (default: the field's type); ``negatable``
+    gives a boolean both ``--x`` and ``--no-x``; ``env`` names an environment variable that
+    supplies the default; ``minimum`` is the smallest value accepted (checked by
+    ``ServeConfig.validate``).
+    """
+    metadata = {"help": help, "parse": parse, "metavar": metavar, "choices": choices,
+                "negatable": negatable, "env": env, "minimum": minimum}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _comma_list(text: str) -> tuple[str, ...] | None:
+    items = tuple(item.strip() for item in text.split(",") if item.strip())
+    return items or None
+
+
 @dataclass
 class ServeConfig:
-    model: str
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_gb: float = 4.0
-    num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests, capacity planning)
-    seed: int = 0
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
-    allowed_local_media_path: str | None = None
-    allow_private_media_urls: bool = False
-    allowed_media_domains: tuple[str, ...] | None = None
-    media_max_bytes: int = 20 * 2**20
-    media_timeout_s: float = 10.0
-    preprocess_threads: int = 4
-    torch_threads: int | None = None
-    disable_chunked_mm_input: bool = False
-    enable_prefix_caching: bool = True
-    mm_processor_cache_gb: float = 4.0
-    max_num_encoder_input_tokens: int | None = None  # default: max_num_batched_tokens
-    encoder_cache_size: int | None = None  # default: max_num_batched_tokens
-    api_key: str | None = None
+    model: str = field(metadata={"help": "checkpoint directory (default: a built-in tiny LLaVA, built on first start)",
+                                 "positional": True})
+    served_model_name: str | None = setting(None, "the model name clients send (default: MODEL_DIR)")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "TCP port to listen on (bound before the model loads)", minimum=0)
+    dtype: str = setting("float32", "weights and activations dtype", choices=("float32", "bfloat16", "float16"))
+    chat_template: str | None = setting(
+        None, "a Jinja chat template, as a file path or the template text, used instead of the checkpoint's",
+        parse=lambda text: resolve_chat_template(text), metavar="FILE|TEMPLATE")
+    max_model_len: int | None = setting(None, "longest prompt + output, in tokens (default: the checkpoint's)", minimum=1)
+    max_num_seqs: int = setting(256, "most requests in one step", minimum=1)
+    max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks + decodes)", minimum=1)
+    block_size: int = setting(16, "tokens per KV-cache block", minimum=1)
+    kv_cache_gb: float = setting(4.0, "memory for the KV cache, GiB", minimum=0)
+    num_kv_blocks: int | None = setting(None, "exact number of KV blocks (overrides --kv-cache-gb)", minimum=1)
+    seed: int = setting(0, "seed of the sampler for requests without their own")
+    limit_mm_per_prompt: dict[str, int] = setting(
+        None, "most media items of each modality in one prompt, e.g. image=2,video=1 or JSON",
+        parse=lambda text: parse_limit_mm_per_prompt(text), metavar="MODALITY=N,...", default_factory=dict)
+    allowed_local_media_path: str | None = setting(None, "directory that file:// media URLs may read from")
+    allow_private_media_urls: bool = setting(
+        False, "let http(s) media URLs reach private, loopback and link-local addresses")
+    allowed_media_domains: tuple[str, ...] | None = setting(
+        None, "comma-separated hosts that http(s) media may come from (default: any public host)",
+        parse=_comma_list, metavar="HOST,...")
+    media_max_bytes: int = setting(20 * 2**20, "largest fetched image or video, in bytes", minimum=1)
+    media_timeout_s: float = setting(10.0, "seconds allowed to fetch one media URL", minimum=0)
+    preprocess_threads: int = setting(4, "threads that fetch, decode and preprocess media", minimum=1)
+    torch_threads: int | None = setting(None, "intra-op threads of the engine thread (default: torch's)", minimum=1)
+    disable_chunked_mm_input: bool = setting(False, "schedule each media item's placeholders in one step")
+    enable_prefix_caching: bool = setting(
+        True, "share KV blocks of identical prefixes, media included", negatable=True)
+    mm_processor_cache_gb: float = setting(4.0, "processed-media cache on the front end, GiB (0 disables)", minimum=0)
+    max_num_encoder_input_tokens: int | None = setting(
+        None, "encoder work per step, in output tokens (default: --max-num-batched-tokens)", minimum=1)
+    encoder_cache_size: int | None = setting(
+        None, "encoder outputs kept, in tokens (default: --max-num-batched-tokens)", minimum=1)
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on every route but /health", env="VLMD_API_KEY")
     # Server-wide processor settings (e.g. {"max_pixels": N}); a request's own
     # mm_processor_kwargs are merged over them.
-    mm_processor_kwargs: dict = field(default_factory=dict)
+    mm_processor_kwargs: dict = setting(
+        None, 'processor settings for every request, JSON, e.g. \'{"max_pixels": 100352}\'',
+        parse=lambda text: parse_json_object(text, "--mm-processor-kwargs"), metavar="JSON",
+        default_factory=dict)
     # Decode settings per modality, e.g. {"video": {"num_frames": 16}} (see MEDIA_IO_FIELDS).
-    media_io_kwargs: dict = field(default_factory=dict)
-    max_request_bytes: int = 64 * 2**20
-    warmup: bool = True
+    media_io_kwargs: dict = setting(
+        None, 'media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, "audio": {"max_duration_s": 600}}\'',
+        parse=lambda text: parse_json_object(text, "--media-io-kwargs"), metavar="JSON", default_factory=dict)
+    max_request_bytes: int = setting(64 * 2**20, "largest request body, in bytes", minimum=1)
+    warmup: bool = setting(True, "run one warm-up request before serving", negatable=True)
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag of the first setting out of its range."""
+        for spec in fields(self):
+            minimum = spec.metadata.get("minimum")
+            value = getattr(self, spec.name)
+            if minimum is not None and value is not None and value < minimum:
+                flag = "--" + spec.name.replace("_", "-")
+                raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def resolve_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the argument itself when it is a template."""
+    import os
+
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            text = handle.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not parse: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:

@@ -279,7 +279,8 @@ def add_parser(commands) -> None:
     cost.add_argument("--max-num-batched-tokens", type=int, default=2048)
     cost.add_argument("--encoder-cache-size", type=int)
     cost.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    cost.add_argument("--log-level", default="warning")
+    cost.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    return cost
 
 
 def run(args) -> str:

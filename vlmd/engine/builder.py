@@ -61,6 +61,8 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if config.chat_template is not None:  # already the template's text (config.py:resolve_chat_template)
+        tokenizer.chat_template = config.chat_template
     text_config = text_config_of(hf_config)
 
     # Whisper's config names its decoder length max_target_positions.
