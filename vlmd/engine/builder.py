@@ -104,7 +104,8 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         # request's cross state is built in its first chunk: a prefix hit would skip both.
         log.info("prefix caching is off for an encoder-decoder model", family=family.name)
         enable_prefix_caching = False
-    num_blocks = config.num_kv_blocks or num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
+    kv_cache_gb = 4.0 if config.kv_cache_gb is None else config.kv_cache_gb
+    num_blocks = config.num_kv_blocks or num_blocks_for(model.kv_spec, config.block_size, dtype, kv_cache_gb * 2**30)
     if num_blocks * config.block_size < max_model_len:
         raise ValueError(
             f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
