@@ -33,7 +33,7 @@ def sample(
     tokens = logits.argmax(dim=-1).tolist()
     for row, state in enumerate(states):
         if not state.sampling.is_greedy:
-            generator = state.generator_for_next_token() or default_generator
+            generator = state.generator_for_next_token(logits.device) or default_generator
             tokens[row] = _sample_row(logits[row], state.sampling, generator)
 
     logprobs: list[TokenLogprob | None] = [None] * len(states)
