@@ -115,7 +115,7 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     if config.warmup:
         warm_up(built)
     engine = AsyncEngine(loop)
-    metrics = Metrics(engine, built.preprocessor.processor.cache)
+    metrics = Metrics(engine, built.preprocessor.processor.cache, built.memory_plan)
     built.preprocessor.observer = metrics
     built.preprocessor.processor.observer = metrics
     worker = EngineWorker(built.core, engine.post_deltas, config.torch_threads, observe_step=metrics.observe_step)

@@ -16,10 +16,37 @@ _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+# The start-up memory plan (vlmd/engine/memory_plan.py), one gauge per figure.
+_PLAN_BYTES = {
+    "weight_bytes": "weights",
+    "base_bytes": "base",
+    "activation_bytes": "activations",
+    "encoder_peak_bytes": "encoder_peak",
+    "encoder_cache_bytes": "encoder_cache",
+    "kv_bytes": "kv_cache",
+    "total_bytes": "total",
+}
+
+
 class _EngineCollector:
-    def __init__(self, engine, processor_cache):
+    def __init__(self, engine, processor_cache, memory_plan=None):
         self.engine = engine
         self.processor_cache = processor_cache
+        self.memory_plan = memory_plan
+
+    def _plan_metrics(self):
+        fields = self.memory_plan.fields()
+        family = GaugeMetricFamily(
+            "vlmd_memory_plan_bytes", "Start-up memory plan: weights, base (process or card), activation and "
+            "encoder peaks of the profile, encoder cache, KV cache, total the utilisation applies to",
+            labels=["part", "device", "source"])
+        for key, part in _PLAN_BYTES.items():
+            family.add_metric([part, fields["device"], fields["source"]], fields[key])
+        yield family
+        yield GaugeMetricFamily("vlmd_memory_plan_kv_blocks", "KV blocks the memory plan gave", value=fields["num_kv_blocks"])
+        yield GaugeMetricFamily("vlmd_memory_plan_max_full_length_requests",
+                                "Requests of max_model_len tokens the KV cache holds at once",
+                                value=fields["max_full_length_requests"])
 
     def collect(self):
         stats = self.engine.stats
@@ -50,12 +77,14 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if self.memory_plan is not None:
+            yield from self._plan_metrics()
 
 
 class Metrics:
-    def __init__(self, engine, processor_cache=None):
+    def __init__(self, engine, processor_cache=None, memory_plan=None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, processor_cache))
+        self.registry.register(_EngineCollector(engine, processor_cache, memory_plan))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
