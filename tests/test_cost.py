@@ -116,3 +116,19 @@ def test_a_speech_model_takes_one_clip(tiny_whisper_dir):
     with pytest.raises(ValueError, match="one --audio-seconds clip"):
         compute_cost(str(tiny_whisper_dir), [audio_clip(5), audio_clip(6)], CostOptions())
     assert isinstance(audio_clip(1.5), ItemSpec)
+
+
+def test_a_config_only_directory_needs_no_weights_or_tokenizer():
+    from conftest import REPO
+
+    report = compute_cost(str(REPO / "docs/examples/llava-1.5-7b-config"), [parse_image("640x480")],
+                          CostOptions(dtype="float16", memory_gb=80, memory_utilization=0.9, activation_gb=1,
+                                      max_tokens=512))
+    assert report["kv_bytes_per_token"] == 32 * 32 * 128 * 2 * 2
+    assert report["prompt_tokens"] == 576  # media only: no tokenizer to count the text
+    cache = report["cache"]
+    assert 7.0e9 < cache["weight_bytes"] / 2 < 7.1e9  # LLaVA-1.5-7B (CLIP's last layer is never built)
+    left = int(80 * 2**30 * 0.9) - cache["weight_bytes"] - 2**30 - cache["encoder_cache_bytes"]
+    assert cache["num_kv_blocks"] == left // (16 * report["kv_bytes_per_token"])
+    assert cache["requests_held"] == cache["num_kv_blocks"] // report["requests"][0]["kv_blocks"]
+    assert cache["full_length_requests"] == cache["num_kv_blocks"] // (4096 // 16)

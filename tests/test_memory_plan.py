@@ -49,8 +49,6 @@ def test_the_kv_cache_shrinks_when_the_encoder_peak_grows(tiny_qwen2_vl_dir, tmp
             server.stop()
     small, large = plans[64 * 28 * 28], plans[3000 * 28 * 28]
     assert any('source="utilization"' in name for name in small)
-    print({size: {name.split('part="')[1].split('"')[0] if "part=" in name else name: value
-                  for name, value in plan.items()} for size, plan in plans.items()})
     assert _bytes(large, "encoder_peak") > _bytes(small, "encoder_peak") + 20 * 2**20
     assert _bytes(large, "activations") > _bytes(small, "activations")
     assert large["vlmd_memory_plan_kv_blocks"] < small["vlmd_memory_plan_kv_blocks"]

@@ -92,8 +92,12 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     model_dir = str(Path(model_dir).expanduser())
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):  # a config-only directory: media and KV only, no text tokens
+        tokenizer = None
     ctx = ProcessingContext(
-        model_dir=model_dir, model_id=model_dir, hf_config=hf_config, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        model_dir=model_dir, model_id=model_dir, hf_config=hf_config, tokenizer=tokenizer,
         mm_processor_kwargs=dict(options.mm_processor_kwargs), media_io_kwargs=dict(options.media_io_kwargs),
     )
     info = family.load("processing_info")(ctx)
@@ -119,6 +123,9 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     speech = isinstance(processor, SpeechToTextProcessor) and any(spec.modality == "audio" for spec in items)
     if speech:
         requests = _speech_requests(processor, items, options)
+    elif tokenizer is None:
+        prompt = sum(row["prompt_tokens"] for row in rows)
+        requests = [{"request": "chat completion (media only: MODEL_DIR has no tokenizer)", "prompt_tokens": prompt}]
     else:
         preprocessor = InputPreprocessor(processor, policy, {}, max_model_len)
         parts = [{"type": f"{spec.modality}_url", f"{spec.modality}_url": {"url": "cost:"}} for spec in items]

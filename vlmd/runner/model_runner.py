@@ -38,6 +38,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            # The engine thread's current device: streams and events of cuda:N are created there.
+            torch.cuda.set_device(self.device)
         self._update_states(out)
         if out.is_empty:
             return RunnerOutput()
