@@ -30,10 +30,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def device_under_test() -> str:
+    """VLMD_TEST_DEVICE (cpu, cuda, cuda:N, auto) runs the servers and engines of the tests there;
+    unset, they take vlmd's default (--device auto: cuda if available, else cpu)."""
+    return os.environ.get("VLMD_TEST_DEVICE", "auto")
+
+
+def server_device_flags() -> tuple[str, ...]:
+    return ("--device", os.environ["VLMD_TEST_DEVICE"]) if "VLMD_TEST_DEVICE" in os.environ else ()
+
+
 class Server:
     """A real ``vlmd serve`` subprocess, talked to over HTTP."""
 
-    def __init__(self, model_dir: Path, *flags: str, name: str = "tiny", log_dir: Path | None = None):
+    def __init__(self, model_dir: Path, *flags: str, name: str = "tiny", log_dir: Path | None = None,
+                 kv_cache_gb: str | None = "0.25"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = name
@@ -41,7 +52,8 @@ class Server:
         self.log_path = log_dir / f"vlmd-{self.port}.log"
         command = [
             sys.executable, "-m", "vlmd", "serve", str(model_dir), "--port", str(self.port),
-            "--served-model-name", name, "--kv-cache-gb", "0.25", *flags,
+            "--served-model-name", name, *server_device_flags(),
+            *(("--kv-cache-gb", kv_cache_gb) if kv_cache_gb is not None else ()), *flags,
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "wb")

@@ -14,6 +14,7 @@ from oracle import assert_greedy_match
 from vlmd.config import ServeConfig
 from vlmd.engine.builder import build_engine
 from vlmd.processing.speech import TranscriptionOptions
+from conftest import device_under_test
 from whisper_support import FOX, hf_whisper_generate, needs_espeak, needs_tiny_en, read_samples, speech_wav
 
 
@@ -26,7 +27,8 @@ CLIPS = [_tones(0, 3.0), _tones(1, 8.0), _tones(2, 13.0), _tones(3, 29.5)]
 
 
 def _engine(model_dir, **overrides):
-    config = ServeConfig(model=str(model_dir), num_kv_blocks=overrides.pop("num_kv_blocks", 64), **overrides)
+    config = ServeConfig(model=str(model_dir), num_kv_blocks=overrides.pop("num_kv_blocks", 64), device=device_under_test(),
+                         **overrides)
     return build_engine(config)
 
 

@@ -1,4 +1,5 @@
-"""``vlmd serve [MODEL_DIR]`` (the daemon) and ``vlmd convert`` (checkpoint formats)."""
+"""``vlmd serve [MODEL_DIR]`` (the daemon), ``vlmd convert`` (checkpoint formats) and
+``vlmd cost MODEL_DIR`` (what media costs, from the config alone)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                               "(vlmd_whisper: ct2, a CTranslate2 / faster-whisper model directory)")
     convert.add_argument("source", help="the model directory to read")
     convert.add_argument("target", help="the directory to write (created if missing)")
+    from vlmd.cost import add_parser as add_cost_parser
+
+    cost = add_cost_parser(commands)
     for command in (serve, convert):
         command.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log threshold (default: info)")
-    return parser, {"serve": serve, "convert": convert}
+    return parser, {"serve": serve, "convert": convert, "cost": cost}
 
 
 def _version() -> str:
@@ -113,7 +117,7 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     if config.warmup:
         warm_up(built)
     engine = AsyncEngine(loop)
-    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler)
+    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan)
     if built.grammar_compiler is not None:
         built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
@@ -177,6 +181,16 @@ def main(argv: list[str] | None = None) -> None:
             _serve_command(args)
         except (ValueError, LookupError, OSError) as exc:  # configuration the operator can fix
             sys.exit(f"vlmd serve: {exc}")
+    elif args.command == "cost":
+        from vlmd.cost import run as run_cost
+        from vlmd.errors import VlmdError
+
+        try:
+            print(run_cost(args))
+        except (OSError, ValueError, LookupError) as exc:
+            sys.exit(f"vlmd cost: {exc}")
+        except VlmdError as exc:
+            sys.exit(f"vlmd cost: {exc.message}")
     elif args.command == "convert":
         from vlmd.plugins.manager import converters
         from vlmd.plugins.registry import resolve

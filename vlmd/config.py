@@ -46,8 +46,19 @@ class ServeConfig:
     max_num_seqs: int = setting(256, "most requests in one step", minimum=1)
     max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks + decodes)", minimum=1)
     block_size: int = setting(16, "tokens per KV-cache block", minimum=1)
-    kv_cache_gb: float = setting(4.0, "memory for the KV cache, GiB", minimum=0)
+    device: str = setting(
+        "auto", "where weights, KV cache and step tensors live: auto (cuda if available, else cpu), cpu, cuda, cuda:N",
+        parse=lambda text: parse_device(text), metavar="DEVICE")
+    kv_cache_gb: float | None = setting(
+        None, "memory for the KV cache, GiB; overrides the utilisation settings "
+        "(default: 4 on CPU, what --gpu-memory-utilization leaves on CUDA)", minimum=0)
     num_kv_blocks: int | None = setting(None, "exact number of KV blocks (overrides --kv-cache-gb)", minimum=1)
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: fraction of the GPU's memory this server may use; the KV cache gets what weights, the "
+        "start-up profile's peak and the encoder cache leave", minimum=0)
+    memory_utilization: float | None = setting(
+        None, "CPU: fraction of the host's memory (or cgroup limit) this server may use in all; the KV cache "
+        "gets what the process, the start-up profile's peak and the encoder cache leave", minimum=0)
     seed: int = setting(0, "seed of the sampler for requests without their own")
     limit_mm_per_prompt: dict[str, int] = setting(
         None, "most media items of each modality in one prompt, e.g. image=2,video=1 or JSON",
@@ -107,6 +118,14 @@ class ServeConfig:
             if minimum is not None and value is not None and value < minimum:
                 flag = "--" + spec.name.replace("_", "-")
                 raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def parse_device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (checked for existence when the engine starts)."""
+    text = text.strip().lower()
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
 
 
 def resolve_chat_template(value: str) -> str:

@@ -82,6 +82,18 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape of a decoder's paged KV cache: per layer, K and V of kv_heads x head_dim."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
 @dataclass
 class MultiModalItem:
     """One image / video / audio clip after processing.

@@ -8,6 +8,7 @@ and loads the model.
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,11 @@ from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.processing.speech import SpeechToTextProcessor
 from vlmd.processing.transcription import TranscriptionPreprocessor
-from vlmd.runner.kv_cache import num_blocks_for
+from vlmd.engine.memory_plan import MemoryPlan
+from vlmd.engine.profile import profile_peak, worst_case_runs
+from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
+from vlmd.runner.device import resolve_device
+from vlmd.runner.kv_cache import bytes_per_block
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.structured.compiler import GrammarCompiler
@@ -47,6 +52,7 @@ class BuiltEngine:
     # vlmd.processing.transcription.TranscriptionPreprocessor for speech-to-text families.
     transcriber: object = None
     grammar_compiler: GrammarCompiler | None = None
+    memory_plan: MemoryPlan | None = None
 
 
 def text_config_of(hf_config):
@@ -82,25 +88,39 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     info = family.load("processing_info")(ctx)
     processor = family.load("processor")(info)
     dummy = family.load("dummy_inputs")(info)
+    supported = info.supported_mm_limits()
+    # A modality limited to 0 is never profiled, and its encoder is dropped before the model
+    # goes to the device.
+    modalities = [m for m in supported if config.limit_mm_per_prompt.get(m, 1) != 0]
     try:  # under the server-wide kwargs, which may raise an item's size
-        largest = [
-            processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs) for m in info.supported_mm_limits()
-        ]
+        largest = {m: processor.process_item(m, dummy.dummy_item(m), ctx.mm_processor_kwargs) for m in modalities}
     except VlmdError as exc:
         raise ValueError(f"--mm-processor-kwargs: {exc.message}") from None
-    max_item_tokens = max((_encoder_tokens(processed) for processed in largest), default=0)
-    max_placeholders = max((_placeholders(processed) for processed in largest), default=0)
+    max_item_tokens = max((_encoder_tokens(processed) for processed in largest.values()), default=0)
+    max_placeholders = max((_placeholders(processed) for processed in largest.values()), default=0)
     if config.disable_chunked_mm_input and max_placeholders > config.max_num_batched_tokens:
         raise ValueError(
             f"--disable-chunked-mm-input needs --max-num-batched-tokens >= {max_placeholders} "
             f"(the largest item), got {config.max_num_batched_tokens}"
         )
+    check_items_fit(largest, max_model_len, config)
     # Both default to the token budget and are raised to fit the largest item, so every
-    # item can be scheduled at all.
+    # item can be scheduled at all (a budget set explicitly too small is an error above).
     encoder_budget = max(config.max_num_encoder_input_tokens or config.max_num_batched_tokens, max_item_tokens)
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
+    device = resolve_device(config.device)
+    if device.type == "cuda" and dtype == torch.float32:
+        # float32 means float32: TF32 matmuls and convolutions (cuDNN's default) would drift
+        # from the CPU oracle after a few tokens.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     model = family.load("model").load(model_dir, hf_config, dtype)
+    dropped = drop_unused_encoders(model, supported, modalities)
+    model = model.to(device)
+    if model.kv_spec != info.kv_spec():  # `vlmd cost` sizes caches from info.kv_spec()
+        raise RuntimeError(f"{family.name}: the model's KV spec {model.kv_spec} differs from its processing "
+                           f"info's {info.kv_spec()}")
     install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION
     enable_prefix_caching = config.enable_prefix_caching
     if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
@@ -108,24 +128,29 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         # request's cross state is built in its first chunk: a prefix hit would skip both.
         log.info("prefix caching is off for an encoder-decoder model", family=family.name)
         enable_prefix_caching = False
-    num_blocks = config.num_kv_blocks or num_blocks_for(model.kv_spec, config.block_size, dtype, config.kv_cache_gb * 2**30)
-    if num_blocks * config.block_size < max_model_len:
-        raise ValueError(
-            f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
-            f"{max_model_len}: raise --kv-cache-gb or lower --max-model-len"
-        )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=config.block_size,
-        num_kv_blocks=num_blocks,
+        num_kv_blocks=-(-max_model_len // config.block_size),  # the profile's; sized below
         max_num_encoder_input_tokens=encoder_budget,
         encoder_cache_size=encoder_cache_size,
         disable_chunked_mm_input=config.disable_chunked_mm_input,
         enable_prefix_caching=enable_prefix_caching,
     )
-    runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed)
+    filler = (tokenizer.encode(" the", add_special_tokens=False) or [0])[0]
+    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+    runs = worst_case_runs(processor, dummy, modalities, scheduler_config, filler, encoder_decoder)
+    profile = profile_peak(model, runs, scheduler_config, dtype, device)
+    hidden = int(text_config.hidden_size)
+    plan = plan_kv_cache(config, device, profile, weight_bytes_of(model), bytes_per_block(model.kv_spec, config.block_size, dtype),
+                         encoder_cache_size * hidden * dtype.itemsize, max_model_len)
+    num_blocks = plan.num_kv_blocks
+    scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks)
+    runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device)
+    log.info("memory plan", **{k: v for k, v in plan.fields().items()}, profile_method=profile.method,
+             profile_seconds=round(profile.seconds, 2), dropped_encoders=dropped or None)
     policy = MediaPolicy(
         allowed_local_media_path=config.allowed_local_media_path,
         allow_private_urls=config.allow_private_media_urls,
@@ -156,7 +181,7 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     )
     return BuiltEngine(
         EngineCore(Scheduler(scheduler_config), runner), preprocessor, tokenizer, eos, max_model_len,
-        scheduler_config, dummy, transcriber, grammar_compiler
+        scheduler_config, dummy, transcriber, grammar_compiler, plan
     )
 
 
@@ -201,7 +226,8 @@ def warm_up(built: BuiltEngine) -> None:
     core = built.core
     # One request per modality: worst-case items of every modality together may not fit
     # max_model_len (a 32-frame video alone can be thousands of tokens).
-    for modality in list(info.supported_mm_limits()) or [None]:
+    enabled = [m for m in info.supported_mm_limits() if built.preprocessor.mm_limits.get(m) != 0]
+    for modality in enabled or [None]:
         media = {} if modality is None else {modality: [built.dummy_inputs.dummy_item(modality)]}
         prompt = text if modality is None else [info.marker_token_id(modality), *text]
         output = processor.apply(prompt, media)

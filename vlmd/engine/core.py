@@ -36,6 +36,7 @@ class EngineStats:
     num_steps: int = 0
     num_failed_steps: int = 0  # steps that raised and were re-run without their culprits
     num_requests_failed: int = 0  # requests a failed step was traced to
+    num_prompt_tokens: int = 0  # prompt tokens of every request added (placeholders included)
 
 
 @dataclass
@@ -53,10 +54,12 @@ class EngineCore:
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_requests_failed = 0
+        self.num_prompt_tokens = 0
         self.last_step_metrics = StepMetrics()
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
+        self.num_prompt_tokens += len(request.prompt_token_ids)
 
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
         return self.scheduler.abort_requests(request_ids)
@@ -148,4 +151,5 @@ class EngineCore:
             num_steps=self.num_steps,
             num_failed_steps=self.num_failed_steps,
             num_requests_failed=self.num_requests_failed,
+            num_prompt_tokens=self.num_prompt_tokens,
         )

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from vlmd.layers.attention import AttentionMetadata
+from vlmd.types import KVSpec  # torch-free, so `vlmd cost` sizes caches without models
 
-
-@dataclass(frozen=True)
-class KVSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+__all__ = ["KVSpec", "MultimodalModel"]
 
 
 class MultimodalModel(Protocol):

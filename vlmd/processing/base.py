@@ -15,7 +15,7 @@ from typing import Any
 
 from vlmd.errors import BadRequestError
 from vlmd.processing.hashing import item_identifier
-from vlmd.types import MultiModalItem
+from vlmd.types import KVSpec, MultiModalItem
 
 
 @dataclass
@@ -41,6 +41,25 @@ class ProcessedItem:
     # Vectors the encoder produces, when not one per placeholder (an encoder-decoder's input
     # has no placeholders: Whisper's 30 s window is 1,500 vectors).
     num_encoder_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ItemSize:
+    """What an item's cost depends on: pixels, frames kept after sampling, seconds of audio."""
+
+    width: int = 0
+    height: int = 0
+    frames: int = 1  # a video's frames after the decoder's sampling; 1 for an image
+    seconds: float = 0.0  # an audio window's length
+
+
+@dataclass(frozen=True)
+class ItemTokens:
+    """What one item costs in the prompt and in the encoder (see ``item_tokens``)."""
+
+    replacement: int  # prompt tokens that replace the item's marker
+    placeholders: int  # of those, the positions the encoder output fills
+    encoder_tokens: int  # vectors the encoder produces (budgeted and cached)
 
 
 @dataclass
@@ -69,6 +88,34 @@ class BaseProcessingInfo(ABC):
     def chat_part(self, modality: str) -> dict[str, Any]:
         """How one item appears in a message for this family's chat template."""
         return {"type": modality}
+
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        """What an item of ``size`` costs under ``kwargs`` (server-wide merged with the request's).
+
+        The family's processor takes its counts from here too, so ``vlmd cost`` (which has
+        only sizes, no pixels) and the server can never disagree.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement item_tokens")
+
+    def max_model_len(self) -> int:
+        """The longest sequence the decoder takes (its position table)."""
+        config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config
+        return int(config.max_position_embeddings)
+
+    def kv_spec(self) -> KVSpec:
+        """The decoder's paged-cache shape, from the checkpoint config alone (no weights).
+
+        The default reads a decoder-only text config; an encoder-decoder family overrides it.
+        The builder checks the loaded model's own spec against this one.
+        """
+        config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        return KVSpec(
+            num_layers=int(config.num_hidden_layers),
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+        )
 
 
 class BaseMultiModalProcessor(ABC):

@@ -117,15 +117,13 @@ class InputPreprocessor:
                 param="messages",
             )
 
-    def process_chat(
-        self,
-        messages: Any,
-        mm_processor_kwargs: dict | None = None,
-        chat_template_kwargs: dict | None = None,
-        check_length: bool = True,
-        deadline: Deadline = NO_DEADLINE,
-        lease: MediaLease | None = None,
-    ) -> ProcessorOutput:
+    def chat_prompt_ids(
+        self, messages: Any, chat_template_kwargs: dict | None = None, deadline: Deadline = NO_DEADLINE,
+    ) -> tuple[list[int], list[MediaRef]]:
+        """The templated prompt (one marker per item) and the media references, in order.
+
+        ``vlmd cost`` counts a prompt through this same step, so its figures are the server's.
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError(
                 "this model has no chat template, so it does not serve chat completions "
@@ -140,7 +138,18 @@ class InputPreprocessor:
             conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
         deadline.check("tokenizing")
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False), refs
+
+    def process_chat(
+        self,
+        messages: Any,
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        check_length: bool = True,
+        deadline: Deadline = NO_DEADLINE,
+        lease: MediaLease | None = None,
+    ) -> ProcessorOutput:
+        prompt_ids, refs = self.chat_prompt_ids(messages, chat_template_kwargs, deadline)
         media: dict[str, list] = {}
         for index, ref in enumerate(refs):
             deadline.check(f"fetching {ref.modality} {index}")

@@ -18,16 +18,20 @@ def num_blocks_for(spec: KVSpec, block_size: int, dtype: torch.dtype, cache_byte
 
 
 def allocate_kv_caches(
-    spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype
+    spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (K, V) pair per layer, each ``[num_blocks * block_size, kv_heads, head_dim]``.
 
     Zeroed, not empty: padded gather positions are masked out of softmax, but a NaN left
-    in an unused slot would still poison the weighted sum (0 * NaN). numpy's zeros come
-    from calloc, so pages are zeroed by the kernel on first touch instead of memset up
-    front: a large cache costs nothing until it is used.
+    in an unused slot would still poison the weighted sum (0 * NaN). On the CPU numpy's
+    zeros come from calloc, so pages are zeroed by the kernel on first touch instead of
+    memset up front: a large cache costs nothing until it is used. On CUDA the cache is
+    allocated (and zeroed) on the device at once: the memory plan gave it that memory.
     """
     shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+    if device is not None and device.type != "cpu":
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(spec.num_layers)]
     return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(spec.num_layers)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from vlmd.models.base import MultimodalModel
 from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
 from vlmd.runner.grammar_mask import advance_grammars
+from vlmd.runner.host_staging import HostStaging
 from vlmd.runner.kv_cache import allocate_kv_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
@@ -19,17 +21,27 @@ from vlmd.types import MultiModalItem
 
 
 class ModelRunner:
-    def __init__(self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(
+        self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
+        device: torch.device | None = None,
+    ):
         self.model = model
+        # The one device of this runner: weights, KV cache, encoder outputs, sampler state
+        # and each step's tensors live there (default: where the weights are).
+        self.device = device if device is not None else next(model.parameters()).device
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype)
+        self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device)
+        self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoder_forwards = 0
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            # The engine thread's current device: streams and events of cuda:N are created there.
+            torch.cuda.set_device(self.device)
         self.apply_schedule(out)
         if out.is_empty:
             return RunnerOutput()
@@ -56,6 +68,8 @@ class ModelRunner:
 
         scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
         batch = build_batch(scheduled, self.block_size)
+        input_ids, positions, meta = self.staging.to_device((batch.input_ids, batch.positions, batch.meta))
+        batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta)
         embeds = self.model.embed_input_ids(batch.input_ids)
         for piece in batch.slices:
             if piece.state.mm_items:

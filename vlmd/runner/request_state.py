@@ -73,9 +73,10 @@ class RunnerRequestState:
     def masks_stop_tokens(self) -> bool:
         return bool(self.stop_token_ids) and self.num_output_tokens < self.sampling.min_tokens
 
-    def generator_for_next_token(self) -> torch.Generator | None:
+    def generator_for_next_token(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A seeded request's generator depends only on (seed, output index), so a
-        sampled answer is the same whatever else shares the batch or after preemption."""
+        sampled answer is the same whatever else shares the batch or after preemption
+        (on one device type: CPU and CUDA generators give different streams)."""
         if self.sampling.seed is None:
             return None
-        return torch.Generator().manual_seed(hash((self.sampling.seed, self.num_output_tokens)) & (2**63 - 1))
+        return torch.Generator(device=device).manual_seed(hash((self.sampling.seed, self.num_output_tokens)) & (2**63 - 1))

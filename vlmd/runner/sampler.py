@@ -74,16 +74,18 @@ def _draw(probs: torch.Tensor, states: list[RunnerRequestState], default_generat
     32k-token row on this CPU; the float64 cumsum and search cost ~0.1 ms per row.)"""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
-    uniform = torch.empty(len(states), 1, dtype=torch.float64)
+    device = probs.device  # the generators draw on the logits' device (the runner's)
+    uniform = torch.empty(len(states), 1, dtype=torch.float64, device=device)
     unseeded = []
     for index, state in enumerate(states):
-        generator = state.generator_for_next_token()
+        generator = state.generator_for_next_token(device)
         if generator is None:
             unseeded.append(index)
         else:
-            uniform[index] = torch.rand(1, generator=generator, dtype=torch.float64)
+            uniform[index] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)
     if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), 1, generator=default_generator, dtype=torch.float64)
+        uniform[unseeded] = torch.rand(len(unseeded), 1, generator=default_generator, dtype=torch.float64,
+                                       device=device)
     # Strictly below the total, so the search lands on a token of non-zero probability.
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()

@@ -16,12 +16,39 @@ _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+# The start-up memory plan (vlmd/engine/memory_plan.py), one gauge per figure.
+_PLAN_BYTES = {
+    "weight_bytes": "weights",
+    "base_bytes": "base",
+    "activation_bytes": "activations",
+    "encoder_peak_bytes": "encoder_peak",
+    "encoder_cache_bytes": "encoder_cache",
+    "kv_bytes": "kv_cache",
+    "total_bytes": "total",
+}
+
+
 class _EngineCollector:
-    def __init__(self, engine, processor_cache, owner, grammar_compiler=None):
+    def __init__(self, engine, processor_cache, owner, grammar_compiler=None, memory_plan=None):
         self.engine = engine
         self.processor_cache = processor_cache
         self.owner = owner  # Metrics: its ``admission`` is set once the server has one
         self.grammar_compiler = grammar_compiler
+        self.memory_plan = memory_plan
+
+    def _plan_metrics(self):
+        fields = self.memory_plan.fields()
+        family = GaugeMetricFamily(
+            "vlmd_memory_plan_bytes", "Start-up memory plan: weights, base (process or card), activation and "
+            "encoder peaks of the profile, encoder cache, KV cache, total the utilisation applies to",
+            labels=["part", "device", "source"])
+        for key, part in _PLAN_BYTES.items():
+            family.add_metric([part, fields["device"], fields["source"]], fields[key])
+        yield family
+        yield GaugeMetricFamily("vlmd_memory_plan_kv_blocks", "KV blocks the memory plan gave", value=fields["num_kv_blocks"])
+        yield GaugeMetricFamily("vlmd_memory_plan_max_full_length_requests",
+                                "Requests of max_model_len tokens the KV cache holds at once",
+                                value=fields["max_full_length_requests"])
 
     def collect(self):
         stats = self.engine.stats
@@ -48,6 +75,7 @@ class _EngineCollector:
             "vlmd_num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "vlmd_encoder_forwards": ("Media items run through an encoder", stats.num_encoder_forwards),
             "vlmd_engine_steps": ("Engine steps run", stats.num_steps),
+            "vlmd_prompt_tokens": ("Prompt tokens of requests added to the engine", stats.num_prompt_tokens),
             "vlmd_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
             "vlmd_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
             "vlmd_encoder_cache_queries": ("Encoder-cache lookups", stats.encoder_cache_queries),
@@ -70,13 +98,15 @@ class _EngineCollector:
             counters["vlmd_preprocess_timeouts"] = ("Requests past --preprocess-timeout", admission.num_timeouts)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if self.memory_plan is not None:
+            yield from self._plan_metrics()
 
 
 class Metrics:
-    def __init__(self, engine, processor_cache=None, grammar_compiler=None):
+    def __init__(self, engine, processor_cache=None, grammar_compiler=None, memory_plan=None):
         self.registry = CollectorRegistry()
         self.admission = None  # vlmd.server.admission.Admission, set by the server
-        self.registry.register(_EngineCollector(engine, processor_cache, self, grammar_compiler))
+        self.registry.register(_EngineCollector(engine, processor_cache, self, grammar_compiler, memory_plan))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)

@@ -101,15 +101,24 @@ class LlavaModel(nn.Module):
                 params[target].copy_(tensor)
         self.language_model.load_weights(text_weights)
 
+    def drop_encoders(self, modalities: set[str]) -> list[str]:
+        """--limit-mm-per-prompt image=0: the vision tower and projector are never needed."""
+        if "image" not in modalities:
+            return []
+        self.vision_tower = None
+        self.multi_modal_projector = None
+        return ["vision_tower", "multi_modal_projector"]
+
     # ---- the runner's contract -----------------------------------------------------
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
-        if modality != "image":
-            raise ValueError(f"LLaVA does not encode {modality}")
-        pixels = torch.from_numpy(np.stack([inputs["pixels"] for inputs in encoder_inputs]))
+        if modality != "image" or self.vision_tower is None:
+            raise ValueError(f"this LLaVA does not encode {modality} (its encoder is off: --limit-mm-per-prompt)")
+        # uint8 travels to the device as uint8 (a quarter of float32's bytes).
+        pixels = torch.from_numpy(np.stack([inputs["pixels"] for inputs in encoder_inputs])).to(self.pixel_mean.device)
         dtype = self.pixel_mean.dtype
         # uint8 -> normalised float in one fused expression (rescale, subtract, divide).
         pixel_values = (pixels.to(torch.float32) / 255.0 - self.pixel_mean.float()) / self.pixel_std.float()

@@ -17,6 +17,8 @@ from vlmd.processing.base import (
     BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
     BaseProcessingInfo,
+    ItemSize,
+    ItemTokens,
     ProcessedItem,
 )
 
@@ -46,6 +48,11 @@ class LlavaProcessingInfo(BaseProcessingInfo):
         strategy = getattr(self.ctx.hf_config, "vision_feature_select_strategy", "default")
         return patches if strategy == "default" else patches + 1
 
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        # Every image is resized and cropped to the tower's square: its size does not matter.
+        count = self.num_image_tokens()
+        return ItemTokens(replacement=count, placeholders=count, encoder_tokens=count)
+
     def image_settings(self) -> dict[str, Any]:
         raw = image_processor_config(self.ctx.model_dir)
         size = raw.get("size", {"shortest_edge": 336})
@@ -63,14 +70,14 @@ class LlavaProcessor(BaseMultiModalProcessor):
     def __init__(self, info: LlavaProcessingInfo):
         super().__init__(info)
         self.settings = info.image_settings()
-        self.num_tokens = info.num_image_tokens()
         self.image_token_id = info.marker_token_id("image")
 
     def process_item(self, modality: str, media: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
         pixels = resize_and_crop(media, self.settings["shortest_edge"], self.settings["crop"], self.settings["resample"])
+        tokens = self.info.item_tokens(modality, ItemSize(*media.size), kwargs)
         return ProcessedItem(
             encoder_inputs={"pixels": pixels},
-            replacement=[self.image_token_id] * self.num_tokens,
+            replacement=[self.image_token_id] * tokens.replacement,
         )
 
 

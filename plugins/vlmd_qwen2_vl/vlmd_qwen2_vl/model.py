@@ -111,14 +111,26 @@ class Qwen2VLModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 
+    def drop_encoders(self, modalities: set[str]) -> list[str]:
+        """Images and videos share the vision tower: it goes only when both are off."""
+        if not {"image", "video"} <= modalities:
+            return []
+        self.visual = None
+        return ["visual"]
+
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
         """One vision-tower pass over all items (attention stays within each frame pair)."""
+        if self.visual is None:
+            raise ValueError("this Qwen2-VL's vision tower is off (--limit-mm-per-prompt image=0,video=0)")
         if modality not in self.settings:
             raise ValueError(f"Qwen2-VL does not encode {modality}")
         settings = self.settings[modality]
         mean, std = getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std")
-        patches = [patchify(torch.from_numpy(np.asarray(inputs["pixels"])), mean, std, settings) for inputs in encoder_inputs]
-        grids = torch.tensor([list(inputs["grid_thw"]) for inputs in encoder_inputs], dtype=torch.long)
+        # uint8 frames travel to the device as uint8 and are normalised there.
+        device = mean.device
+        patches = [patchify(torch.from_numpy(np.asarray(inputs["pixels"])).to(device), mean, std, settings)
+                   for inputs in encoder_inputs]
+        grids = torch.tensor([list(inputs["grid_thw"]) for inputs in encoder_inputs], dtype=torch.long, device=device)
         dtype = next(self.visual.parameters()).dtype
         merged = self.visual(torch.cat(patches).to(dtype), grid_thw=grids).pooler_output
         sizes = (grids.prod(-1) // settings.merge_size**2).tolist()

@@ -20,11 +20,13 @@ from vlmd.processing.base import (
     BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
     BaseProcessingInfo,
+    ItemSize,
+    ItemTokens,
     ProcessedItem,
 )
 from vlmd.types import MultiModalItem
 from vlmd_qwen2_vl.positions import mrope_positions
-from vlmd_qwen2_vl.settings import VisionSettings, read_settings, smart_resize
+from vlmd_qwen2_vl.settings import VisionSettings, num_tokens, read_settings, smart_resize
 
 DEFAULT_NUM_FRAMES = 32  # vlmd.media.policy.MediaPolicy.video_num_frames
 
@@ -46,6 +48,14 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         """The checkpoint's settings under the server-wide --mm-processor-kwargs."""
         return self.settings[modality].with_kwargs(self.ctx.mm_processor_kwargs)
 
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        """An image, or a video of ``size.frames`` kept frames: smart-resized, frames paired,
+        2x2 patches merged into one token."""
+        settings = self.settings[modality].with_kwargs(kwargs)
+        frames = 1 if modality == "image" else size.frames
+        count = num_tokens(size.height, size.width, settings, frames)
+        return ItemTokens(replacement=count, placeholders=count, encoder_tokens=count)
+
     def video_num_frames(self) -> int:
         video = self.ctx.media_io_kwargs.get("video") or {}
         return int(video.get("num_frames", DEFAULT_NUM_FRAMES))
@@ -65,12 +75,17 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
                 param="mm_processor_kwargs",
             )
         frames = [media] if modality == "image" else [Image.fromarray(frame) for frame in _frames_of(media)]
+        width, height = frames[0].size
+        tokens = self.info.item_tokens(modality, ItemSize(width, height, len(frames)), kwargs)
         pixels = resize_frames(frames, settings)
         grid = grid_thw(pixels.shape, settings)
-        num_tokens = grid[0] * grid[1] * grid[2] // settings.merge_size**2
+        if grid[0] * grid[1] * grid[2] // settings.merge_size**2 != tokens.placeholders:
+            # The encoder emits one vector per merged patch; a count from item_tokens that
+            # disagreed with the pixels would misplace every embedding after this item.
+            raise RuntimeError(f"{modality} grid {grid} does not give the {tokens.placeholders} tokens item_tokens says")
         return ProcessedItem(
             encoder_inputs={"pixels": pixels, "grid_thw": grid},
-            replacement=[self.info.marker_token_id(modality)] * num_tokens,
+            replacement=[self.info.marker_token_id(modality)] * tokens.replacement,
         )
 
     def positions(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> tuple[np.ndarray, int] | None:

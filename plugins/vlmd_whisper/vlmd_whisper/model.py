@@ -84,7 +84,7 @@ class WhisperModel(nn.Module):
             raise ValueError(f"expected log-mel features of shape {(self.config.num_mel_bins, self.num_frames)}, "
                              f"got {tuple(features.shape[1:])}")
         dtype = self.encoder.conv1.weight.dtype
-        hidden = self.encoder(input_features=features.to(dtype)).last_hidden_state
+        hidden = self.encoder(input_features=features.to(self.encoder.conv1.weight.device, dtype)).last_hidden_state
         return list(hidden.unbind(0))
 
     def prepare_cross_attention(self, encoder_output: torch.Tensor) -> CrossState:

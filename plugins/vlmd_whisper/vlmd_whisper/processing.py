@@ -20,11 +20,13 @@ from vlmd.processing.base import (
     BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
     BaseProcessingInfo,
+    ItemSize,
+    ItemTokens,
     ProcessedItem,
     ProcessorOutput,
 )
 from vlmd.processing.speech import SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions
-from vlmd.types import MultiModalItem
+from vlmd.types import KVSpec, MultiModalItem
 from vlmd_whisper.features import FeatureSettings, log_mel_features
 
 TIME_PRECISION = 0.02  # seconds per timestamp step: 30 s / 1,500 encoder frames
@@ -56,6 +58,20 @@ class WhisperProcessingInfo(BaseProcessingInfo):
     def num_encoder_tokens(self) -> int:
         return int(self.ctx.hf_config.max_source_positions)
 
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        """One window (at most 30 s, padded to 30 s): no placeholders, 1,500 encoder vectors."""
+        if size.seconds > self.feature_settings.chunk_length:
+            raise ValueError(f"a Whisper window is at most {self.feature_settings.chunk_length} s")
+        return ItemTokens(replacement=0, placeholders=0, encoder_tokens=self.num_encoder_tokens())
+
+    def max_model_len(self) -> int:
+        return int(self.ctx.hf_config.max_target_positions)
+
+    def kv_spec(self) -> KVSpec:
+        config = self.ctx.hf_config  # the decoder's self-attention is what the paged cache holds
+        heads = int(config.decoder_attention_heads)
+        return KVSpec(num_layers=int(config.decoder_layers), num_kv_heads=heads, head_dim=int(config.d_model) // heads)
+
 
 class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
     def __init__(self, info: WhisperProcessingInfo):
@@ -86,11 +102,12 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
         samples = np.asarray(media, dtype=np.float32)
         if samples.ndim != 1 or samples.shape[0] > self.settings.window_samples:
             raise ValueError(f"expected at most {self.settings.window_samples} mono samples per window")
+        tokens = self.info.item_tokens(modality, ItemSize(seconds=samples.shape[0] / self.sampling_rate), kwargs)
         return ProcessedItem(
             encoder_inputs={"input_features": log_mel_features(samples, self.settings)},
             replacement=[],
-            num_placeholders=0,
-            num_encoder_tokens=self.info.num_encoder_tokens(),
+            num_placeholders=tokens.placeholders,
+            num_encoder_tokens=tokens.encoder_tokens,
         )
 
     def apply(self, prompt_token_ids: list[int], media: dict[str, list[Any]], kwargs: dict[str, Any] | None = None) -> ProcessorOutput:

@@ -1,0 +1,312 @@
+"""``vlmd cost MODEL_DIR``: what an image, a video or a clip costs, without loading weights.
+
+Counts come from the family's own ``item_tokens`` (the processor takes its counts from the
+same method) and the prompt from the server's own chat-template step, so the prompt tokens
+printed here are the ``usage.prompt_tokens`` the server reports for the same request. KV
+bytes come from the config's decoder shape, rounded up to whole blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmd.config import media_policy_fields
+from vlmd.engine.memory_plan import GIB, blocks_for_bytes, blocks_for_tokens, kv_budget_bytes
+from vlmd.processing.base import ItemSize, ProcessingContext
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_IMAGE = re.compile(r"^(\d+)x(\d+)$")
+_VIDEO = re.compile(r"^(\d+(?:\.\d+)?)(s?)x(\d+)x(\d+)$")
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    modality: str
+    label: str
+    size: ItemSize
+    source_frames: int = 0  # a video's frames before sampling
+
+
+def parse_image(text: str) -> ItemSpec:
+    match = _IMAGE.match(text.strip())
+    if not match:
+        raise ValueError(f"--image takes WIDTHxHEIGHT, e.g. 640x480, got {text!r}")
+    width, height = int(match[1]), int(match[2])
+    return ItemSpec("image", f"image {width}x{height}", ItemSize(width, height))
+
+
+def parse_video(text: str, fps: float) -> ItemSpec:
+    """``FRAMESxWxH`` (frames in the file) or ``SECONDSsxWxH`` (at ``fps``)."""
+    match = _VIDEO.match(text.strip())
+    if not match:
+        raise ValueError(f"--video takes FRAMESxWIDTHxHEIGHT or SECONDSsxWIDTHxHEIGHT, e.g. 96x640x480, got {text!r}")
+    amount, seconds, width, height = float(match[1]), bool(match[2]), int(match[3]), int(match[4])
+    frames = round(amount * fps) if seconds else int(amount)
+    if frames < 1:
+        raise ValueError(f"--video {text!r} has no frames")
+    label = f"video {match[1]}{'s' if seconds else ' frames'} {width}x{height}"
+    return ItemSpec("video", label, ItemSize(width, height), source_frames=frames)
+
+
+def audio_clip(seconds: float) -> ItemSpec:
+    if not seconds > 0:
+        raise ValueError("--audio-seconds must be positive")
+    return ItemSpec("audio", f"audio {seconds:g}s", ItemSize(seconds=seconds))
+
+
+@dataclass
+class CostOptions:
+    prompt: str = "Describe this."
+    max_tokens: int = 0
+    mm_processor_kwargs: dict = field(default_factory=dict)
+    media_io_kwargs: dict = field(default_factory=dict)
+    language: str | None = None
+    timestamps: bool = False
+    dtype: str = "float32"
+    block_size: int = 16
+    max_model_len: int | None = None
+    kv_cache_gb: float = 4.0
+    num_kv_blocks: int | None = None
+    memory_gb: float | None = None  # with memory_utilization: size the cache as the server would
+    memory_utilization: float = 0.9
+    activation_gb: float = 0.0  # the start-up profile's figure (logged by `vlmd serve`)
+    max_num_batched_tokens: int = 2048
+    encoder_cache_size: int | None = None
+
+
+def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vlmd.media.policy import MediaPolicy
+    from vlmd.media.video import even_frame_count
+    from vlmd.plugins.manager import build_registry
+    from vlmd.processing.preprocess import InputPreprocessor
+    from vlmd.processing.speech import SpeechToTextProcessor
+
+    if options.dtype not in _DTYPE_BYTES:
+        raise ValueError(f"--dtype must be one of {sorted(_DTYPE_BYTES)}")
+    model_dir = str(Path(model_dir).expanduser())
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    family = build_registry().for_architectures(list(hf_config.architectures or []))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):  # a config-only directory: media and KV only, no text tokens
+        tokenizer = None
+    ctx = ProcessingContext(
+        model_dir=model_dir, model_id=model_dir, hf_config=hf_config, tokenizer=tokenizer,
+        mm_processor_kwargs=dict(options.mm_processor_kwargs), media_io_kwargs=dict(options.media_io_kwargs),
+    )
+    info = family.load("processing_info")(ctx)
+    processor = family.load("processor")(info)
+    policy = MediaPolicy(**media_policy_fields(options.media_io_kwargs))
+    max_model_len = min(info.max_model_len(), options.max_model_len or info.max_model_len())
+
+    rows = []
+    for spec in items:
+        size = spec.size
+        if spec.modality == "video":  # the frames the decoder keeps
+            size = ItemSize(size.width, size.height, even_frame_count(min(policy.video_num_frames, spec.source_frames)))
+        label = spec.label
+        if spec.modality == "audio" and isinstance(processor, SpeechToTextProcessor):
+            size, label = ItemSize(seconds=min(size.seconds, processor.window_seconds)), label + " (per window)"
+        tokens = info.item_tokens(spec.modality, size, ctx.mm_processor_kwargs)
+        row = {"item": label, "modality": spec.modality, "prompt_tokens": tokens.replacement,
+               "placeholder_tokens": tokens.placeholders, "encoder_tokens": tokens.encoder_tokens}
+        if spec.modality == "video":
+            row["frames"] = size.frames
+        rows.append(row)
+
+    speech = isinstance(processor, SpeechToTextProcessor) and any(spec.modality == "audio" for spec in items)
+    if speech:
+        requests = _speech_requests(processor, items, options)
+    elif tokenizer is None:
+        prompt = sum(row["prompt_tokens"] for row in rows)
+        requests = [{"request": "chat completion (media only: MODEL_DIR has no tokenizer)", "prompt_tokens": prompt}]
+    else:
+        preprocessor = InputPreprocessor(processor, policy, {}, max_model_len)
+        parts = [{"type": f"{spec.modality}_url", f"{spec.modality}_url": {"url": "cost:"}} for spec in items]
+        prompt_ids, _ = preprocessor.chat_prompt_ids([{"role": "user", "content": [*parts, {"type": "text", "text": options.prompt}]}])
+        prompt = len(prompt_ids) - len(items) + sum(row["prompt_tokens"] for row in rows)
+        requests = [{"request": "chat completion", "prompt_tokens": prompt}]
+
+    spec = info.kv_spec()
+    per_token = spec.bytes_per_token(_DTYPE_BYTES[options.dtype])
+    per_block = per_token * options.block_size
+    for request in requests:
+        kv_tokens = request["prompt_tokens"] + options.max_tokens
+        blocks = blocks_for_tokens(kv_tokens, options.block_size)
+        request.update(kv_tokens=kv_tokens, kv_blocks=blocks, kv_bytes=blocks * per_block,
+                       fits_max_model_len=request["prompt_tokens"] < max_model_len and kv_tokens <= max_model_len)
+    cache = _cache(options, info, rows, per_block, hf_config)
+    most_blocks = max(request["kv_blocks"] for request in requests)
+    cache["requests_held"] = cache["num_kv_blocks"] // most_blocks if most_blocks else 0
+    cache["full_length_requests"] = cache["num_kv_blocks"] // blocks_for_tokens(max_model_len, options.block_size)
+    return {
+        "prompt_tokens": sum(r["prompt_tokens"] * r.get("windows", 1) for r in requests),
+        "encoder_tokens": sum(row["encoder_tokens"] for row in rows) * max(r.get("windows", 1) for r in requests),
+        "model": model_dir, "family": family.name, "dtype": options.dtype, "block_size": options.block_size,
+        "max_model_len": max_model_len, "kv_bytes_per_token": per_token, "max_tokens": options.max_tokens,
+        "items": rows, "requests": requests, "cache": cache,
+    }
+
+
+def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> list[dict]:
+    """One decode per window of at most 30 s, plus language detection on a multilingual model
+    without a language, as ``/v1/audio/*`` runs them. A cut falls at the quietest point of a
+    window's last 5 s, so a clip of S seconds takes between ``windows`` and ``windows_max``."""
+    from vlmd.processing.speech import TranscriptionOptions
+    from vlmd.processing.transcription import QUIET_SEARCH_SECONDS
+
+    if len(items) != 1 or items[0].modality != "audio":
+        raise ValueError("a speech model takes one --audio-seconds clip and no other media")
+    window, seconds = processor.window_seconds, items[0].size.seconds
+    fewest = max(1, math.ceil(seconds / window))
+    most = fewest if seconds <= window else 1 + math.ceil((seconds - window) / (window - QUIET_SEARCH_SECONDS))
+    requests = []
+    language = options.language
+    if processor.multilingual and language is None:
+        requests.append({"request": "language detection", "prompt_tokens": len(processor.detection_prompt()), "windows": 1})
+        language = "en"  # any detected language: every language token is one token
+    prompt = processor.decoder_prompt(
+        TranscriptionOptions(language=language, timestamps=options.timestamps),
+        language if processor.multilingual else None, [],
+    )
+    requests.append({"request": "transcription window", "prompt_tokens": len(prompt), "windows": fewest,
+                     "windows_max": most})
+    return requests
+
+
+def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config) -> dict:
+    if options.num_kv_blocks is not None:
+        return {"source": "num-kv-blocks", "num_kv_blocks": options.num_kv_blocks,
+                "kv_bytes": options.num_kv_blocks * per_block}
+    if options.memory_gb is None:
+        blocks = blocks_for_bytes(options.kv_cache_gb * GIB, per_block)
+        return {"source": "kv-cache-gb", "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
+    weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype)
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    largest = max((row["encoder_tokens"] for row in rows), default=0)
+    encoder_tokens = max(options.encoder_cache_size or options.max_num_batched_tokens, largest)
+    encoder_bytes = encoder_tokens * int(text_config.hidden_size) * _DTYPE_BYTES[options.dtype]
+    activations = int(options.activation_gb * GIB)
+    budget = kv_budget_bytes(int(options.memory_gb * GIB), options.memory_utilization, weights, activations, encoder_bytes)
+    blocks = blocks_for_bytes(budget, per_block)
+    return {"source": "utilization", "memory_bytes": int(options.memory_gb * GIB),
+            "utilization": options.memory_utilization, "weight_bytes": weights, "activation_bytes": activations,
+            "encoder_cache_tokens": encoder_tokens, "encoder_cache_bytes": encoder_bytes,
+            "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
+
+
+def weight_bytes(model_dir: str, hf_config, dtype: str) -> int:
+    """Bytes of the weights in ``dtype``: from the safetensors headers when the files are
+    there, else from the family's model built on torch's meta device (no memory, no weights)."""
+    import json
+    import struct
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if files:
+        total = 0
+        for path in files:
+            with open(path, "rb") as handle:
+                header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    total += math.prod(entry["shape"]) * _DTYPE_BYTES[dtype]
+        return total
+    import torch
+
+    from vlmd.plugins.manager import build_registry
+
+    family = build_registry().for_architectures(list(hf_config.architectures or []))
+    with torch.device("meta"):
+        model = family.load("model")(hf_config)
+    return sum(p.numel() for p in model.parameters()) * _DTYPE_BYTES[dtype]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{report['model']} ({report['family']}, {report['dtype']}, block {report['block_size']}, "
+             f"max_model_len {report['max_model_len']}, {report['kv_bytes_per_token']} KV bytes/token)"]
+    header = ("item", "prompt tokens", "placeholders", "encoder tokens")
+    table = [header] + [(row["item"] + (f" ({row['frames']} frames kept)" if "frames" in row else ""),
+                         str(row["prompt_tokens"]), str(row["placeholder_tokens"]), str(row["encoder_tokens"]))
+                        for row in report["items"]]
+    widths = [max(len(line[i]) for line in table) for i in range(4)]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in table]
+    lines.append("")
+    for request in report["requests"]:
+        windows = ""
+        if "windows" in request:
+            most = request.get("windows_max", request["windows"])
+            windows = f" x {request['windows']}" + (f"-{most}" if most != request["windows"] else "") + " windows"
+        fits = "" if request["fits_max_model_len"] else "  (does NOT fit max_model_len)"
+        lines.append(f"{request['request']}{windows}: {request['prompt_tokens']} prompt tokens, KV for "
+                     f"{request['kv_tokens']} tokens = {request['kv_blocks']} blocks = {_size(request['kv_bytes'])}{fits}")
+    cache = report["cache"]
+    lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks = {_size(cache['kv_bytes'])}; "
+                 f"holds {cache['requests_held']} such requests, {cache['full_length_requests']} of max_model_len")
+    if cache["source"] == "utilization":
+        lines.append(f"  plan: {_size(cache['memory_bytes'])} x {cache['utilization']} - weights {_size(cache['weight_bytes'])}"
+                     f" - activations {_size(cache['activation_bytes'])} - encoder cache {_size(cache['encoder_cache_bytes'])}"
+                     f" ({cache['encoder_cache_tokens']} tokens)")
+    return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 2**20:.1f} MiB"
+
+
+def add_parser(commands) -> None:
+    """The ``vlmd cost`` subcommand's flags (serve's names where they mean the same)."""
+    cost = commands.add_parser("cost", help="tokens and KV memory of an image, video or clip (no weights loaded)")
+    cost.add_argument("model", help="checkpoint directory (config and processor files are enough)")
+    cost.add_argument("--image", action="append", default=[], help="WIDTHxHEIGHT, repeatable: items of one prompt")
+    cost.add_argument("--video", action="append", default=[],
+                      help="FRAMESxWIDTHxHEIGHT (frames in the file) or SECONDSsxWIDTHxHEIGHT, repeatable")
+    cost.add_argument("--video-fps", type=float, default=30.0, help="frame rate for a video given in seconds")
+    cost.add_argument("--audio-seconds", type=float, action="append", default=[], help="a clip's length")
+    cost.add_argument("--prompt", default="Describe this.", help="the text of the user message")
+    cost.add_argument("--max-tokens", type=int, default=0, help="output tokens to add to the KV figure")
+    cost.add_argument("--language", help="speech: the clip's language (else a detection request is counted)")
+    cost.add_argument("--timestamps", action="store_true", help="speech: segment timestamps")
+    cost.add_argument("--mm-processor-kwargs", default="", help="server-wide processor settings, JSON")
+    cost.add_argument("--media-io-kwargs", default="", help='media decode settings, JSON, e.g. {"video": {"num_frames": 16}}')
+    cost.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_BYTES))
+    cost.add_argument("--block-size", type=int, default=16)
+    cost.add_argument("--max-model-len", type=int)
+    cost.add_argument("--kv-cache-gb", type=float, default=4.0)
+    cost.add_argument("--num-kv-blocks", type=int)
+    cost.add_argument("--memory-gb", type=float, help="device memory: size the cache from a memory plan instead")
+    cost.add_argument("--memory-utilization", type=float, default=0.9)
+    cost.add_argument("--activation-gb", type=float, default=0.0,
+                      help="activation peak to reserve (vlmd serve logs the measured one at start-up)")
+    cost.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cost.add_argument("--encoder-cache-size", type=int)
+    cost.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cost.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    return cost
+
+
+def run(args) -> str:
+    from vlmd.config import parse_json_object
+
+    items = [parse_image(text) for text in args.image] + [parse_video(text, args.video_fps) for text in args.video]
+    items += [audio_clip(seconds) for seconds in args.audio_seconds]
+    options = CostOptions(
+        prompt=args.prompt, max_tokens=args.max_tokens, language=args.language, timestamps=args.timestamps,
+        mm_processor_kwargs=parse_json_object(args.mm_processor_kwargs, "--mm-processor-kwargs"),
+        media_io_kwargs=parse_json_object(args.media_io_kwargs, "--media-io-kwargs"),
+        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+        kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, memory_gb=args.memory_gb,
+        memory_utilization=args.memory_utilization, activation_gb=args.activation_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens, encoder_cache_size=args.encoder_cache_size,
+    )
+    report = compute_cost(args.model, items, options)
+    if args.json:
+        import json
+
+        return json.dumps(report, indent=2)
+    return format_table(report)
