@@ -40,7 +40,8 @@ def apply_grammar_masks(logits: torch.Tensor, states: Sequence) -> None:
     missing = [states[row].grammar for row in rows if states[row].grammar.next_mask is None]
     if missing:
         _fill_next_masks(missing)
-    bitmask = torch.stack([states[row].grammar.next_mask for row in rows])
+    # The library writes masks into host memory; the logits may live on the runner's device.
+    bitmask = torch.stack([states[row].grammar.next_mask for row in rows]).to(logits.device)
     apply_bitmask(logits, rows, bitmask)
 
 
@@ -80,8 +81,9 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tens
     """
     vocab = logits.shape[1]
     covered = min(vocab, bitmask.shape[1] * 32)
+    bit = _BIT.to(bitmask.device)
     for index, row in enumerate(rows):
-        keep = ((bitmask[index].unsqueeze(-1) >> _BIT) & 1).neg_().view(-1)[:covered]  # -1 allowed, 0 not
+        keep = ((bitmask[index].unsqueeze(-1) >> bit) & 1).neg_().view(-1)[:covered]  # -1 allowed, 0 not
         target = logits[row]
         if covered < vocab:
             target[covered:] = float("-inf")
