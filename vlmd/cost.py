@@ -8,6 +8,8 @@ bytes come from the config's decoder shape, rounded up to whole blocks.
 
 from __future__ import annotations
 
+import numpy as np
+
 import math
 import re
 from dataclasses import dataclass, field
@@ -166,17 +168,22 @@ def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> 
     window, seconds = processor.window_seconds, items[0].size.seconds
     fewest = max(1, math.ceil(seconds / window))
     most = fewest if seconds <= window else 1 + math.ceil((seconds - window) / (window - QUIET_SEARCH_SECONDS))
+    # The family's own speech prompt for a window of the clip's length (silence: the prompt's
+    # length depends on the samples' count, never their values), so placeholders count too.
+    samples = np.zeros(int(min(seconds, window) * processor.sampling_rate), dtype=np.float32)
     requests = []
     language = options.language
     if processor.multilingual and language is None:
-        requests.append({"request": "language detection", "prompt_tokens": len(processor.detection_prompt()), "windows": 1})
+        detection = processor.detection_prompt(samples)
+        requests.append({"request": "language detection", "prompt_tokens": len(detection.prompt_token_ids),
+                         "windows": 1})
         language = "en"  # any detected language: every language token is one token
-    prompt = processor.decoder_prompt(
-        TranscriptionOptions(language=language, timestamps=options.timestamps),
-        language if processor.multilingual else None, [],
+    prompt = processor.speech_prompt(
+        samples, TranscriptionOptions(language=language, timestamps=options.timestamps),
+        language if processor.multilingual else None,
     )
-    requests.append({"request": "transcription window", "prompt_tokens": len(prompt), "windows": fewest,
-                     "windows_max": most})
+    requests.append({"request": "transcription window", "prompt_tokens": len(prompt.prompt_token_ids),
+                     "windows": fewest, "windows_max": most})
     return requests
 
 
