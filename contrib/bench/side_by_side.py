@@ -34,6 +34,38 @@ from bench_chat import make_jpeg, run_level  # noqa: E402
 WORKLOADS = (("c1_new", 1, False), ("c1_repeated", 1, True), ("c8_new", 8, False), ("c8_repeated", 8, True))
 
 
+def published_layout(model_dir: str) -> str:
+    """The checkpoint with its CLIP tower under ``vision_tower.vision_model.`` (LLaVA-1.5's
+    published layout), written beside it once.
+
+    The tiny builder saves transformers 5's layout (``vision_tower.embeddings...``), which
+    vLLM 0.32's loader rejects; vlmd reads either. Both servers then load this same copy.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = Path(model_dir)
+    target = source.parent / (source.name + "-published")
+    if (target / "model.safetensors").exists():
+        return str(target)
+    files = sorted(source.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"expected one .safetensors file in {source}, found {len(files)}")
+    target.mkdir(exist_ok=True)
+    for item in source.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            (target / item.name).write_bytes(item.read_bytes())
+    tensors = {}
+    with safe_open(str(files[0]), framework="pt") as handle:
+        for name in handle.keys():
+            renamed = name
+            if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+                renamed = "vision_tower.vision_model." + name[len("vision_tower."):]
+            tensors[renamed] = handle.get_tensor(name)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return str(target)
+
+
 def vllm_command(venv: Path, model_dir: str, port: int, dtype: str, work: Path) -> tuple[list[str], dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
@@ -139,6 +171,7 @@ def main() -> None:
         if not (target / "config.json").exists():
             build_tiny("llava", target, seed=0, size=args.size)
         model_dir = str(target)
+    model_dir = published_layout(model_dir)
 
     results: dict = {}
     if (args.vllm_venv / "bin" / "python").exists():
