@@ -49,8 +49,19 @@ class DecodeBatch:
 @dataclass
 class SequencePlan:
     rows: tuple[int, int]  # [first, end) rows of the flattened batch
-    context: ContextSegments  # the cached tokens it attends to without a mask
+    block_ids: list[int]
+    context_length: int  # cached tokens it attends to without a mask
     causal_self: bool  # a prefill chunk: also attends causally to its own new tokens
+    block_size: int
+    _context: ContextSegments | None = None
+
+    @property
+    def context(self) -> ContextSegments:
+        """Built on first use, then shared by every layer (a decode batch small enough
+        for the padded path never needs it)."""
+        if self._context is None:
+            self._context = context_segments(self.block_ids, self.context_length, self.block_size)
+        return self._context
 
 
 @dataclass
@@ -71,10 +82,11 @@ class CPUPagedBackend(AttentionBackend):
             decode = index < num_decodes
             # A decode's own token is in the cache by the time attention runs.
             context_length = chunk.start + 1 if decode else chunk.start
+            if len(chunk.block_ids) * self.block_size < context_length:
+                raise ValueError(f"block table of {len(chunk.block_ids)} blocks cannot hold {context_length} tokens")
             plans.append(SequencePlan(
-                rows=(row, row + chunk.count),
-                context=context_segments(chunk.block_ids, context_length, self.block_size),
-                causal_self=not decode,
+                rows=(row, row + chunk.count), block_ids=chunk.block_ids, context_length=context_length,
+                causal_self=not decode, block_size=self.block_size,
             ))
             row += chunk.count
         return CPUPagedMetadata(
