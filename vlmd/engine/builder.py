@@ -18,6 +18,7 @@ import torch
 from vlmd.config import ServeConfig, media_policy_fields
 from vlmd.engine.core import EngineCore
 from vlmd.errors import VlmdError
+from vlmd.layers.linear import select_linear_kernels
 from vlmd.media.policy import MediaPolicy
 from vlmd.plugins.manager import build_registry
 from vlmd.processing.base import ProcessingContext
@@ -122,6 +123,9 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         raise RuntimeError(f"{family.name}: the model's KV spec {model.kv_spec} differs from its processing "
                            f"info's {info.kv_spec()}")
     install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION
+    # Last, after the dtype cast and the move to the device: the chosen kernels (CPU only) may hold weights in a packed layout.
+    kernels = select_linear_kernels(model)
+    log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
     enable_prefix_caching = config.enable_prefix_caching
     if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
         # Decoder K/V depend on the request's encoder input through cross-attention, and a

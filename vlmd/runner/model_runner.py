@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vlmd.layers.attention import attention_backend_for
 from vlmd.models.base import MultimodalModel
 from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
 from vlmd.runner.grammar_mask import advance_grammars
@@ -30,6 +31,8 @@ class ModelRunner:
         # and each step's tensors live there (default: where the weights are).
         self.device = device if device is not None else next(model.parameters()).device
         self.block_size = block_size
+        # The backend for the runner's device reads the paged cache in place.
+        self.attention = attention_backend_for(self.device.type, block_size)
         self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device)
         self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -67,7 +70,7 @@ class ModelRunner:
         encoder_seconds = time.perf_counter() - started
 
         scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
-        batch = build_batch(scheduled, self.block_size)
+        batch = build_batch(scheduled, self.attention)
         input_ids, positions, meta = self.staging.to_device((batch.input_ids, batch.positions, batch.meta))
         batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta)
         embeds = self.model.embed_input_ids(batch.input_ids)

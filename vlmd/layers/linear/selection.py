@@ -1,0 +1,100 @@
+"""Picking every linear layer's kernel after the model is loaded, by measurement.
+
+Layers of one shape share a decision (a 9-layer decoder has five distinct shapes, not 45),
+and decisions are remembered for the process, so a second model of the same shapes, or a
+test, does not measure again. Measuring stops after ``budget_s`` seconds (a loaded host
+makes every timing slow): the remaining shapes take the choice most often measured per
+bucket so far, or pre-packed weights where nothing was measured yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from vlmd.layers.linear.kernels import (
+    M_BUCKETS,
+    PACKED,
+    PLAIN,
+    KernelChoice,
+    SelectedKernel,
+    candidates_for,
+    measure_choices,
+    pack_weight,
+    packing_available,
+)
+from vlmd.layers.linear.layers import LinearBase
+
+_DECISIONS: dict[tuple, tuple[KernelChoice, ...]] = {}
+
+
+def _signature(layer: LinearBase) -> tuple:
+    weight = layer.weight
+    return (tuple(weight.shape), weight.dtype, layer.bias is not None, torch.get_num_threads())
+
+
+@torch.inference_mode()
+def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float = 2.0) -> dict:
+    """Give every ``LinearBase`` in ``model`` its kernel; returns what was chosen and timed.
+
+    ``mode``: ``auto`` (measure), ``plain`` (``F.linear`` everywhere) or ``packed``
+    (pre-packed oneDNN where available; for tests and comparisons).
+    """
+    if mode not in ("auto", "plain", "packed"):
+        raise ValueError(f"linear kernel mode {mode!r} is not one of auto, plain, packed")
+    started = time.perf_counter()
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None]
+    shared = _shared_weights(model)
+    report: dict = {"mode": mode, "shapes": {}}
+    measured: list[tuple[KernelChoice, ...]] = []
+    for layer in layers:
+        weight = layer.weight
+        if mode == "plain" or weight.device.type != "cpu":
+            layer.kernel = None
+            continue
+        if mode == "packed":
+            choices = (PACKED if packing_available(weight) else PLAIN,) * len(M_BUCKETS)
+        else:
+            key = _signature(layer)
+            name = f"{weight.shape[1]}x{weight.shape[0]}"
+            if key not in _DECISIONS:
+                if time.perf_counter() - started < budget_s:
+                    choices, timings = measure_choices(weight, layer.bias, candidates_for(weight))
+                    report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": timings}
+                    measured.append(choices)
+                    _DECISIONS[key] = choices
+                else:
+                    choices = _unmeasured_default(measured, weight)
+                    report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": None}
+            else:
+                choices = _DECISIONS[key]
+        packed = pack_weight(weight) if any(c.packed for c in choices) else None
+        keep_plain = any(not c.packed for c in choices) or id(weight) in shared
+        layer.kernel = SelectedKernel(choices, weight if keep_plain else None, packed)
+        if not keep_plain:
+            # The packed copy replaces the plain one: holding both would double the
+            # weights' memory. (A weight shared with an embedding stays.)
+            layer.weight = None
+    report["seconds"] = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.Tensor) -> tuple[KernelChoice, ...]:
+    fallback = PACKED if packing_available(weight) else PLAIN
+    if not measured:
+        return (fallback,) * len(M_BUCKETS)
+    chosen = []
+    for bucket in range(len(M_BUCKETS)):
+        votes = [choices[bucket] for choices in measured]
+        pick = max(set(votes), key=votes.count)
+        chosen.append(pick if (not pick.packed or fallback.packed) else PLAIN)
+    return tuple(chosen)
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
