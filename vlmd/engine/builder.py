@@ -17,6 +17,7 @@ import torch
 from vlmd.config import ServeConfig, media_policy_fields
 from vlmd.engine.core import EngineCore
 from vlmd.errors import VlmdError
+from vlmd.layers.linear import select_linear_kernels
 from vlmd.media.policy import MediaPolicy
 from vlmd.plugins.manager import build_registry
 from vlmd.processing.base import ProcessingContext
@@ -98,6 +99,9 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
     model = family.load("model").load(model_dir, hf_config, dtype)
+    # Last, after the dtype cast: the chosen kernels may hold weights in a packed layout.
+    kernels = select_linear_kernels(model)
+    log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
     enable_prefix_caching = config.enable_prefix_caching
     if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
         # Decoder K/V depend on the request's encoder input through cross-attention, and a

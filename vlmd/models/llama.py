@@ -1,7 +1,8 @@
 """Our Llama decoder over the paged KV cache: RMSNorm, RoPE (theta/scaling), GQA.
 
-Q/K/V and gate/up projections are fused into one matmul each; the loader stacks the
-checkpoint's separate weights into them. Tokens of every request in a step are one
+Q/K/V and gate/up projections are fused into one matmul each; each checkpoint tensor goes
+through its parameter's ``weight_loader`` (vlmd/layers/linear), which places it in its
+shard of the fused weight (and, under tensor parallelism, takes only this rank's slice). Tokens of every request in a step are one
 flattened ``[T, hidden]`` batch; only attention looks at request boundaries.
 """
 
@@ -14,6 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmd.layers.attention import AttentionMetadata, paged_attention
+from vlmd.layers.linear import (
+    SINGLE,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TPGroup,
+)
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from vlmd.models.base import KVSpec
@@ -26,17 +35,20 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if qkv_bias is None else qkv_bias  # Qwen2: q/k/v have a bias, o_proj not
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp=tp
+        )
+        # This rank's heads (all of them at tp size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=bias, tp=tp)
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
 
@@ -51,12 +63,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        self.intermediate = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, tp=tp
+        )
+        self.intermediate = self.gate_up_proj.output_sizes[0]
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp=tp)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,12 +79,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
@@ -80,18 +94,21 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Text decoder; families feed it input embeddings with media rows overwritten."""
 
-    # checkpoint name fragment -> (our parameter fragment, shard index)
+    # checkpoint name fragment -> (our parameter fragment, shard id for its weight_loader)
     _STACKED = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, config, *, qkv_bias: bool | None = None, rotary: RotaryEmbedding | None = None):
+    def __init__(
+        self, config, *, qkv_bias: bool | None = None, rotary: RotaryEmbedding | None = None, tp: TPGroup = SINGLE
+    ):
         """``qkv_bias`` overrides ``config.attention_bias`` for q/k/v only; ``rotary``
-        replaces the config's plain RoPE (e.g. M-RoPE); both are for Llama-like subclasses."""
+        replaces the config's plain RoPE (e.g. M-RoPE); both are for Llama-like subclasses.
+        ``tp``: this process's tensor-parallel rank (the embeddings and lm_head stay whole)."""
         super().__init__()
         self.config = config
         theta, scaling = rope_parameters(config)
@@ -101,15 +118,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, qkv_bias) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, qkv_bias, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.kv_spec = KVSpec(
             num_layers=config.num_hidden_layers,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            num_kv_heads=self.layers[0].self_attn.num_kv_heads,
             head_dim=head_dim,
         )
 
@@ -145,27 +162,22 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
-                else:
-                    _shard_of(param, shard, self).copy_(tensor.to(param.dtype))
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as exc:
+                    raise ValueError(f"weight {name!r}: {exc}") from None
+            elif shard is not None:
+                raise ValueError(f"weight {name!r} maps to {target!r}, which is not a fused projection")
+            else:
+                _copy_checked(param, tensor, name)
             loaded.add(target)
         return loaded
-
-
-def _shard_of(param: torch.Tensor, index: int, model: LlamaForCausalLM) -> torch.Tensor:
-    rows = param.shape[0]
-    attn = model.layers[0].self_attn
-    if rows == attn.q_size + 2 * attn.kv_size:
-        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-    else:
-        sizes = [rows // 2, rows // 2]
-    start = sum(sizes[:index])
-    return param.narrow(0, start, sizes[index])
 
 
 def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.copy_(tensor.to(param.dtype))
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

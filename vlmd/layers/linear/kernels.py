@@ -1,0 +1,141 @@
+"""Choosing, by measurement on this host, how each linear layer multiplies.
+
+Candidates for a product ``x @ W.T + b`` on CPU:
+- ``plain``: ``F.linear`` on the checkpoint-layout weight;
+- ``packed``: the weight reordered once into oneDNN's blocked layout
+  (``mkldnn._reorder_linear_weight``) and multiplied by ``mkldnn._linear_pointwise``. At
+  small M (decode) the plain path re-packs W on every call and streams it at a fraction of
+  memory bandwidth; pre-packed weights skip that;
+- each at the process's intra-op thread count, or at one thread (at small M the fork/join
+  of a second thread can cost more than it saves).
+
+The best one depends on the shape, the batch size M and the host, so it is measured at load
+time, per distinct (in, out, dtype, bias) shape and per M bucket, on the layer's own weight.
+Every candidate computes the same product: results agree with ``F.linear`` to float
+rounding (oneDNN sums in a different order), which tests/test_linear.py bounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# (largest M of the bucket, M the bucket is measured at); the last bucket is open-ended.
+M_BUCKETS: tuple[tuple[int, int], ...] = ((4, 1), (32, 8), (1 << 62, 128))
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    packed: bool
+    threads: int | None  # None: leave the process's intra-op thread count as it is
+
+    @property
+    def name(self) -> str:
+        return ("packed" if self.packed else "plain") + ("" if self.threads is None else f"@{self.threads}t")
+
+
+PLAIN = KernelChoice(packed=False, threads=None)
+PACKED = KernelChoice(packed=True, threads=None)
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class SelectedKernel:
+    """A layer's product after selection: one choice per M bucket."""
+
+    def __init__(self, choices: tuple[KernelChoice, ...], weight: torch.Tensor | None, packed: torch.Tensor | None):
+        if len(choices) != len(M_BUCKETS):
+            raise ValueError(f"need one kernel choice per M bucket ({len(M_BUCKETS)}), got {len(choices)}")
+        if any(c.packed for c in choices) and packed is None:
+            raise ValueError("a packed choice needs the packed weight")
+        if any(not c.packed for c in choices) and weight is None:
+            raise ValueError("a plain choice needs the plain weight")
+        self.choices = choices
+        self.weight = weight
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        choice = self.choices[-1]
+        for (largest, _), candidate in zip(M_BUCKETS, self.choices):
+            if rows <= largest:
+                choice = candidate
+                break
+        if choice.threads is None:
+            return self._product(choice, x, bias)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(choice.threads)  # ~0.2 us: cheap enough per call
+        try:
+            return self._product(choice, x, bias)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _product(self, choice: KernelChoice, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if choice.packed:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+def candidates_for(weight: torch.Tensor) -> list[KernelChoice]:
+    found = [PLAIN]
+    if packing_available(weight):
+        found.append(PACKED)
+    if torch.get_num_threads() > 1:
+        found += [KernelChoice(c.packed, 1) for c in list(found)]
+    return found
+
+
+def measure_choices(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    candidates: list[KernelChoice],
+    rounds: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[tuple[KernelChoice, ...], dict[str, dict[str, float]]]:
+    """The fastest candidate per M bucket, and every timing (ms, best of ``rounds``).
+
+    Candidates run interleaved round by round, so a burst of load from another process
+    slows all of them rather than one. One thread is only tried for the small buckets:
+    a large product is never faster on fewer cores.
+    """
+    packed = pack_weight(weight) if any(c.packed for c in candidates) else None
+    probe = SelectedKernel((PLAIN,) * len(M_BUCKETS), weight, packed)
+    chosen: list[KernelChoice] = []
+    timings: dict[str, dict[str, float]] = {}
+    generator = torch.Generator().manual_seed(0)
+    for index, (_, rows) in enumerate(M_BUCKETS):
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+        tried = [c for c in candidates if c.threads is None or index < len(M_BUCKETS) - 1]
+        best = {c: float("inf") for c in tried}
+        for c in tried:  # warm-up: first calls allocate scratch and build oneDNN primitives
+            probe._product(c, x, bias)
+        for _ in range(rounds):
+            for c in tried:
+                probe.choices = (c,) * len(M_BUCKETS)
+                started = clock()
+                probe(x, bias)
+                best[c] = min(best[c], clock() - started)
+        winner = min(tried, key=lambda c: best[c])
+        chosen.append(winner)
+        timings[f"M{rows}"] = {c.name: round(best[c] * 1e3, 4) for c in tried}
+    return tuple(chosen), timings
