@@ -61,7 +61,9 @@ class ServeConfig:
     media_max_bytes: int = setting(20 * 2**20, "largest fetched image or video, in bytes", minimum=1)
     media_timeout_s: float = setting(10.0, "seconds allowed to fetch one media URL", minimum=0)
     preprocess_threads: int = setting(4, "threads that fetch, decode and preprocess media", minimum=1)
-    X
+    torch_threads: int | None = setting(
+        None, "intra-op threads of the engine thread, of each rank under tensor parallelism "
+        "(default: torch's; with ranks, this host's cores divided among its ranks)", minimum=1)
     disable_chunked_mm_input: bool = setting(False, "schedule each media item's placeholders in one step")
     enable_prefix_caching: bool = setting(
         True, "share KV blocks of identical prefixes, media included", negatable=True)
