@@ -16,6 +16,8 @@ import torch
 
 from vlmd.config import ServeConfig, media_policy_fields
 from vlmd.engine.core import EngineCore
+from vlmd.engine.executor import InProcessExecutor
+from vlmd.engine.tp_startup import begin_tensor_parallel
 from vlmd.errors import VlmdError
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.media.policy import MediaPolicy
@@ -31,7 +33,7 @@ from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -45,20 +47,36 @@ class BuiltEngine:
     dummy_inputs: object
     # vlmd.processing.transcription.TranscriptionPreprocessor for speech-to-text families.
     transcriber: object = None
+    # Intra-op threads of the engine thread (rank 0's share of the cores under tensor parallelism).
+    torch_threads: int | None = None
 
 
 def text_config_of(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def build_engine(config: ServeConfig) -> BuiltEngine:
+def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None):
+    """The family's model for a checkpoint; ``tp`` (a ``TPGroup``) loads only that rank's shard."""
+    from transformers import AutoConfig
+
+    hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
+    family = build_registry().for_architectures(list(hf_config.architectures or []))
+    loader = family.load("model").load
+    model = loader(model_dir, hf_config, dtype) if tp is None or tp.size == 1 else loader(model_dir, hf_config, dtype, tp=tp)
+    # Last, after the dtype cast: the chosen kernels may hold weights in a packed layout.
+    kernels = select_linear_kernels(model)
+    log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
+    return model
+
+
+def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     from transformers import AutoConfig, AutoTokenizer
 
     started = time.perf_counter()
     model_dir = str(Path(config.model).expanduser())
-    if config.dtype not in _DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}")
-    dtype = _DTYPES[config.dtype]
+    if config.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}")
+    dtype = DTYPES[config.dtype]
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -98,10 +116,10 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     encoder_budget = max(config.max_num_encoder_input_tokens or config.max_num_batched_tokens, max_item_tokens)
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
-    model = family.load("model").load(model_dir, hf_config, dtype)
-    # Last, after the dtype cast: the chosen kernels may hold weights in a packed layout.
-    kernels = select_linear_kernels(model)
-    log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
+    # Tensor parallelism: the other ranks start first and load their shards meanwhile (they
+    # die with this process if the start-up fails here: rank_process._die_with_parent).
+    tensor_parallel = begin_tensor_parallel(config, model_dir, log_level) if config.tensor_parallel_size > 1 else None
+    model = load_model(model_dir, dtype, tensor_parallel.tp if tensor_parallel else None, hf_config)
     enable_prefix_caching = config.enable_prefix_caching
     if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
         # Decoder K/V depend on the request's encoder input through cross-attention, and a
@@ -126,6 +144,11 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         enable_prefix_caching=enable_prefix_caching,
     )
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed)
+    if tensor_parallel is None:
+        executor, torch_threads = InProcessExecutor(runner), config.torch_threads
+    else:
+        executor = tensor_parallel.executor(runner, num_blocks, config.block_size, config.seed)
+        torch_threads = tensor_parallel.threads
     policy = MediaPolicy(
         allowed_local_media_path=config.allowed_local_media_path,
         allow_private_urls=config.allow_private_media_urls,
@@ -151,8 +174,8 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         seconds=round(time.perf_counter() - started, 2),
     )
     return BuiltEngine(
-        EngineCore(Scheduler(scheduler_config), runner), preprocessor, tokenizer, eos, max_model_len,
-        scheduler_config, dummy, transcriber
+        EngineCore(Scheduler(scheduler_config), executor), preprocessor, tokenizer, eos, max_model_len,
+        scheduler_config, dummy, transcriber, torch_threads
     )
 
 

@@ -1,11 +1,11 @@
-"""The engine core: one scheduler, one runner, one step at a time (worker thread only)."""
+"""The engine core: one scheduler, one executor, one step at a time (worker thread only)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from vlmd.runner.model_runner import ModelRunner
+from vlmd.engine.executor import Executor
 from vlmd.sched.output import SchedulerOutput
 from vlmd.sched.scheduler import Scheduler
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
@@ -39,9 +39,9 @@ class StepMetrics:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, executor: Executor):
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor  # the only way to the model (engine/executor.py)
         self.num_steps = 0
         self.last_step_metrics = StepMetrics()
 
@@ -65,7 +65,7 @@ class EngineCore:
             and request.num_preemptions == 0
             and request.arrival_time
         ]
-        result = self.runner.execute(out)
+        result = self.executor.execute(out)
         self.num_steps += 1
         self.last_step_metrics = StepMetrics(result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued)
         return self.scheduler.update_from_output(out, result), not out.is_empty
@@ -85,7 +85,7 @@ class EngineCore:
             num_free_kv_blocks=kv.num_free_blocks,
             kv_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
-            num_encoder_forwards=self.runner.num_encoder_forwards,
+            num_encoder_forwards=self.executor.num_encoder_forwards,
             encoder_cache_usage=self.scheduler.encoder_cache.usage,
             encoder_cache_queries=self.scheduler.encoder_cache.num_queries,
             encoder_cache_hits=self.scheduler.encoder_cache.num_hits,

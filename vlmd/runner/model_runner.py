@@ -18,8 +18,13 @@ from vlmd.types import MultiModalItem
 
 
 class ModelRunner:
-    def __init__(self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
+                 samples: bool = True):
+        """``samples=False``: a tensor-parallel rank other than 0, which runs the forward
+        (its collectives) but neither computes logits nor samples; it learns the tokens
+        rank 0 sampled through :meth:`append_sampled` before the next step."""
         self.model = model
+        self.samples = samples
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -48,7 +53,7 @@ class ModelRunner:
         hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches, **extra)
 
         result = RunnerOutput(encoder_seconds=encoder_seconds)
-        if batch.sample_rows:
+        if batch.sample_rows and self.samples:
             logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
@@ -60,6 +65,13 @@ class ModelRunner:
         for piece in batch.slices:
             piece.state.num_computed_tokens = piece.end
         return result
+
+    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+        """The tokens another rank sampled in the previous step (a rank that does not sample)."""
+        for request_id, token in sampled_token_ids.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.token_ids.append(token)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.dropped_request_ids:

@@ -94,6 +94,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    if state.fatal_error is not None:
+        return _error_response(503, f"the engine cannot run: {state.fatal_error}", "server_error")
     return web.Response(text="")
 
 

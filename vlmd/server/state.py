@@ -22,3 +22,6 @@ class ServerState:
     created: int = 0
     # Speech-to-text front end (vlmd_whisper's transcriber); None for other models.
     transcriber: object = None
+    # Set when the model can no longer run (a tensor-parallel rank was lost): /health answers
+    # 503 with it and the server exits non-zero.
+    fatal_error: str | None = None
