@@ -146,3 +146,11 @@ def test_bad_shapes_and_groups_raise():
         ColumnParallelLinear(4, 7, tp=TPGroup(2, 0))
     with pytest.raises(ValueError, match="rank"):
         TPGroup(2, 2)
+
+
+def test_an_exhausted_measuring_budget_falls_back_to_packed_weights():
+    model = nn.Sequential(ReplicatedLinear(24, 40), ReplicatedLinear(40, 8))
+    report = select_linear_kernels(model, "auto", budget_s=0.0)
+    assert all(entry["ms"] is None for entry in report["shapes"].values())
+    expected = "packed" if packing_available(torch.zeros(1)) else "plain"
+    assert all(entry["chosen"] == [expected] * len(M_BUCKETS) for entry in report["shapes"].values())

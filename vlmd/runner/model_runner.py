@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vlmd.layers.attention import attention_backend_for
 from vlmd.models.base import MultimodalModel
 from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
 from vlmd.runner.kv_cache import allocate_kv_caches
@@ -26,6 +27,8 @@ class ModelRunner:
         self.model = model
         self.samples = samples
         self.block_size = block_size
+        # The KV tensors live on the CPU today; a device-resident cache picks its backend here.
+        self.attention = attention_backend_for("cpu", block_size)
         self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype)
         self.requests: dict[str, RunnerRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -42,7 +45,7 @@ class ModelRunner:
         encoder_seconds = time.perf_counter() - started
 
         scheduled = [(self.requests[rid], count) for rid, count in out.num_scheduled_tokens.items()]
-        batch = build_batch(scheduled, self.block_size)
+        batch = build_batch(scheduled, self.attention)
         embeds = self.model.embed_input_ids(batch.input_ids)
         for piece in batch.slices:
             if piece.state.mm_items:

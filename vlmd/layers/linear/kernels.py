@@ -25,7 +25,10 @@ import torch
 import torch.nn.functional as F
 
 # (largest M of the bucket, M the bucket is measured at); the last bucket is open-ended.
-M_BUCKETS: tuple[tuple[int, int], ...] = ((4, 1), (32, 8), (1 << 62, 128))
+M_BUCKETS: tuple[tuple[int, int], ...] = ((4, 1), (32, 8), (1 << 62, 64))
+# Keeping the plain weight beside a packed one doubles the layer's memory: plain is only
+# chosen for a bucket when it beats the best packed kernel by more than this factor.
+PLAIN_MARGIN = 1.15
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def measure_choices(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     candidates: list[KernelChoice],
-    rounds: int = 5,
+    rounds: int = 3,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[tuple[KernelChoice, ...], dict[str, dict[str, float]]]:
     """The fastest candidate per M bucket, and every timing (ms, best of ``rounds``).
@@ -136,6 +139,11 @@ def measure_choices(
                 probe(x, bias)
                 best[c] = min(best[c], clock() - started)
         winner = min(tried, key=lambda c: best[c])
+        packed_tried = [c for c in tried if c.packed]
+        if not winner.packed and packed_tried:
+            best_packed = min(packed_tried, key=lambda c: best[c])
+            if best[best_packed] <= best[winner] * PLAIN_MARGIN:
+                winner = best_packed
         chosen.append(winner)
         timings[f"M{rows}"] = {c.name: round(best[c] * 1e3, 4) for c in tried}
     return tuple(chosen), timings

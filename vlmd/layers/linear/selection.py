@@ -2,7 +2,9 @@
 
 Layers of one shape share a decision (a 9-layer decoder has five distinct shapes, not 45),
 and decisions are remembered for the process, so a second model of the same shapes, or a
-test, does not measure again. The whole pass costs well under a second on the small LLaVA.
+test, does not measure again. Measuring stops after ``budget_s`` seconds (a loaded host
+makes every timing slow): the remaining shapes take the choice most often measured per
+bucket so far, or pre-packed weights where nothing was measured yet.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _signature(layer: LinearBase) -> tuple:
 
 
 @torch.inference_mode()
-def select_linear_kernels(model: nn.Module, mode: str = "auto") -> dict:
+def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float = 2.0) -> dict:
     """Give every ``LinearBase`` in ``model`` its kernel; returns what was chosen and timed.
 
     ``mode``: ``auto`` (measure), ``plain`` (``F.linear`` everywhere) or ``packed``
@@ -46,6 +48,7 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto") -> dict:
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None]
     shared = _shared_weights(model)
     report: dict = {"mode": mode, "shapes": {}}
+    measured: list[tuple[KernelChoice, ...]] = []
     for layer in layers:
         weight = layer.weight
         if mode == "plain" or weight.device.type != "cpu":
@@ -55,13 +58,18 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto") -> dict:
             choices = (PACKED if packing_available(weight) else PLAIN,) * len(M_BUCKETS)
         else:
             key = _signature(layer)
+            name = f"{weight.shape[1]}x{weight.shape[0]}"
             if key not in _DECISIONS:
-                choices, timings = measure_choices(weight, layer.bias, candidates_for(weight))
-                _DECISIONS[key] = choices
-                report["shapes"][f"{weight.shape[1]}x{weight.shape[0]}"] = {
-                    "chosen": [c.name for c in choices], "ms": timings,
-                }
-            choices = _DECISIONS[key]
+                if time.perf_counter() - started < budget_s:
+                    choices, timings = measure_choices(weight, layer.bias, candidates_for(weight))
+                    report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": timings}
+                    measured.append(choices)
+                    _DECISIONS[key] = choices
+                else:
+                    choices = _unmeasured_default(measured, weight)
+                    report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": None}
+            else:
+                choices = _DECISIONS[key]
         packed = pack_weight(weight) if any(c.packed for c in choices) else None
         keep_plain = any(not c.packed for c in choices) or id(weight) in shared
         layer.kernel = SelectedKernel(choices, weight if keep_plain else None, packed)
@@ -71,6 +79,18 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto") -> dict:
             layer.weight = None
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
+
+
+def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.Tensor) -> tuple[KernelChoice, ...]:
+    fallback = PACKED if packing_available(weight) else PLAIN
+    if not measured:
+        return (fallback,) * len(M_BUCKETS)
+    chosen = []
+    for bucket in range(len(M_BUCKETS)):
+        votes = [choices[bucket] for choices in measured]
+        pick = max(set(votes), key=votes.count)
+        chosen.append(pick if (not pick.packed or fallback.packed) else PLAIN)
+    return tuple(chosen)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -1,0 +1,99 @@
+"""Decode attention, old (gather every context per layer) vs the CPU paged backend.
+
+One decode step of the small LLaVA's decoder shape (12 heads, 4 K/V heads, head_dim 64,
+9 layers, block size 16) at context lengths 600, 4k and 16k, batch 1 and 8: metadata once,
+then attention in every layer. Block tables as a fresh pool hands them out (ascending
+ids) and shuffled (every block scattered, the backend's worst case). Prints one JSON line
+of milliseconds per step (best of --repeats):
+
+    python contrib/bench/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from vlmd.layers.attention import SequenceChunk, attention_backend_for, paged_attention
+
+
+def old_decode_step(q, k, v, caches, block_tables, positions, block_size, scale):
+    """The previous implementation's decode path: a padded [B, L] slot index per step,
+    then every layer gathers each decode's whole context and runs masked SDPA."""
+    context_lens = torch.tensor(positions) + 1
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    table = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables])
+    all_slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(positions), -1)
+    max_len = int(context_lens.max())
+    slots = all_slots[:, :max_len].contiguous()
+    mask = (torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)).view(len(positions), 1, 1, max_len)
+    write = slots.gather(1, torch.tensor(positions).unsqueeze(1)).squeeze(1)
+    for k_cache, v_cache in caches:
+        k_cache.index_copy_(0, write, k)
+        v_cache.index_copy_(0, write, v)
+        keys = k_cache[slots].transpose(1, 2)
+        values = v_cache[slots].transpose(1, 2)
+        F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def new_decode_step(q, k, v, caches, block_tables, positions, backend, scale):
+    chunks = [SequenceChunk(table, position, 1) for table, position in zip(block_tables, positions)]
+    meta = backend.prepare_metadata(chunks, num_decodes=len(chunks))
+    for cache in caches:
+        paged_attention(q, k, v, cache, meta, scale)
+
+
+def best_ms(fn, repeats):
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1e3, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[600, 4096, 16384])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--layers", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    heads, kv_heads, head_dim, block_size = 12, 4, 64, 16
+    scale = head_dim**-0.5
+    backend = attention_backend_for("cpu", block_size)
+    results = {}
+    for batch in args.batches:
+        for context in args.contexts:
+            per_seq = -(-(context + 1) // block_size)
+            num_blocks = per_seq * batch + 1
+            caches = [(torch.randn(num_blocks * block_size, kv_heads, head_dim),
+                       torch.randn(num_blocks * block_size, kv_heads, head_dim)) for _ in range(args.layers)]
+            ids = list(range(num_blocks))
+            ascending = [ids[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+            random.Random(0).shuffle(ids)
+            shuffled = [ids[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+            positions = [context] * batch
+            q = torch.randn(batch, heads, head_dim)
+            k, v = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
+            with torch.inference_mode():
+                row = {
+                    "old_ms": best_ms(lambda: old_decode_step(q, k, v, caches, ascending, positions, block_size, scale), args.repeats),
+                    "new_ms": best_ms(lambda: new_decode_step(q, k, v, caches, ascending, positions, backend, scale), args.repeats),
+                    "new_shuffled_ms": best_ms(lambda: new_decode_step(q, k, v, caches, shuffled, positions, backend, scale), args.repeats),
+                }
+            row["old_over_new"] = round(row["old_ms"] / row["new_ms"], 2)
+            results[f"c{batch}_ctx{context}"] = row
+            del caches
+    print(json.dumps({"bench": "decode_attention", "layers": args.layers, "threads": torch.get_num_threads(),
+                      "ms_per_step": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""How far vlmd is from this host's physical floor, per workload, as one JSON line.
+
+Measures the host's GEMM peak (fp32 and bf16 ``torch.mm``, 2048^3, all threads) and memory
+read bandwidth (``sum`` over a 512 MiB tensor), derives each workload's floor from the
+LLaVA checkpoint's config, then serves the checkpoint with vlmd and reports
+``floor / measured`` (1.0 = at the floor):
+
+- prefill: FLOPs of one 640x480-image request (vision tower up to the feature layer,
+  projector, decoder over the whole prompt) / GEMM peak  vs  TTFT p50 at c1, new images;
+- decode c1 / c8: bytes one step must read (every decoder weight once, plus the batch's
+  K/V) / bandwidth  vs  time per output token at c1 / c8, one repeated image.
+
+    python contrib/bench/roofline.py --size small --num-requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import urllib.request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_chat import make_jpeg, run_level, start_server  # noqa: E402
+
+
+def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    data = torch.ones(mib * 2**20 // 4)
+    data.sum()
+    return data.numel() * 4 / min(_timed(data.sum) for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def prefill_flops(config, prompt_tokens: int) -> dict[str, float]:
+    vision, text = config.vision_config, config.text_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    n, h, i = patches + 1, vision.hidden_size, vision.intermediate_size
+    layers = config.vision_feature_layer % (vision.num_hidden_layers + 1)
+    vision_flops = 2 * patches * 3 * vision.patch_size**2 * h  # patch embedding
+    vision_flops += layers * (2 * n * (4 * h * h + 2 * h * i) + 4 * n * n * h)
+    image_tokens = patches if getattr(config, "vision_feature_select_strategy", "default") == "default" else n
+    projector = 2 * image_tokens * (h * text.hidden_size + text.hidden_size**2)
+    t, d = prompt_tokens, text.hidden_size
+    head_dim = getattr(text, "head_dim", None) or d // text.num_attention_heads
+    q, kv = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
+    per_layer = 2 * t * (d * (q + 2 * kv) + q * d + 3 * d * text.intermediate_size) + 2 * t * t * q  # causal: half of 4
+    lm = text.num_hidden_layers * per_layer + 2 * d * text.vocab_size  # logits of the last token only
+    return {"vision": vision_flops + projector, "lm": lm, "total": vision_flops + projector + lm}
+
+
+def decode_bytes(config, batch: int, context: int, element: int) -> float:
+    text = config.text_config
+    d, inter = text.hidden_size, text.intermediate_size
+    head_dim = getattr(text, "head_dim", None) or d // text.num_attention_heads
+    q, kv = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
+    weights = text.num_hidden_layers * (d * (q + 2 * kv) + q * d + 3 * d * inter) + d * text.vocab_size
+    kv_bytes = batch * context * text.num_hidden_layers * 2 * kv * element
+    return weights * element + kv_bytes
+
+
+def prompt_tokens_of(url: str, image: str) -> int:
+    body = {"model": "bench", "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "Describe this image."}]}]}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())["usage"]["prompt_tokens"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=["tiny", "small"])
+    parser.add_argument("--model-dir")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--port", type=int, default=8312)
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="first image seed (fresh per run)")
+    args = parser.parse_args()
+    from transformers import AutoConfig
+
+    model_dir = args.model_dir
+    if model_dir is None:
+        from vlmd.testing.tiny import build_tiny
+
+        model_dir = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd")) / "bench" / f"llava-{args.size}-seed0"
+        if not (model_dir / "config.json").exists():
+            build_tiny("llava", model_dir, seed=0, size=args.size)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    dtype = getattr(torch, args.dtype)
+    host = {"gemm_fp32_gflops": round(gemm_peak(torch.float32) / 1e9, 1),
+            "gemm_bf16_gflops": round(gemm_peak(torch.bfloat16) / 1e9, 1),
+            "read_gb_s": round(read_bandwidth() / 1e9, 1), "threads": torch.get_num_threads()}
+    peak = host["gemm_bf16_gflops" if dtype == torch.bfloat16 else "gemm_fp32_gflops"] * 1e9
+    element = torch.empty((), dtype=dtype).element_size()
+
+    process = start_server(str(model_dir), args.port, ["--dtype", args.dtype])
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        seed = args.seed
+        fresh = [make_jpeg(seed + i, 640, 480) for i in range(args.num_requests + 2)]
+        prompt = prompt_tokens_of(url, fresh[-1])  # also the warm-up
+        measured = {
+            "c1_new": asyncio.run(run_level(url, "bench", 1, args.num_requests, args.output_tokens, fresh[:-2])),
+            "c1_repeated": asyncio.run(run_level(url, "bench", 1, args.num_requests, args.output_tokens, fresh[-2:-1])),
+            "c8_repeated": asyncio.run(run_level(url, "bench", 8, args.num_requests, args.output_tokens, fresh[-2:-1])),
+        }
+    finally:
+        process.terminate()
+        process.wait(30)
+    flops = prefill_flops(config, prompt)
+    mean_context = prompt + args.output_tokens // 2
+    floors = {
+        "prefill_ttft_s": flops["total"] / peak,
+        "decode_c1_s": decode_bytes(config, 1, mean_context, element) / (host["read_gb_s"] * 1e9),
+        "decode_c8_s": decode_bytes(config, 8, mean_context, element) / (host["read_gb_s"] * 1e9),
+    }
+    figures = {
+        "prefill_ttft_s": measured["c1_new"]["ttft_p50_s"],
+        "decode_c1_s": measured["c1_repeated"]["itl_p50_s"],
+        "decode_c8_s": measured["c8_repeated"]["itl_p50_s"],
+    }
+    print(json.dumps({
+        "model": str(model_dir), "dtype": args.dtype, "host": host, "prompt_tokens": prompt,
+        "prefill_gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
+        "decode_mb_per_step": {"c1": round(decode_bytes(config, 1, mean_context, element) / 1e6, 1),
+                               "c8": round(decode_bytes(config, 8, mean_context, element) / 1e6, 1)},
+        "workloads": {name: {"floor_s": round(floors[name], 4), "vlmd_s": figures[name],
+                             "fraction_of_floor": round(floors[name] / figures[name], 3)} for name in floors},
+        "measured": measured,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The CPU paged attention backend against a plain dense reference.
+
+Each case builds random block tables over a shared cache, writes earlier context into it,
+runs one step of decodes and prefill chunks through ``prepare_metadata`` + ``forward``,
+and compares with softmax(q k^T) v over each sequence's full, causally masked K/V in
+float64.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vlmd.layers.attention import SequenceChunk, attention_backend_for, cpu_paged, paged_attention
+from vlmd.layers.attention.segments import GATHER_CHUNK_TOKENS, slot_ranges
+
+HEAD_DIM = 8
+
+
+@pytest.fixture(params=["in_place", "batched"], autouse=True)
+def decode_path(request, monkeypatch):
+    """Small decode batches take the padded-gather path: run every case both ways."""
+    budget = 0 if request.param == "in_place" else 1 << 40
+    monkeypatch.setattr(cpu_paged, "BATCHED_DECODE_BYTES", budget)
+    monkeypatch.setattr(cpu_paged, "_BATCHED_DECODE_MAX_TOKENS", budget)
+    return request.param
+
+
+def _reference(q, keys, values, start, scale):
+    """q [n, H, D] at positions start.., keys/values [start + n, Hkv, D]."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
+    values = values.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) * scale
+    query_positions = torch.arange(start, start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(keys.shape[0]).unsqueeze(0) > query_positions, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
+
+
+def _run_step(seqs, *, heads=4, kv_heads=2, block_size=16, table_order="random", seed=0, dtype=torch.float32):
+    """``seqs``: (context length, new tokens) per sequence, decodes (new = 1) first."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    needed = [-(-(start + count) // block_size) for start, count in seqs]
+    num_blocks = sum(needed) + 3
+    pool = list(range(num_blocks))
+    if table_order == "random":
+        rng.shuffle(pool)
+    elif table_order == "descending":
+        pool.reverse()
+    cache = (torch.zeros(num_blocks * block_size, kv_heads, HEAD_DIM, dtype=dtype),
+             torch.zeros(num_blocks * block_size, kv_heads, HEAD_DIM, dtype=dtype))
+    chunks, contexts = [], []
+    for (start, count), blocks in zip(seqs, needed):
+        table, pool = pool[:blocks], pool[blocks:]
+        k_ctx, v_ctx = torch.randn(start, kv_heads, HEAD_DIM).to(dtype), torch.randn(start, kv_heads, HEAD_DIM).to(dtype)
+        positions = torch.arange(start)
+        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+        cache[0][slots], cache[1][slots] = k_ctx, v_ctx
+        chunks.append(SequenceChunk(table, start, count))
+        contexts.append((k_ctx, v_ctx))
+    total = sum(count for _, count in seqs)
+    q = torch.randn(total, heads, HEAD_DIM).to(dtype)
+    k = torch.randn(total, kv_heads, HEAD_DIM).to(dtype)
+    v = torch.randn(total, kv_heads, HEAD_DIM).to(dtype)
+    backend = attention_backend_for("cpu", block_size)
+    num_decodes = sum(1 for start, count in seqs if count == 1 and start > 0)
+    meta = backend.prepare_metadata(chunks, num_decodes)
+    scale = HEAD_DIM**-0.5
+    got = paged_attention(q, k, v, cache, meta, scale)
+    row = 0
+    for (start, count), (k_ctx, v_ctx) in zip(seqs, contexts):
+        rows = slice(row, row + count)
+        expected = _reference(q[rows], torch.cat([k_ctx, k[rows]]), torch.cat([v_ctx, v[rows]]), start, scale)
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got[rows].double(), expected, rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"sequence (context {start}, new {count}): {m}")
+        row += count
+    return meta
+
+
+@pytest.mark.parametrize("order", ["random", "ascending", "descending"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_mixed_step_of_decodes_and_chunked_prefills(order, heads, kv_heads):
+    seqs = [(1, 1), (37, 1), (600, 1), (16, 1), (0, 23), (45, 19), (64, 64), (3, 1 + 0)]
+    seqs[-1] = (300, 5)  # a chunked prefill with a long earlier context
+    _run_step(seqs, heads=heads, kv_heads=kv_heads, table_order=order, seed=hash(order) % 100)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+def test_block_sizes_and_partly_used_blocks(block_size):
+    _run_step([(5, 1), (block_size * 3, 1), (block_size * 3 - 1, 1), (block_size + 1, 7), (0, 2 * block_size + 3)],
+              block_size=block_size, seed=block_size)
+
+
+@pytest.mark.parametrize("order", ["random", "ascending"])
+def test_contexts_up_to_16k_tokens(order):
+    # A random table is all scattered blocks: gathered a bounded chunk at a time.
+    meta = _run_step([(16383, 1), (4095, 1), (8000, 48)], heads=2, kv_heads=1, table_order=order, seed=7)
+    context = meta.plans[0].context
+    assert all(len(slots) <= GATHER_CHUNK_TOKENS for slots in context.gathers)
+    if order == "ascending":
+        assert context.views == [(context.views[0][0], context.views[0][0] + 16384)] and not context.gathers
+
+
+def test_bfloat16_cache():
+    _run_step([(200, 1), (30, 9)], dtype=torch.bfloat16, seed=3)
+
+
+def test_slot_ranges_merge_consecutive_blocks_in_any_order():
+    assert slot_ranges([3, 4, 5], 48, 16) == [(48, 96)]
+    assert slot_ranges([5, 4, 3], 40, 16) == [(64, 96), (48, 56)]  # tail block 3 is below 4
+    assert slot_ranges([2, 3, 9], 40, 16) == [(32, 64), (144, 152)]
+    assert slot_ranges([2, 3], 30, 16) == [(32, 62)]
+    assert slot_ranges([7], 0, 16) == []
+    with pytest.raises(ValueError, match="cannot hold"):
+        slot_ranges([1], 17, 16)
+
+
+def test_bad_batches_raise():
+    backend = attention_backend_for("cpu:0", 16)
+    with pytest.raises(ValueError, match="decode"):
+        backend.prepare_metadata([SequenceChunk([0], 0, 1)], num_decodes=1)
+    with pytest.raises(ValueError, match="cannot hold"):
+        backend.prepare_metadata([SequenceChunk([0], 10, 10)], num_decodes=0)
+    with pytest.raises(ValueError, match="no attention backend"):
+        attention_backend_for("tpu", 16)

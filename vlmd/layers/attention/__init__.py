@@ -1,0 +1,35 @@
+"""Paged attention behind a backend interface (backend.py), picked per device (registry.py).
+
+The model calls one function, :func:`paged_attention`; the step's metadata names the
+backend that built it, so the model never chooses or inspects one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
+from vlmd.layers.attention.registry import attention_backend_for, register_attention_backend
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the layer's cache, then attend; returns [T, H, D]."""
+    return meta.backend.forward(q, k, v, kv_cache, meta, scale)
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "SequenceChunk",
+    "attention_backend_for",
+    "paged_attention",
+    "register_attention_backend",
+    "write_kv",
+]

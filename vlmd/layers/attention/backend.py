@@ -1,0 +1,91 @@
+"""The attention backend interface: metadata built once per step, one call per layer.
+
+A step's tokens are one flattened batch: decodes first (one query token each), then
+prefill chunks. The runner describes each scheduled sequence as a ``SequenceChunk`` and
+asks the step's backend for metadata once (``prepare_metadata``); every layer then calls
+``forward`` with that metadata and its own KV cache. What the metadata holds (slot indices,
+segments of the block table, masks) is the backend's business: the model code never looks
+inside it, it only passes it along (``vlmd.layers.attention.paged_attention``).
+
+A layer's KV cache is a pair of tensors ``[num_blocks * block_size, kv_heads, head_dim]``;
+slot = block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's share of a step: ``count`` new tokens at positions ``start..``."""
+
+    block_ids: list[int]  # the sequence's block table (it covers at least start + count)
+    start: int  # tokens already in the cache (its context)
+    count: int
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend's metadata has; backends subclass it with their own fields."""
+
+    backend: "AttentionBackend"
+    slot_mapping: torch.Tensor  # [T] the cache slot each new token's K/V is written to
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+
+
+class AttentionBackend:
+    """Base class: ``prepare_metadata`` once per step, ``forward`` once per layer."""
+
+    name = "base"
+
+    def __init__(self, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        self.block_size = block_size
+
+    def prepare_metadata(self, chunks: list[SequenceChunk], num_decodes: int) -> AttentionMetadata:
+        """``chunks`` in batch order; the first ``num_decodes`` are decodes (count 1, start > 0)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D] this step's keys, written to the cache first
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        raise NotImplementedError
+
+    def slot_mapping(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """The cache slot of every new token, in batch order."""
+        size = self.block_size
+        singles: list[int] = []  # decodes, as plain ints: a tensor per token costs more
+        parts: list[torch.Tensor] = []
+        for chunk in chunks:
+            table = chunk.block_ids
+            end = chunk.start + chunk.count
+            if len(table) * size < end:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
+            if chunk.count == 1:
+                singles.append(table[chunk.start // size] * size + chunk.start % size)
+                continue
+            if singles:
+                parts.append(torch.tensor(singles, dtype=torch.long))
+                singles = []
+            positions = torch.arange(chunk.start, end)
+            blocks = torch.tensor(table[: -(-end // size)], dtype=torch.long)
+            parts.append(blocks[positions // size] * size + positions % size)
+        if singles or not parts:
+            parts.append(torch.tensor(singles, dtype=torch.long))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    k_cache, v_cache = kv_cache
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)

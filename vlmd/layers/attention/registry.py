@@ -1,0 +1,27 @@
+"""Which attention backend serves a device: ``attention_backend_for("cpu", block_size)``.
+
+Backends register by device type (the part of a device string before ``:``), so a CUDA
+backend is one ``register_attention_backend("cuda", ...)`` away and the runner does not
+change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vlmd.layers.attention.backend import AttentionBackend
+from vlmd.layers.attention.cpu_paged import CPUPagedBackend
+
+_BACKENDS: dict[str, Callable[[int], AttentionBackend]] = {"cpu": CPUPagedBackend}
+
+
+def register_attention_backend(device_type: str, factory: Callable[[int], AttentionBackend]) -> None:
+    _BACKENDS[device_type] = factory
+
+
+def attention_backend_for(device: str, block_size: int) -> AttentionBackend:
+    device_type = str(device).split(":", 1)[0]
+    factory = _BACKENDS.get(device_type)
+    if factory is None:
+        raise ValueError(f"no attention backend for device {device!r} (have: {', '.join(sorted(_BACKENDS))})")
+    return factory(block_size)
