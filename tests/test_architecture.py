@@ -282,3 +282,22 @@ def test_a_family_must_name_an_architecture():
     with pytest.raises(ValueError, match="names no architectures"):
         FamilyRegistry().register(_family("empty"))
 
+
+
+def test_tiny_builders_and_converters_come_from_plugins():
+    """vlmd_register_tiny_builders and vlmd_register_converters: the core names no family,
+    and every registered target lives in a plugin package."""
+    from vlmd.plugins.manager import converters, tiny_builders
+
+    builders = tiny_builders()
+    assert {"llava", "qwen2_vl", "whisper", "qwen2_audio"} <= set(builders)
+    assert converters()["ct2"].startswith("vlmd_whisper.")
+    for target in [*builders.values(), *converters().values()]:
+        assert target.split(".")[0].startswith("vlmd_"), target
+
+
+def test_vlmd_convert_names_the_formats_plugins_register():
+    result = subprocess.run([sys.executable, "-m", "vlmd", "convert", "--from", "nope", "a", "b"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "no installed plugin converts from 'nope'; known formats: ct2" in result.stderr

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import oracle  # noqa: E402
-from vlmd.testing.tiny import BUILDERS, build_tiny  # noqa: E402
+from vlmd.testing.tiny import build_tiny, builders  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,7 @@ def test_weights_float32_and_special_rows_zeroed(tiny_dir, summary):
 
 
 def test_small_size_is_about_100m_parameters():
-    from vlmd.testing.tiny_llava import SIZES, count_parameters
+    from vlmd_llava.tiny import SIZES, count_parameters
 
     n = count_parameters("small")
     assert 80_000_000 <= n <= 120_000_000, n
@@ -328,7 +328,8 @@ def test_assert_greedy_match_rules():
 
 
 def test_unknown_family_and_size_errors(tmp_path):
-    assert "llava" in BUILDERS and all(":" in v for v in BUILDERS.values())
+    known = builders()
+    assert {"llava", "qwen2_vl", "whisper"} <= set(known) and all(":" in v for v in known.values())
     with pytest.raises(ValueError, match="unknown model family 'nope'.*llava"):
         build_tiny("nope", tmp_path / "x")
     with pytest.raises(ValueError, match="unknown size"):

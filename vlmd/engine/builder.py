@@ -30,6 +30,8 @@ from vlmd.processing.transcription import TranscriptionPreprocessor
 from vlmd.runner.kv_cache import num_blocks_for
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
+from vlmd.structured.compiler import GrammarCompiler
+from vlmd.testing.faults import install_from_env as install_fault_injection
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +49,7 @@ class BuiltEngine:
     dummy_inputs: object
     # vlmd.processing.transcription.TranscriptionPreprocessor for speech-to-text families.
     transcriber: object = None
+    grammar_compiler: GrammarCompiler | None = None
     # Intra-op threads of the engine thread (rank 0's share of the cores under tensor parallelism).
     torch_threads: int | None = None
 
@@ -66,6 +69,7 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None):
     # Last, after the dtype cast: the chosen kernels may hold weights in a packed layout.
     kernels = select_linear_kernels(model)
     log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
+    install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION (every rank alike)
     return model
 
 
@@ -164,6 +168,10 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     if isinstance(processor, SpeechToTextProcessor):
         transcriber = TranscriptionPreprocessor(processor, policy, max_model_len)
     eos = _eos_token_ids(model_dir, tokenizer)
+    # Structured outputs: for chat models with a fast tokenizer (llguidance reads its JSON).
+    grammar_compiler = None
+    if getattr(tokenizer, "is_fast", False) and getattr(tokenizer, "chat_template", None):
+        grammar_compiler = GrammarCompiler(tokenizer, preprocessor.vocab_size, eos)
     log.info(
         "engine ready",
         family=family.name,
@@ -175,7 +183,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     )
     return BuiltEngine(
         EngineCore(Scheduler(scheduler_config), executor), preprocessor, tokenizer, eos, max_model_len,
-        scheduler_config, dummy, transcriber, torch_threads
+        scheduler_config, dummy, transcriber, grammar_compiler, torch_threads
     )
 
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vlmd.engine.executor import Executor
-from vlmd.sched.output import SchedulerOutput
+import structlog
+
+from vlmd.engine.executor import Executor, RankFailure
+from vlmd.engine.isolation import find_culprits
+from vlmd.errors import ENGINE_FAILED
+from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -28,6 +34,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found in the prefix cache
     num_steps: int = 0
+    num_failed_steps: int = 0  # steps that raised and were re-run without their culprits
+    num_requests_failed: int = 0  # requests a failed step was traced to
 
 
 @dataclass
@@ -43,6 +51,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor  # the only way to the model (engine/executor.py)
         self.num_steps = 0
+        self.num_failed_steps = 0
+        self.num_requests_failed = 0
         self.last_step_metrics = StepMetrics()
 
     def add_request(self, request: EngineRequest) -> None:
@@ -55,7 +65,13 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> tuple[list[RequestDelta], bool]:
-        """Run one step; returns the deltas and whether any tokens were computed."""
+        """Run one step; returns the deltas and whether any tokens were computed.
+
+        When the step raises, only the request(s) that made it raise fail: ``find_culprits``
+        re-runs the step's chunks without suspects until every innocent chunk has run, and
+        the innocent requests continue as if nothing happened (the scheduler's accounting
+        for them already describes the step; the re-runs rewrote the same KV slots).
+        """
         out: SchedulerOutput = self.scheduler.schedule()
         now = time.time()
         queued = [
@@ -65,16 +81,56 @@ class EngineCore:
             and request.num_preemptions == 0
             and request.arrival_time
         ]
-        result = self.executor.execute(out)
+        self.executor.apply_schedule(out)
+        deltas: list[RequestDelta] = []
+        if out.is_empty:
+            result = RunnerOutput()
+        else:
+            try:
+                result = self.executor.run(out, list(out.num_scheduled_tokens))
+            except RankFailure:
+                raise  # no request caused it and none can run: every one fails (engine/worker.py)
+            except Exception as exc:
+                self.num_failed_steps += 1
+                log.warning("engine step failed; re-running it to find the request that caused it",
+                            error=f"{type(exc).__name__}: {exc}", requests=len(out.num_scheduled_tokens))
+                result, culprits = find_culprits(self.executor, out, exc)
+                deltas = self._fail_culprits(out, culprits)
         self.num_steps += 1
         self.last_step_metrics = StepMetrics(result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued)
-        return self.scheduler.update_from_output(out, result), not out.is_empty
+        return deltas + self.scheduler.update_from_output(out, result), not out.is_empty
+
+    def _fail_culprits(self, out: SchedulerOutput, culprits: dict[str, BaseException]) -> list[RequestDelta]:
+        """End the requests a failed step was traced to, and undo what their chunk left behind."""
+        for request_id, exc in culprits.items():
+            log.error("request failed in an engine step", request_id=request_id, exc_info=exc)
+        self.num_requests_failed += len(culprits)
+        # Encoder outputs that were to be computed for them and never were: forget them, or a
+        # later request with the same item would find them "resident" and fail too.
+        missing = {
+            self.scheduler.requests[rid].mm_items[index].identifier
+            for rid in culprits
+            for index in out.scheduled_encoder_inputs.get(rid, ())
+        } - set(self.executor.encoder_outputs)
+        messages = {
+            rid: f"the engine failed while computing this request ({type(exc).__name__})"
+            for rid, exc in culprits.items()
+        }
+        tainted = self.scheduler.fail_requests(messages, out.num_scheduled_tokens)
+        self.scheduler.forget_encoder_outputs(missing)
+        for request_id in tainted:  # adopted a culprit's unwritten prefix block this step
+            log.warning("request recomputes: it shared a failed request's prefix blocks", request_id=request_id)
+        return [
+            RequestDelta(rid, [], FinishReason.ERROR, error=message, error_status=ENGINE_FAILED)
+            for rid, message in messages.items()
+        ]
 
     def fail_running(self, message: str) -> list[RequestDelta]:
-        """After a runner error: end every request in flight with an error, keep serving."""
+        """After an error outside a step (the scheduler itself): end every request in
+        flight with an error, keep serving."""
         ids = [r.request_id for r in self.scheduler.running] + [r.request_id for r in self.scheduler.waiting]
         self.scheduler.abort_requests(ids)
-        return [RequestDelta(rid, [], FinishReason.ERROR, error=message) for rid in ids]
+        return [RequestDelta(rid, [], FinishReason.ERROR, error=message, error_status=ENGINE_FAILED) for rid in ids]
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
@@ -92,4 +148,6 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_steps=self.num_steps,
+            num_failed_steps=self.num_failed_steps,
+            num_requests_failed=self.num_requests_failed,
         )

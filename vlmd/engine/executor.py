@@ -1,7 +1,7 @@
 """The executor: the engine thread's only way to the model.
 
-``EngineCore`` hands each step's ``SchedulerOutput`` to an executor and gets the step's
-``RunnerOutput`` back; what the front end reads about the model (encoder forwards) comes
+``EngineCore`` hands each step's ``SchedulerOutput`` to an executor (``apply_schedule``,
+then ``run``) and gets the step's ``RunnerOutput`` back; what the front end reads about the model (encoder forwards) comes
 through it too. Two executors:
 - :class:`InProcessExecutor`: one rank, the runner in this process; a direct call.
 - :class:`vlmd.engine.multiproc_executor.MultiprocExecutor`: N tensor-parallel ranks, rank 0
@@ -9,7 +9,7 @@ through it too. Two executors:
   own runner holding its shard of the weights and of the KV cache.
 
 ``failure`` is None while the model can run; once a rank is lost it names the rank and the
-cause, every later ``execute`` raises :class:`RankFailure`, and the server ends.
+cause, every later ``run`` raises :class:`RankFailure`, and the server ends.
 """
 
 from __future__ import annotations
@@ -25,9 +25,18 @@ class RankFailure(RuntimeError):
 
 
 class Executor(Protocol):
+    """What ``EngineCore`` calls, mirroring the runner: ``apply_schedule`` once per
+    SchedulerOutput, then ``run`` over all its chunks (or, after a failure, subsets of them:
+    engine/isolation.py)."""
+
     failure: str | None
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+    def apply_schedule(self, out: SchedulerOutput) -> None: ...
+
+    def run(self, out: SchedulerOutput, request_ids: list[str]) -> RunnerOutput: ...
+
+    @property
+    def encoder_outputs(self) -> dict: ...  # rank 0's, by identifier (every rank holds the same)
 
     @property
     def num_encoder_forwards(self) -> int: ...
@@ -44,7 +53,13 @@ class InProcessExecutor:
 
     def __init__(self, runner):
         self.runner = runner
-        self.execute = runner.execute  # no wrapper frame on the hot path
+        # The runner's own bound methods: no wrapper frame on the hot path.
+        self.apply_schedule = runner.apply_schedule
+        self.run = runner.run
+
+    @property
+    def encoder_outputs(self) -> dict:
+        return self.runner.encoder_outputs
 
     @property
     def num_encoder_forwards(self) -> int:

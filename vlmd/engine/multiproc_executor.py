@@ -38,10 +38,18 @@ WATCH_S = 0.2
 
 @dataclass
 class StepMessage:
-    out: SchedulerOutput
-    # Tokens rank 0 sampled in the previous step: the other ranks append them to their
-    # requests before this step, so every rank builds the same batch.
+    """One run of the model, as every other rank must repeat it."""
+
+    # The step's SchedulerOutput when this is its first run (the ranks apply its bookkeeping
+    # first); None for a re-run of the same step (engine/isolation.py): they reuse the last.
+    out: SchedulerOutput | None
+    request_ids: list[str]  # whose chunks run (all of the step's, or a subset); may be empty
+    # Tokens rank 0 sampled since the last message: the other ranks append them first, so
+    # every rank builds the same batch.
     sampled: dict[str, int] = field(default_factory=dict)
+    # A re-run only: rank 0's computed-token counts of these requests (its failed run did
+    # not advance them; another rank's may have, if only rank 0's sampling raised).
+    num_computed_tokens: dict[str, int] | None = None
 
 
 @dataclass
@@ -77,6 +85,7 @@ class MultiprocExecutor:
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # one collective sequence at a time: steps and pings
         self._sampled: dict[str, int] = {}
+        self._pending: SchedulerOutput | None = None  # applied here, not yet sent
         self._last_message = time.monotonic()
         self._cores = cores
         self._process_mask = os.sched_getaffinity(0)
@@ -91,23 +100,51 @@ class MultiprocExecutor:
 
     # ---- the engine thread's calls ------------------------------------------------
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def apply_schedule(self, out: SchedulerOutput) -> None:
+        """Rank 0 applies it now; the others with the step's first run (one message), or at
+        once when the step runs nothing (requests dropped, encoder outputs evicted)."""
+        self.runner.apply_schedule(out)
+        self._pending = out
+        if out.is_empty:
+            self._bind_caller()
+            with self._lock:
+                self._send(StepMessage(out, []))
+
+    def run(self, out: SchedulerOutput, request_ids: list[str]) -> RunnerOutput:
+        first = self._pending is out
+        computed = None if first else {rid: self.runner.requests[rid].num_computed_tokens for rid in request_ids}
         self._bind_caller()
+        # Held through the forward: a ping between two of its all-reduces would desynchronise
+        # the ranks' sequences of collectives.
         with self._lock:
-            if self.failure is not None:
-                raise RankFailure(self.failure)
+            self._send(StepMessage(out if first else None, request_ids, num_computed_tokens=computed))
             try:
-                self.channel.send(Kind.STEP, StepMessage(out, self._sampled))
-                self._sampled = {}
-                result = self.runner.execute(out)
+                result = self.runner.run(out, request_ids)
             except Exception as exc:
                 if is_collective_error(exc):
                     raise RankFailure(self._fail_from(exc)) from None
                 raise  # the model's own error: every rank raised it at the same point
             finally:
                 self._last_message = time.monotonic()
-            self._sampled = dict(result.sampled_token_ids)
-            return result
+        self._sampled.update(result.sampled_token_ids)
+        return result
+
+    def _send(self, message: StepMessage) -> None:
+        """Under the lock."""
+        if self.failure is not None:
+            raise RankFailure(self.failure)
+        message.sampled, self._sampled = self._sampled, {}
+        self._pending = None
+        try:
+            self.channel.send(Kind.STEP, message)
+        except Exception as exc:
+            raise RankFailure(self._fail_from(exc)) from None
+        finally:
+            self._last_message = time.monotonic()
+
+    @property
+    def encoder_outputs(self) -> dict:
+        return self.runner.encoder_outputs
 
     @property
     def num_encoder_forwards(self) -> int:

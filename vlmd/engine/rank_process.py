@@ -64,6 +64,7 @@ def run(spec) -> int:
     runner = ModelRunner(model, plan.num_blocks, plan.block_size, DTYPES[spec.dtype], seed=plan.seed, samples=False)
     log.info("tensor-parallel rank ready", rank=world.rank, cores=cores, threads=threads,
              kv_blocks=plan.num_blocks, seconds=round(time.perf_counter() - started, 2))
+    out = None  # the step being run (re-runs of a failed step reuse it)
     while True:
         try:
             kind, payload = channel.recv()
@@ -73,14 +74,21 @@ def run(spec) -> int:
         if kind is Kind.STEP:
             runner.append_sampled(payload.sampled)
             try:
-                runner.execute(payload.out)
+                if payload.out is not None:
+                    runner.apply_schedule(payload.out)
+                    out = payload.out
+                if payload.num_computed_tokens:
+                    runner.set_computed(payload.num_computed_tokens)
+                if payload.request_ids:
+                    runner.run(out, payload.request_ids)
             except Exception as exc:
                 if is_collective_error(exc):
                     log.error("tensor-parallel rank lost a peer mid-step; exiting", rank=world.rank,
                               error=str(exc).splitlines()[0][:300])
                     return 1
                 # The model's own error is raised on every rank at the same point; rank 0
-                # fails the requests and the next message carries on from there.
+                # finds the request that caused it by re-running parts of the step, and
+                # those re-runs arrive as further messages.
                 log.warning("step failed on this rank as on rank 0", rank=world.rank, error=f"{type(exc).__name__}: {exc}")
         elif kind is Kind.PING:
             channel.ack()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from vlmd.engine.core import EngineCore, StepMetrics
+from vlmd.errors import ENGINE_FAILED, ENGINE_REJECTED, VlmdError
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
 
 log = structlog.get_logger(__name__)
@@ -90,8 +91,12 @@ class EngineWorker:
         if isinstance(message, AddRequest):
             try:
                 self.core.add_request(message.request)
-            except ValueError as exc:
-                return [RequestDelta(message.request.request_id, [], FinishReason.ERROR, error=str(exc))]
+            except Exception as exc:  # a limit only the engine knows is still the client's (400)
+                status = ENGINE_REJECTED if isinstance(exc, VlmdError) else ENGINE_FAILED
+                if status == ENGINE_FAILED:
+                    log.exception("adding a request failed", request_id=message.request.request_id)
+                return [RequestDelta(message.request.request_id, [], FinishReason.ERROR, error=str(exc),
+                                     error_status=status)]
             return []
         if isinstance(message, AbortRequests):
             return self.core.abort(message.request_ids)
@@ -102,8 +107,8 @@ class EngineWorker:
     def _step(self) -> list[RequestDelta]:
         try:
             deltas, progressed = self.core.step()
-        except Exception as exc:  # a failing step fails its requests, never the thread
-            log.exception("engine step failed")
+        except Exception as exc:  # the step's own failures are isolated in core.step; this is the scheduler
+            log.exception("engine step failed outside the model")
             return self.core.fail_running(f"engine error: {type(exc).__name__}: {exc}")
         if not progressed and not deltas:
             time.sleep(0.001)  # waiting for room (blocks, encoder cache): don't spin hot

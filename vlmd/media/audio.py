@@ -15,17 +15,25 @@ and again while decoding, so a file whose header lies cannot decode past them:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
 
 from vlmd.errors import MediaError, PayloadTooLargeError
+from vlmd.media.fetch import fetch_bytes
 from vlmd.media.policy import MediaPolicy
 
 SOUNDFILE_FORMATS = ("WAV", "WAVEX", "FLAC", "OGG")
 SUPPORTED = "wav, flac, ogg, mp3, m4a/mp4, webm"
 _MAX_SOURCE_RATE = 768_000
 _BLOCK_FRAMES = 65536
+
+
+def load_audio(url: str, policy: MediaPolicy, target_rate: int = 16000) -> np.ndarray:
+    """Fetch ``url`` (data:, http(s)://, file://) and decode it; blocking, run off the loop."""
+    data = fetch_bytes(url, dataclasses.replace(policy, max_bytes=policy.max_audio_bytes))
+    return decode_audio(data, policy, target_rate)
 
 
 def decode_audio(data: bytes, policy: MediaPolicy, target_rate: int = 16000) -> np.ndarray:

@@ -24,3 +24,23 @@ def vlmd_register_model_families(registry):
     install order, so a package that means to override declares
     ``@hookimpl(trylast=True)`` to be sure it registers last.
     """
+
+
+@hookspec
+def vlmd_register_tiny_builders(builders):
+    """Add this package's random test-checkpoint builders to the dict ``builders``.
+
+    ``builders[family] = "module:function"``, where the function is
+    ``f(out_dir, seed=..., size=...) -> Path`` and writes a checkpoint that transformers
+    loads offline (``python -m vlmd.testing.tiny --family FAMILY`` finds it here).
+    """
+
+
+@hookspec
+def vlmd_register_converters(converters):
+    """Add this package's checkpoint converters to the dict ``converters``.
+
+    ``converters[format] = "module:function"``, where the function is
+    ``f(source_dir, target_dir) -> Path`` and writes a Hugging Face checkpoint
+    (``vlmd convert --from FORMAT`` finds it here).
+    """

@@ -23,3 +23,19 @@ def build_registry(manager: pluggy.PluginManager | None = None) -> FamilyRegistr
     registry = FamilyRegistry()
     manager.hook.vlmd_register_model_families(registry=registry)
     return registry
+
+
+def tiny_builders(manager: pluggy.PluginManager | None = None) -> dict[str, str]:
+    """family -> "module:function" of every installed plugin's tiny-checkpoint builder."""
+    manager = manager or plugin_manager()
+    builders: dict[str, str] = {}
+    manager.hook.vlmd_register_tiny_builders(builders=builders)
+    return builders
+
+
+def converters(manager: pluggy.PluginManager | None = None) -> dict[str, str]:
+    """format -> "module:function" of every installed plugin's checkpoint converter."""
+    manager = manager or plugin_manager()
+    found: dict[str, str] = {}
+    manager.hook.vlmd_register_converters(converters=found)
+    return found

@@ -12,6 +12,26 @@ _ROLES = {"system", "developer", "user", "assistant"}
 _MEDIA_PARTS = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"), "audio_url": ("audio", "audio_url")}
 
 
+# input_audio.format -> the media type of the data URL it becomes (the decoder reads the
+# container from the bytes; the name must still be one OpenAI's API allows, or one we read).
+INPUT_AUDIO_FORMATS = {
+    "wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg",
+    "m4a": "audio/mp4", "webm": "audio/webm",
+}
+# Keys a message may carry. OpenAI's ``name`` (a participant name the model is told about)
+# and ``tool_calls`` have an effect we do not implement, so they are refused by name, like
+# every other key; a null value asks for nothing.
+_MESSAGE_KEYS = {"role", "content"}
+# ``detail`` picks OpenAI's image resolution; our families have their own, so only "auto".
+_URL_KEYS = {"url", "detail"}
+
+
+def _check_keys(obj: dict, allowed: set[str], where: str) -> None:
+    for key, value in obj.items():
+        if key not in allowed and value is not None:
+            raise BadRequestError(f"{where}.{key} is not supported", param="messages")
+
+
 @dataclass(frozen=True)
 class MediaRef:
     modality: str
@@ -34,6 +54,7 @@ def to_conversation(messages: Any, part_for_modality) -> tuple[list[dict], list[
         if not isinstance(message, dict):
             raise BadRequestError(f"{where} must be an object", param="messages")
         role = message.get("role")
+        _check_keys(message, _MESSAGE_KEYS, where)
         if role not in _ROLES:
             raise BadRequestError(f"{where}.role must be one of {sorted(_ROLES)}", param="messages")
         role = "system" if role == "developer" else role
@@ -57,17 +78,49 @@ def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef
         raise BadRequestError(f"{where} must be an object", param="messages")
     kind = part.get("type")
     if kind == "text":
+        _check_keys(part, {"type", "text"}, where)
         text = part.get("text")
         if not isinstance(text, str):
             raise BadRequestError(f"{where}.text must be a string", param="messages")
         return {"type": "text", "text": text}
     if kind in _MEDIA_PARTS:
         modality, key = _MEDIA_PARTS[kind]
+        _check_keys(part, {"type", key}, where)
         value = part.get(key)
+        if isinstance(value, dict):
+            _check_keys(value, _URL_KEYS, f"{where}.{key}")
+            if value.get("detail") not in (None, "auto"):
+                raise BadRequestError(
+                    f"{where}.{key}.detail must be 'auto': the model's processor fixes the resolution "
+                    "(use mm_processor_kwargs where the family has settings)", param="messages",
+                )
         url = value.get("url") if isinstance(value, dict) else value
         if not isinstance(url, str) or not url:
             raise BadRequestError(f"{where}.{key}.url must be a non-empty string", param="messages")
         converted = part_for_modality(modality)
         media.append(MediaRef(modality, url))
         return converted
+    if kind == "input_audio":
+        _check_keys(part, {"type", "input_audio"}, where)
+        url = _input_audio_url(part.get("input_audio"), where)
+        converted = part_for_modality("audio")
+        media.append(MediaRef("audio", url))
+        return converted
     raise BadRequestError(f"{where}.type {kind!r} is not supported", param="messages")
+
+
+def _input_audio_url(value: Any, where: str) -> str:
+    """OpenAI's ``{"data": base64, "format": "wav"}`` as a data URL (decoded with the others)."""
+    if not isinstance(value, dict):
+        raise BadRequestError(f"{where}.input_audio must be an object with data and format", param="messages")
+    data, fmt = value.get("data"), value.get("format")
+    if not isinstance(data, str) or not data:
+        raise BadRequestError(f"{where}.input_audio.data must be a non-empty base64 string", param="messages")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise BadRequestError(
+            f"{where}.input_audio.format must be one of {sorted(INPUT_AUDIO_FORMATS)}, got {fmt!r}", param="messages"
+        )
+    unknown = sorted(set(value) - {"data", "format"})
+    if unknown:
+        raise BadRequestError(f"{where}.input_audio has unknown fields {unknown}", param="messages")
+    return f"data:{INPUT_AUDIO_FORMATS[fmt]};base64,{data}"

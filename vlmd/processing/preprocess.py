@@ -1,25 +1,32 @@
 """The front-end pipeline for one request: template, tokenize, fetch, decode, process.
 
 Runs on the preprocessing thread pool: nothing here may block the event loop or the
-engine thread.
+engine thread. Every stage is bounded before it runs: the text by characters (below), each
+item by the media policy (bytes, pixels, frames, seconds), all items in flight by the media
+lease, and the whole by the deadline, checked between stages.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections import Counter
 from typing import Any
 
 from vlmd.config import check_mm_limits
 from vlmd.errors import BadRequestError
+from vlmd.media.audio import load_audio
+from vlmd.media.budget import MediaLease, decoded_nbytes, encoder_input_nbytes
 from vlmd.media.image import load_image
 from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
 from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, to_conversation
+from vlmd.processing.deadline import NO_DEADLINE, Deadline
 
-_LOADERS = {"image": load_image, "video": load_video}
+_LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
 
 
 class InputPreprocessor:
@@ -44,18 +51,30 @@ class InputPreprocessor:
         hf_config = processor.info.ctx.hf_config
         text_config = getattr(hf_config, "text_config", None) or hf_config
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))
+        # No token of the tokenizer stands for more characters than its longest vocabulary
+        # entry (byte-level BPE and SentencePiece entries hold at least one character per
+        # character of text they cover), so a prompt whose text is longer than this cannot
+        # fit max_model_len: refused in time linear in the body, before the template and
+        # the tokenizer (which needs ~5 s and ~600 MB for 4M characters) see it.
+        self.max_token_chars = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_token_chars * max_model_len
         self.single_flight = SingleFlight()
         self.observer = None  # ``observe_fetch(modality, seconds)``, set by the server
 
     def _part_for(self, modality: str) -> dict:
         if modality not in self.supported or modality not in _LOADERS:
-            raise BadRequestError(f"this model does not accept {modality} input", param="messages")
+            raise BadRequestError(
+                f"the model `{self.info.ctx.model_id}` does not accept {modality} input", param="messages"
+            )
         return self.info.chat_part(modality)
 
     def _load(self, ref: MediaRef) -> Any:
         """Fetch and decode one item; concurrent loads of one URL share a single fetch."""
         started = time.perf_counter()
         load = _LOADERS[ref.modality]
+        if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
+            rate = getattr(self.processor, "sampling_rate", 16000)
+            load = functools.partial(load_audio, target_rate=rate)
         if ref.url.startswith("data:"):
             item = load(ref.url, self.policy)
         else:
@@ -64,27 +83,114 @@ class InputPreprocessor:
             self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
         return item
 
-    def process_chat(self, messages: Any, mm_processor_kwargs: dict | None = None) -> ProcessorOutput:
+    def check_text_length(self, messages: Any) -> None:
+        """400 when the messages cannot fit max_model_len tokens, in O(parts), no tokenizing:
+        more characters of text than max_model_len tokens can hold, or more messages and
+        content parts than max_model_len (every message renders at least its role marker
+        and every part at least one token in any real template: the template then only
+        ever renders bounded input)."""
+        if not isinstance(messages, list):
+            return  # to_conversation says what is wrong with it
+        total = pieces = 0
+        for message in messages:
+            pieces += 1
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                pieces += len(content)
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if isinstance(text, str):
+                        total += len(text)
+        if total > self.max_prompt_chars:
+            raise BadRequestError(
+                f"the messages hold {total} characters of text, more than {self.max_model_len} tokens "
+                f"(max_model_len) can hold: at most {self.max_prompt_chars} characters "
+                f"({self.max_token_chars}, the tokenizer's longest token, x {self.max_model_len})",
+                param="messages",
+            )
+        if pieces > self.max_model_len:
+            raise BadRequestError(
+                f"the messages hold {pieces} messages and content parts; at most max_model_len "
+                f"({self.max_model_len}) fit, one token each at least",
+                param="messages",
+            )
+
+    def process_chat(
+        self,
+        messages: Any,
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        check_length: bool = True,
+        deadline: Deadline = NO_DEADLINE,
+        lease: MediaLease | None = None,
+    ) -> ProcessorOutput:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError(
                 "this model has no chat template, so it does not serve chat completions "
                 "(a speech model is served at /v1/audio/transcriptions)"
             )
+        self.check_text_length(messages)
         conversation, refs = to_conversation(messages, self._part_for)
         check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        template_kwargs = template_variables(self.tokenizer, chat_template_kwargs)
+        deadline.check("rendering the chat template")
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        deadline.check("tokenizing")
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         media: dict[str, list] = {}
-        for ref in refs:
-            media.setdefault(ref.modality, []).append(self._load(ref))
+        for index, ref in enumerate(refs):
+            deadline.check(f"fetching {ref.modality} {index}")
+            item = self._load(ref)
+            if lease is not None:
+                lease.hold(decoded_nbytes(item), f"{ref.modality} {index}")
+            media.setdefault(ref.modality, []).append(item)
+        return self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease)
+
+    def process_prompt(self, prompt_ids: list[int], check_length: bool = True) -> ProcessorOutput:
+        """A text prompt given as token ids (``/v1/completions``): no media, but the same
+        checks (a typed media marker without its item is refused by the processor)."""
+        if self.info.ctx.hf_config.is_encoder_decoder:
+            raise BadRequestError(
+                "this model needs an audio input for every prompt; it is served at /v1/audio/transcriptions"
+            )
+        return self._apply(prompt_ids, {}, None, "prompt", check_length)
+
+    def _apply(
+        self, prompt_ids, media: dict, mm_processor_kwargs, param: str, check_length: bool,
+        deadline: Deadline = NO_DEADLINE, lease: MediaLease | None = None,
+    ) -> ProcessorOutput:
         for modality in self.supported:
             media.setdefault(modality, [])
+        deadline.check("processing the media")
         output = self.processor.apply(prompt_ids, media, mm_processor_kwargs)
+        if lease is not None:  # the decoded media go; the encoder inputs stay until the request ends
+            lease.settle(encoder_input_nbytes(output.items))
         num_tokens = len(output.prompt_token_ids)
-        if num_tokens >= self.max_model_len:
+        if check_length and num_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"the prompt has {num_tokens} tokens (text plus multimodal placeholders) but "
                 f"max_model_len is {self.max_model_len}; leave room for at least one output token",
-                param="messages",
+                param=param,
             )
         return output
+
+
+def template_variables(tokenizer, chat_template_kwargs: dict | None) -> dict:
+    """``chat_template_kwargs`` as extra variables of the template render (e.g. Qwen2-VL's
+    ``add_vision_id``). A name that ``apply_chat_template`` itself takes (``tokenize``,
+    ``tools``, ``chat_template``...) or that the template is given (``messages``) is
+    refused: it would change how we render, not what the template sees."""
+    if not chat_template_kwargs:
+        return {}
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages", "kwargs"}
+    for name in chat_template_kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or name in reserved:
+            raise BadRequestError(
+                f"chat_template_kwargs may not set {name!r}: it is not a template variable",
+                param="chat_template_kwargs",
+            )
+    return dict(chat_template_kwargs)

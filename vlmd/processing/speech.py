@@ -1,10 +1,13 @@
 """What /v1/audio/transcriptions and /v1/audio/translations need from a family's processor.
 
 A speech-to-text family's processor (a ``BaseMultiModalProcessor``) also implements
-``SpeechToTextProcessor``: the window length and sampling rate its encoder takes, how to
-turn a window into an engine item, the decoder prompt for a task and language, the token
-constraints of its generation config, and how its output tokens carry timestamps. The
-generic pipeline (decode, windowing, language detection, joining) lives in
+``SpeechToTextProcessor``. The one thing it must say is how a window of audio becomes a
+whole generation prompt: ``speech_prompt`` returns a ``ProcessorOutput`` (prompt ids and
+items), whatever the model's shape. An encoder-decoder (Whisper) gives a decoder prompt of
+control tokens and one item without placeholders; a decoder-only audio LM (Qwen2-Audio) gives
+a chat prompt whose audio placeholders its encoder fills. Optional parts: the languages it
+detects, the token constraints of its generation config, and how its output carries
+timestamps. The generic pipeline (decode, windowing, language detection, joining) lives in
 ``vlmd/processing/transcription.py`` and ``vlmd/server/audio.py`` and names no family.
 """
 
@@ -12,10 +15,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vlmd.types import MultiModalItem
+if TYPE_CHECKING:
+    from vlmd.processing.base import ProcessorOutput
 
 TASKS = ("transcribe", "translate")
 
@@ -48,39 +53,38 @@ class SpeechToTextProcessor(ABC):
 
     sampling_rate: int = 16000
     window_seconds: float = 30.0
+    speech_tasks: tuple[str, ...] = TASKS  # the tasks this model serves
+    timestamps: bool = True  # whether its output can carry segment timestamps
 
     @abstractmethod
-    def window_item(self, samples: np.ndarray) -> MultiModalItem:
-        """One window of mono samples (at most ``window_seconds``) as an engine item."""
+    def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
+        """The whole generation prompt for one window of mono samples (at most
+        ``window_seconds``); ``language`` is None unless the model is multilingual."""
 
-    @abstractmethod
     def languages(self) -> dict[str, int]:
-        """Language code -> language token for a multilingual model; {} for an English-only one."""
+        """Language code -> language token for a model that detects languages; {} otherwise."""
+        return {}
 
     @property
     def multilingual(self) -> bool:
         return bool(self.languages())
 
-    @abstractmethod
-    def prompt_text_ids(self, text: str) -> list[int]:
-        """Token ids of a client's prompt text (no special tokens, truncated to the model's limit)."""
-
-    @abstractmethod
-    def decoder_prompt(self, options: TranscriptionOptions, language: str | None, prompt_ids: list[int]) -> list[int]:
-        """The decoder's prompt for one window; ``language`` is None for English-only models."""
-
-    @abstractmethod
-    def detection_prompt(self) -> list[int]:
+    def detection_prompt(self, samples: np.ndarray) -> ProcessorOutput:
         """The prompt whose next token, restricted to ``languages()``, names the spoken language."""
+        raise NotImplementedError("this model does not detect languages")
 
-    @abstractmethod
     def token_constraints(self) -> TokenConstraints:
         """Tokens the generation config forbids (always / as the first output token)."""
+        return TokenConstraints()
+
+    def max_output_tokens(self, prompt_length: int, max_model_len: int) -> int:
+        """The most tokens one window may generate (default: the rest of the context)."""
+        return max_model_len - prompt_length
 
     def language_name(self, code: str | None) -> str:
         """How responses name the language (OpenAI's verbose_json says "english")."""
         return code or ""
 
-    @abstractmethod
     def split_segments(self, token_ids: list[int], window_seconds: float) -> list[TimedSegment]:
         """Split one window's output at its timestamp tokens (one segment if it has none)."""
+        return [TimedSegment(0.0, window_seconds, list(token_ids))] if token_ids else []

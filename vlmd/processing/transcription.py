@@ -1,10 +1,11 @@
 """The front end of /v1/audio/transcriptions and /translations, torch-free.
 
 ``check`` validates the options against the model (on the event loop, before any work);
-``prepare`` decodes the upload, cuts it into windows at quiet points and computes each
-window's encoder inputs (on the preprocessing pool). The server then asks the engine to
-detect the language if needed, builds one decoder prompt per window with ``window_prompt``
-and maps the tokens back to timed segments with ``segments``.
+``prepare`` decodes the upload and cuts it into windows at quiet points (on the preprocessing
+pool). The server then asks the engine to detect the language if the model detects languages,
+and turns every window into an engine request with ``engine_request``: the family's
+``speech_prompt`` gives the whole generation prompt (ids and items, with or without
+placeholders), also on the pool. ``segments`` maps the tokens back to timed segments.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from vlmd.errors import BadRequestError
 from vlmd.media.audio import decode_audio
 from vlmd.media.policy import MediaPolicy
 from vlmd.processing.audio_windows import split_at_quiet_points
+from vlmd.processing.base import ProcessorOutput
 from vlmd.processing.speech import TASKS, SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions
-from vlmd.types import EngineRequest, MultiModalItem, SamplingParams
+from vlmd.types import EngineRequest, SamplingParams
 
 # How far back from a window's end a quiet point is searched for.
 QUIET_SEARCH_SECONDS = 5.0
@@ -30,14 +32,13 @@ class PreparedWindow:
     index: int
     start: float  # seconds in the upload
     end: float
-    item: MultiModalItem
+    samples: np.ndarray  # mono, at the model's rate
 
 
 @dataclass
 class PreparedAudio:
     duration: float
     windows: list[PreparedWindow]
-    prompt_ids: list[int]  # the client's prompt text, tokenized (empty without one)
 
 
 class TranscriptionPreprocessor:
@@ -53,9 +54,17 @@ class TranscriptionPreprocessor:
     def check(self, options: TranscriptionOptions) -> None:
         if options.task not in TASKS:
             raise BadRequestError(f"task must be one of {list(TASKS)}", param="task")
-        if options.task == "translate" and not self.multilingual:
+        if options.task not in self.processor.speech_tasks:
+            if options.task == "translate" and not self.multilingual:
+                raise BadRequestError(
+                    "this model is English-only: it cannot translate; use /v1/audio/transcriptions", param="model"
+                )
             raise BadRequestError(
-                "this model is English-only: it cannot translate; use /v1/audio/transcriptions", param="model"
+                f"this model cannot {options.task}; it serves {', '.join(self.processor.speech_tasks)}", param="model"
+            )
+        if options.timestamps and not self.processor.timestamps:
+            raise BadRequestError(
+                "this model gives no timestamps; use response_format json or text", param="response_format"
             )
         if options.language is None:
             return
@@ -71,27 +80,18 @@ class TranscriptionPreprocessor:
             )
 
     def prepare(self, data: bytes, options: TranscriptionOptions) -> PreparedAudio:
-        """Decode, window and featurize an upload (blocking: run on the preprocessing pool)."""
-        samples = decode_audio(data, self.policy, self.processor.sampling_rate)
-        prepared = self.prepare_samples(samples)
-        if options.prompt:
-            prepared.prompt_ids = self.processor.prompt_text_ids(options.prompt)
-        return prepared
+        """Decode and window an upload (blocking: run on the preprocessing pool)."""
+        return self.prepare_samples(decode_audio(data, self.policy, self.processor.sampling_rate))
 
     def prepare_samples(self, samples: np.ndarray) -> PreparedAudio:
-        """Windows of decoded mono samples at the model's rate, with their engine items."""
+        """Windows of decoded mono samples at the model's rate."""
         rate = self.processor.sampling_rate
         windows = split_at_quiet_points(samples, rate, self.processor.window_seconds, QUIET_SEARCH_SECONDS)
         prepared = []
         for index, window in enumerate(windows):
             start, end = window.seconds(rate)
-            item = self.processor.window_item(samples[window.start : window.end])
-            prepared.append(PreparedWindow(index, start, end, item))
-        return PreparedAudio(samples.shape[0] / rate, prepared, [])
-
-    def detection_prompt(self) -> tuple[list[int], tuple[int, ...]]:
-        """The language-detection prompt and the tokens its one output may take."""
-        return self.processor.detection_prompt(), tuple(self.processor.languages().values())
+            prepared.append(PreparedWindow(index, start, end, samples[window.start : window.end]))
+        return PreparedAudio(samples.shape[0] / rate, prepared)
 
     def language_of(self, token_id: int) -> str:
         for code, language_token in self.processor.languages().items():
@@ -99,38 +99,42 @@ class TranscriptionPreprocessor:
                 return code
         raise ValueError(f"token {token_id} is not a language token")
 
-    def window_prompt(self, options: TranscriptionOptions, language: str | None, prompt_ids: list[int]) -> list[int]:
-        prompt = self.processor.decoder_prompt(options, language if self.multilingual else None, prompt_ids)
-        if len(prompt) >= self.max_model_len:
+    def window_prompt(self, window: PreparedWindow, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
+        """The family's whole generation prompt for one window (blocking: features are computed)."""
+        output = self.processor.speech_prompt(window.samples, options, language if self.multilingual else None)
+        if len(output.prompt_token_ids) >= self.max_model_len:
             raise BadRequestError(
-                f"the prompt takes {len(prompt)} tokens; the model's decoder holds {self.max_model_len}",
+                f"the prompt takes {len(output.prompt_token_ids)} tokens; the model holds {self.max_model_len}",
                 param="prompt",
             )
-        return prompt
+        return output
 
     def token_constraints(self) -> TokenConstraints:
         return self.processor.token_constraints()
 
     def engine_request(
-        self, request_id: str, window: PreparedWindow, prompt: list[int], eos_token_ids: tuple[int, ...],
-        temperature: float = 0.0, logprobs: int | None = None, seed: int | None = None,
+        self, request_id: str, window: PreparedWindow, options: TranscriptionOptions, language: str | None,
+        eos_token_ids: tuple[int, ...], temperature: float = 0.0, logprobs: int | None = None, seed: int | None = None,
     ) -> EngineRequest:
-        """One window's decode: up to the decoder's length, under the generation config's
-        suppressions (a ``seed`` makes a sampled decode reproducible)."""
+        """One window's decode under the generation config's suppressions (a ``seed`` makes a
+        sampled decode reproducible). Blocking: run on the preprocessing pool."""
+        output = self.window_prompt(window, options, language)
         constraints = self.token_constraints()
+        prompt = output.prompt_token_ids
         sampling = SamplingParams(
-            max_tokens=self.max_model_len - len(prompt), temperature=temperature, seed=seed, logprobs=logprobs,
-            suppress_token_ids=constraints.suppress_token_ids,
+            max_tokens=self.processor.max_output_tokens(len(prompt), self.max_model_len), temperature=temperature,
+            seed=seed, logprobs=logprobs, suppress_token_ids=constraints.suppress_token_ids,
             begin_suppress_token_ids=constraints.begin_suppress_token_ids,
         )
-        return EngineRequest(request_id, prompt, sampling, [window.item], eos_token_ids=eos_token_ids,
-                             arrival_time=time.time())
+        return EngineRequest(request_id, prompt, sampling, output.items, eos_token_ids=eos_token_ids,
+                             arrival_time=time.time(), mrope_positions=output.mrope_positions,
+                             mrope_position_delta=output.mrope_position_delta)
 
     def detection_request(self, request_id: str, window: PreparedWindow) -> EngineRequest:
         """One step that picks the likeliest language token (transformers' detect_language)."""
-        prompt, languages = self.detection_prompt()
-        sampling = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=languages)
-        return EngineRequest(request_id, prompt, sampling, [window.item], arrival_time=time.time())
+        output = self.processor.detection_prompt(window.samples)
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=tuple(self.processor.languages().values()))
+        return EngineRequest(request_id, output.prompt_token_ids, sampling, output.items, arrival_time=time.time())
 
     def segments(self, token_ids: list[int], window: PreparedWindow) -> list[TimedSegment]:
         """The window's segments in seconds from the start of the upload, within the window."""

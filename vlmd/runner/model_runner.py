@@ -11,6 +11,7 @@ import torch
 from vlmd.layers.attention import attention_backend_for
 from vlmd.models.base import MultimodalModel
 from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
+from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.kv_cache import allocate_kv_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
@@ -37,14 +38,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self._update_states(out)
+        self.apply_schedule(out)
         if out.is_empty:
             return RunnerOutput()
+        return self.run(out, list(out.num_scheduled_tokens))
+
+    def apply_schedule(self, out: SchedulerOutput) -> None:
+        """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
+        encoder outputs). Exactly once per SchedulerOutput: it is not idempotent."""
+        self._update_states(out)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, request_ids: list[str]) -> RunnerOutput:
+        """Compute the scheduled chunks of ``request_ids`` (all of ``out``'s, or a subset).
+
+        Safe to call again over the same chunks after it raised, which is how the engine
+        finds the request that made a step fail: the KV slots of a chunk are rewritten with
+        the same values (a chunk's K/V depend only on the request's own earlier tokens),
+        encoder outputs already stored are reused, and a request's state (computed tokens,
+        sampled token) advances only when the whole call succeeds.
+        """
         started = time.perf_counter()
-        self._run_encoders(out)
+        self._run_encoders(out, request_ids)
         encoder_seconds = time.perf_counter() - started
 
-        scheduled = [(self.requests[rid], count) for rid, count in out.num_scheduled_tokens.items()]
+        scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
         batch = build_batch(scheduled, self.attention)
         embeds = self.model.embed_input_ids(batch.input_ids)
         for piece in batch.slices:
@@ -60,11 +78,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
+            result.grammar_completed = advance_grammars(batch.sample_states, tokens)
             for state, token, logprob in zip(batch.sample_states, tokens, logprobs):
-                state.token_ids.append(token)
                 result.sampled_token_ids[state.request_id] = token
                 if logprob is not None:
                     result.logprobs[state.request_id] = logprob
+            # Nothing below can raise: commit the states only now (the token, and its count
+            # for a penalized request).
+            for state, token in zip(batch.sample_states, tokens):
+                state.append_token(token)
         for piece in batch.slices:
             piece.state.num_computed_tokens = piece.end
         return result
@@ -74,7 +96,13 @@ class ModelRunner:
         for request_id, token in sampled_token_ids.items():
             state = self.requests.get(request_id)
             if state is not None:
-                state.token_ids.append(token)
+                state.append_token(token)
+
+    def set_computed(self, num_computed_tokens: dict[str, int]) -> None:
+        """Rank 0's view before a re-run of a failed step (its run may have failed after the
+        forward, where this rank's succeeded and advanced)."""
+        for request_id, count in num_computed_tokens.items():
+            self.requests[request_id].num_computed_tokens = count
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.dropped_request_ids:
@@ -88,13 +116,22 @@ class ModelRunner:
             state.block_ids.extend(data.new_block_ids)
             state.num_computed_tokens = data.num_computed_tokens
 
-    def _run_encoders(self, out: SchedulerOutput) -> None:
+    def _run_encoders(self, out: SchedulerOutput, request_ids: list[str]) -> None:
+        """Encode the items these chunks need that have no stored output yet.
+
+        Besides the items scheduled for encoding, an item this chunk reads that another
+        request was to encode in the same step counts too: after a failed step is re-run
+        without that request, the output would otherwise be missing.
+        """
         pending: dict[str, dict[str, MultiModalItem]] = defaultdict(dict)
-        for request_id, indices in out.scheduled_encoder_inputs.items():
-            items = self.requests[request_id].mm_items
-            for index in indices:
-                item = items[index]
-                if item.identifier not in self.encoder_outputs:
+        for request_id in request_ids:
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + out.num_scheduled_tokens[request_id]
+            scheduled = set(out.scheduled_encoder_inputs.get(request_id, ()))
+            for index, item in enumerate(state.mm_items):
+                needed = index in scheduled or (item.offset < end and item.use_end > start)
+                if needed and item.identifier not in self.encoder_outputs:
                     pending[item.modality][item.identifier] = item
         for modality, by_id in pending.items():
             items = list(by_id.values())

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from vlmd.runner.token_counts import TokenCounts
+from vlmd.runner.grammar_mask import GrammarState
 from vlmd.sched.output import NewRequestData
 from vlmd.types import MultiModalItem, SamplingParams
 
@@ -26,6 +28,10 @@ class RunnerRequestState:
     # Encoder-decoder models: what the decoder attends to (e.g. Whisper's cross-attention
     # K/V), derived once from the encoder output and kept for the request's life.
     cross_state: Any = None
+    # Penalized requests only: counts of the tokens seen, built at the first sample.
+    token_counts: TokenCounts | None = None
+    # Structured output: the matcher, in the state this request's generated tokens lead to.
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -40,7 +46,24 @@ class RunnerRequestState:
             stop_token_ids=data.stop_token_ids,
             mrope_positions=data.mrope_positions,
             mrope_position_delta=data.mrope_position_delta,
+            # Rebuilt from scratch on every (re)admission: after a preemption the request
+            # brings back the tokens it generated, and the matcher replays them.
+            grammar=GrammarState(data.sampling.grammar, data.token_ids[data.num_prompt_tokens :])
+            if data.sampling.grammar is not None
+            else None,
         )
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token (and count it, for a penalized request)."""
+        self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
+
+    def token_counts_for(self, vocab_size: int) -> TokenCounts:
+        if self.token_counts is None:
+            prompt = self.token_ids[: self.num_prompt_tokens]
+            self.token_counts = TokenCounts(prompt, self.token_ids[self.num_prompt_tokens :], vocab_size)
+        return self.token_counts
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,4 +1,10 @@
-"""Picking the next token per row: greedy in one argmax, sampled rows one by one."""
+"""Picking the next token per row: the logits processors in order, then argmax or a draw.
+
+The order (documented in ``logits_processors``) is: token constraints, the model's own
+rule, logit bias, penalties, the structured-output mask; greedy rows take the argmax there;
+sampled rows are warped (temperature, top-k, top-p, min-p) into probabilities and drawn
+from: seeded rows each with their own generator, the others in one draw.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from vlmd.runner.logits_processors import apply_logit_bias, apply_penalties, apply_token_constraints, warp
+from vlmd.runner.grammar_mask import apply_grammar_masks
 from vlmd.runner.request_state import RunnerRequestState
-from vlmd.types import SamplingParams, TokenLogprob
+from vlmd.types import TokenLogprob
+
+__all__ = ["sample", "apply_token_constraints"]
 
 
 def sample(
@@ -16,25 +26,31 @@ def sample(
     default_generator: torch.Generator,
     process_logits: Callable[[torch.Tensor, list[RunnerRequestState]], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Sample one token per row of ``logits`` ([N, vocab], float32).
+    """Sample one token per row of ``logits`` ([N, vocab], float32; modified in place).
 
     ``process_logits`` is the model's own rule, if it has one (Whisper's timestamp rules);
     it runs after the per-request token constraints, as transformers runs a generation
     config's suppression before the model's processors.
     """
-    # Log-probs describe the model's own distribution, before any sampling transform.
+    # Log-probs describe the model's own distribution, before any processor (vLLM's
+    # default "raw" log-probs).
     want_logprobs = any(state.sampling.logprobs is not None for state in states)
     logprobs_table = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     apply_token_constraints(logits, states)
     if process_logits is not None:
         logits = process_logits(logits, states)
+    apply_logit_bias(logits, states)
+    apply_penalties(logits, states)
+    # Structured outputs last: whatever the other rules leave, the grammar has the final word.
+    apply_grammar_masks(logits, states)
 
     tokens = logits.argmax(dim=-1).tolist()
-    for row, state in enumerate(states):
-        if not state.sampling.is_greedy:
-            generator = state.generator_for_next_token() or default_generator
-            tokens[row] = _sample_row(logits[row], state.sampling, generator)
+    sampled = [row for row, state in enumerate(states) if not state.sampling.is_greedy]
+    if sampled:
+        probs = warp(logits[sampled], [states[row].sampling for row in sampled])
+        for row, token in zip(sampled, _draw(probs, [states[row] for row in sampled], default_generator)):
+            tokens[row] = token
 
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     if logprobs_table is not None:
@@ -51,34 +67,23 @@ def sample(
     return tokens, logprobs
 
 
-def apply_token_constraints(logits: torch.Tensor, states: list[RunnerRequestState]) -> None:
-    """Mask, in place, the tokens a request may not pick now."""
-    for row, state in enumerate(states):
-        params = state.sampling
-        if state.masks_stop_tokens:
-            logits[row, list(state.stop_token_ids)] = float("-inf")
-        if params.suppress_token_ids:
-            logits[row, list(params.suppress_token_ids)] = float("-inf")
-        if params.begin_suppress_token_ids and state.num_output_tokens == 0:
-            logits[row, list(params.begin_suppress_token_ids)] = float("-inf")
-        if params.allowed_token_ids is not None:
-            allowed = list(params.allowed_token_ids)
-            kept = logits[row, allowed].clone()
-            logits[row] = float("-inf")
-            logits[row, allowed] = kept
-
-
-def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    scaled = row / params.temperature
-    if params.top_k and params.top_k < scaled.shape[0]:
-        threshold = scaled.topk(params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = scaled.sort(descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = probs.cumsum(dim=-1) - probs > params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    probs = scaled.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _draw(probs: torch.Tensor, states: list[RunnerRequestState], default_generator: torch.Generator) -> list[int]:
+    """One token per row of ``probs`` by inverting its cumulative distribution: a seeded
+    request takes its uniform number from its own generator (so its answer does not depend
+    on the batch), the rest from the shared one. (``torch.multinomial`` costs ~1.7 ms per
+    32k-token row on this CPU; the float64 cumsum and search cost ~0.1 ms per row.)"""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    uniform = torch.empty(len(states), 1, dtype=torch.float64)
+    unseeded = []
+    for index, state in enumerate(states):
+        generator = state.generator_for_next_token()
+        if generator is None:
+            unseeded.append(index)
+        else:
+            uniform[index] = torch.rand(1, generator=generator, dtype=torch.float64)
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), 1, generator=default_generator, dtype=torch.float64)
+    # Strictly below the total, so the search lands on a token of non-zero probability.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()

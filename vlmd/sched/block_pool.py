@@ -36,7 +36,7 @@ class BlockPool:
         blocks = []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
-            self._forget_hash(block_id)
+            self.forget_hash(block_id)
             self._ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -71,7 +71,7 @@ class BlockPool:
             self._by_hash[block_hash] = block_id
             self._hash_of[block_id] = block_hash
 
-    def _forget_hash(self, block_id: int) -> None:
+    def forget_hash(self, block_id: int) -> None:
         block_hash = self._hash_of[block_id]
         if block_hash is not None:
             self._hash_of[block_id] = None

@@ -78,6 +78,20 @@ class EncoderCacheManager:
             self._unused[identifier] = size
             self.num_freeable_slots += size
 
+    def forget(self, identifier: str) -> None:
+        """Drop an output that was allocated but never computed (its encoder raised), users
+        or not, so nobody later takes it for resident; the runner is told to drop it too."""
+        size = self._sizes.pop(identifier, None)
+        if size is None:
+            return
+        if identifier in self._unused:
+            del self._unused[identifier]  # already counted as freeable
+        else:
+            self.num_freeable_slots += size
+        self._users.pop(identifier, None)
+        self.num_free_slots += size
+        self._evicted.append(identifier)
+
     def take_evicted(self) -> list[str]:
         evicted, self._evicted = self._evicted, []
         return evicted

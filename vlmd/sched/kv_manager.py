@@ -94,6 +94,14 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, request.mm_items, self.block_size)
 
+    def forget_hashes_from(self, request_id: str, first_block: int) -> list[int]:
+        """Make the request's blocks from ``first_block`` on unfindable by prefix hash (their
+        contents are suspect); returns those block ids."""
+        blocks = self._blocks.get(request_id, [])[first_block:]
+        for block_id in blocks:
+            self.pool.forget_hash(block_id)
+        return blocks
+
     def free(self, request_id: str) -> None:
         blocks = self._blocks.pop(request_id, None)
         self._num_cached.pop(request_id, None)

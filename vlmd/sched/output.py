@@ -58,4 +58,6 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Requests whose structured-output grammar is complete: they end with "stop" now.
+    grammar_completed: set[str] = field(default_factory=set)
     encoder_seconds: float = 0.0

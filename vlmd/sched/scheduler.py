@@ -15,6 +15,7 @@ from vlmd.sched.encoder_cache import EncoderCacheManager
 from vlmd.sched.kv_manager import KVCacheManager
 from vlmd.sched.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from vlmd.sched.request import Request, RequestStatus
+from vlmd.errors import RequestRejected
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
 
 
@@ -59,9 +60,9 @@ class Scheduler:
     def add_request(self, engine_request: EngineRequest) -> None:
         request = Request(engine_request)
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise ValueError(f"request id {request.request_id!r} is already in use")  # ids are ours: a bug
         if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"the prompt has {request.num_tokens} tokens; max_model_len is {self.config.max_model_len}"
             )
         # An item that could never be scheduled would block the queue behind it: its encoder
@@ -70,10 +71,10 @@ class Scheduler:
         largest_output = max((item.num_encoder_tokens for item in request.mm_items), default=0)
         limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
         if largest_output > limit:
-            raise ValueError(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit}")
+            raise RequestRejected(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit}")
         largest_run = max((item.length for item in request.mm_items), default=0)
         if self.config.disable_chunked_mm_input and largest_run > self.config.max_num_batched_tokens:
-            raise ValueError(
+            raise RequestRejected(
                 f"a media item of {largest_run} tokens exceeds the encoder budget of "
                 f"{self.config.max_num_batched_tokens} tokens per step (--disable-chunked-mm-input)"
             )
@@ -93,6 +94,38 @@ class Scheduler:
             self._finish(request, FinishReason.ABORT)
             deltas.append(RequestDelta(request_id, [], FinishReason.ABORT))
         return deltas
+
+    def fail_requests(self, messages: dict[str, str], num_scheduled: dict[str, int]) -> list[str]:
+        """End requests whose chunk made a step raise (``messages``: id -> error), undoing
+        what their chunk left: blocks it was to fill are no longer findable by prefix hash
+        (their KV may be unwritten). A request that adopted such a block in the same step
+        (same prefix, admitted behind the culprit) is preempted to recompute from scratch;
+        their ids are returned."""
+        suspect: set[int] = set()
+        for request_id in messages:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            chunk_start = request.num_computed_tokens - num_scheduled.get(request_id, 0)
+            suspect.update(self.kv.forget_hashes_from(request_id, chunk_start // self.config.block_size))
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ERROR)
+        tainted = [
+            request for request in self.running
+            if request.request_id in num_scheduled and suspect.intersection(self.kv.block_ids(request.request_id))
+        ]
+        for request in tainted:
+            self.running.remove(request)
+            self._preempt(request)
+        return [request.request_id for request in tainted]
+
+    def forget_encoder_outputs(self, identifiers: set[str]) -> None:
+        """Outputs that were allocated but never computed (their encoder raised)."""
+        for identifier in identifiers:
+            self.encoder_cache.forget(identifier)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -276,7 +309,10 @@ class Scheduler:
             if token_id is None:
                 continue
             request.all_token_ids.append(token_id)
-            reason = request.stop_reason_for(token_id, self.config.max_model_len)
+            if request_id in result.grammar_completed:
+                reason = FinishReason.STOP  # the answer is whole, even if it also hit max_tokens
+            else:
+                reason = request.stop_reason_for(token_id, self.config.max_model_len)
             logprob = result.logprobs.get(request_id)
             delta = RequestDelta(
                 request_id,

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import uuid
 
 import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import AuthenticationError, VlmdError
+import vlmd
+from vlmd.errors import AuthenticationError, HttpError, VlmdError, as_client_error
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
+from vlmd.server.completions import completions
+from vlmd.server.tokenize import detokenize, tokenize
 from vlmd.server.metrics import CONTENT_TYPE
 from vlmd.server.state import ServerState
 
@@ -21,8 +25,7 @@ log = structlog.get_logger(__name__)
 def _error_response(
     status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None
 ) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+    return vlmd_error_response(HttpError(status, message, kind=kind, headers=headers))
 
 
 def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -47,18 +50,36 @@ async def errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except VlmdError as exc:
-        return web.Response(body=orjson.dumps(exc.to_dict()), status=exc.status, content_type="application/json")
+        return vlmd_error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return _http_error_response(request, exc)
     except asyncio.CancelledError:
         raise
-    except ConnectionResetError:
-        raise
-    except Exception:
-        log.exception("unhandled error", path=request.path)
-        return _error_response(500, "internal server error", "server_error")
+    except ConnectionResetError as exc:
+        if request.transport is None or request.transport.is_closing():
+            # The client left mid-answer: a normal abort. aiohttp drops this response
+            # quietly when it finds the connection gone.
+            log.info("client disconnected", path=request.path)
+            return web.Response(status=499)
+        return _unhandled(request, exc)
+    except Exception as exc:
+        return _unhandled(request, exc)
+
+
+def _unhandled(request: web.Request, exc: Exception) -> web.Response:
+    """A server fault: logged with an id the client is given, never its internals."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    log.error("unhandled error", path=request.path, request_id=error_id, exc_info=exc)
+    return vlmd_error_response(as_client_error(exc, error_id))
+
+
+def vlmd_error_response(exc: VlmdError) -> web.Response:
+    """The one rendering of vlmd.errors: status, JSON body, headers (Retry-After)."""
+    return web.Response(
+        body=orjson.dumps(exc.to_dict()), status=exc.status, content_type="application/json", headers=exc.headers
+    )
 
 
 def _auth_middleware(api_key: str):
@@ -94,10 +115,16 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 with an empty body (``/ping`` is the same, under the API key); 503 once
+    the model cannot run any more (a tensor-parallel rank was lost)."""
     state: ServerState = request.app["state"]
     if state.fatal_error is not None:
         return _error_response(503, f"the engine cannot run: {state.fatal_error}", "server_error")
     return web.Response(text="")
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.Response(body=orjson.dumps({"version": vlmd.__version__}), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -112,6 +139,12 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)
     app["state"] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
     app.router.add_post("/v1/audio/transcriptions", transcriptions)
     app.router.add_post("/v1/audio/translations", translations)
     app.router.add_get("/v1/models", models)

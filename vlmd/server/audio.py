@@ -1,8 +1,9 @@
 """POST /v1/audio/transcriptions and /v1/audio/translations (OpenAI's multipart API).
 
-The upload is decoded, cut into windows of at most 30 s (at quiet points) and featurized on
-the preprocessing pool. A multilingual model without a ``language`` first detects it on the
-first window. Every window is then one engine request, all submitted at once, so the windows
+The upload is decoded and cut into windows of at most 30 s (at quiet points) on the
+preprocessing pool. A model that detects languages, asked without a ``language``, first
+detects it on the first window. Every window then becomes one engine request (the family's
+whole generation prompt for it, built on the pool), all submitted at once, so the windows
 of one upload (and of other uploads) are batched together; the texts are joined in window
 order and segment times are offset by each window's start. ``stream`` sends text deltas as
 server-sent events (``transcript.text.delta`` then ``transcript.text.done``), window by
@@ -20,7 +21,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError
+from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
 from vlmd.processing.speech import TranscriptionOptions
 from vlmd.server.audio_form import TranscriptionForm, read_transcription_form
 from vlmd.server.detokenizer import IncrementalDetokenizer
@@ -29,10 +30,6 @@ from vlmd.server.transcript_formats import Segment, join_texts, render, usage
 from vlmd.types import EngineRequest, FinishReason
 
 log = structlog.get_logger(__name__)
-
-
-class EngineFailure(Exception):
-    pass
 
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
@@ -45,39 +42,48 @@ async def translations(request: web.Request) -> web.StreamResponse:
 
 async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     state: ServerState = request.app["state"]
+    state.admission.check_capacity()  # 503 before the upload is read
     transcriber = state.transcriber
     if transcriber is None:
         raise BadRequestError(
             f"the model `{state.config.model_name}` does not take audio; /v1/audio/* needs a speech-to-text model",
             param="model",
         )
-    form = await read_transcription_form(request, transcriber.policy.max_audio_bytes)
+    with state.admission.reading_body(request.content_length):
+        form = await read_transcription_form(request, transcriber.policy.max_audio_bytes)
     if form.model != state.config.model_name:
         raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)
     transcriber.check(options)
     started = time.perf_counter()
-    loop = asyncio.get_running_loop()
-    prepared = await loop.run_in_executor(state.pool, transcriber.prepare, form.file, options)
+    prepared = await state.admission.preprocess(lambda deadline: transcriber.prepare(form.file, options))
+    with state.admission.media_lease() as lease:  # the windows' samples, until the answer is done
+        lease.hold(sum(window.samples.nbytes for window in prepared.windows), "the audio")
+        return await _transcribe(request, state, form, options, prepared, task, started)
+
+
+async def _transcribe(request, state: ServerState, form: TranscriptionForm, options, prepared, task: str, started):
+    transcriber = state.transcriber
     base_id = f"trsc-{uuid.uuid4().hex}"
-    try:
-        language = options.language
-        if language is None and transcriber.multilingual:
-            language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
-        prompt = transcriber.window_prompt(options, language, prepared.prompt_ids)
-        requests = [
+    # An engine error propagates to the error middleware (400 or 500).
+    language = options.language
+    if language is None and transcriber.multilingual:
+        language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
+
+    def window_requests():  # on the pool: each window's prompt computes its features
+        return [
             transcriber.engine_request(
-                f"{base_id}-{window.index}", window, prompt, state.eos_token_ids, temperature=form.temperature,
-                logprobs=0 if form.response_format == "verbose_json" else None,
+                f"{base_id}-{window.index}", window, options, language, state.eos_token_ids,
+                temperature=form.temperature, logprobs=0 if form.response_format == "verbose_json" else None,
                 seed=None if form.seed is None else form.seed + window.index,
             )
             for window in prepared.windows
         ]
-        if form.stream:
-            return await _stream(request, state, form, requests, prepared.duration)
-        outputs = await _decode_all(state, requests)
-    except EngineFailure as exc:
-        return web.json_response(_server_error(str(exc)), status=500, dumps=lambda body: orjson.dumps(body).decode())
+
+    requests = await asyncio.get_running_loop().run_in_executor(state.pool, window_requests)
+    if form.stream:
+        return await _stream(request, state, form, requests, prepared.duration)
+    outputs = await _decode_all(state, requests)
     text, segments = _assemble(state, transcriber, prepared, outputs, form)
     language_name = transcriber.processor.language_name(language)
     body, content_type = render(form.response_format, text, segments, task=task, language=language_name,
@@ -88,9 +94,10 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
 
 
 async def _detect_language(state: ServerState, transcriber, window, base_id: str) -> str:
-    (tokens, _), = await _decode_all(state, [transcriber.detection_request(f"{base_id}-language", window)])
+    request = await asyncio.get_running_loop().run_in_executor(state.pool, transcriber.detection_request, f"{base_id}-language", window)
+    (tokens, _), = await _decode_all(state, [request])
     if not tokens:
-        raise EngineFailure("language detection produced no token")
+        raise ServerError("language detection produced no token", request_id=base_id)
     return transcriber.language_of(tokens[0])
 
 
@@ -101,7 +108,7 @@ async def _decode_window(state: ServerState, request: EngineRequest) -> tuple[li
     async with aclosing(state.engine.generate(request)) as stream:
         async for delta in stream:
             if delta.finish_reason is FinishReason.ERROR:
-                raise EngineFailure(delta.error or "engine error")
+                raise from_engine(delta.error, delta.error_status, request.request_id)
             tokens.extend(delta.new_token_ids)
             logprobs.extend(entry.logprob for entry in delta.logprobs or ())
     if tokens and tokens[-1] in state.eos_token_ids:
@@ -174,12 +181,12 @@ async def _stream_window(state: ServerState, request: EngineRequest, queue: asyn
         async with aclosing(state.engine.generate(request)) as stream:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
-                    raise EngineFailure(delta.error or "engine error")
+                    raise from_engine(delta.error, delta.error_status, request.request_id)
                 text = detokenizer.push(delta.new_token_ids, final=delta.finish_reason is not None)
                 if text:
                     queue.put_nowait(text)
         queue.put_nowait(None)
-    except EngineFailure as exc:
+    except VlmdError as exc:
         queue.put_nowait(exc)
 
 
@@ -194,24 +201,23 @@ async def _stream(request: web.Request, state: ServerState, form: TranscriptionF
     tasks = [asyncio.ensure_future(_stream_window(state, r, q)) for r, q in zip(requests, queues)]
     joiner = _TextJoiner()
     try:
-        for queue in queues:  # windows in order; later ones keep decoding meanwhile
-            while (piece := await queue.get()) is not None:
-                if isinstance(piece, EngineFailure):
-                    raise piece
-                delta = joiner.push(piece)
-                if delta:
-                    await send({"type": "transcript.text.delta", "delta": delta})
-            joiner.end_window()
-        await send({"type": "transcript.text.done", "text": joiner.text, "usage": usage(duration)})
-    except EngineFailure as exc:
-        await send(_server_error(str(exc)))
+        try:
+            for queue in queues:  # windows in order; later ones keep decoding meanwhile
+                while (piece := await queue.get()) is not None:
+                    if isinstance(piece, VlmdError):
+                        raise piece
+                    delta = joiner.push(piece)
+                    if delta:
+                        await send({"type": "transcript.text.delta", "delta": delta})
+                joiner.end_window()
+            await send({"type": "transcript.text.done", "text": joiner.text, "usage": usage(duration)})
+        except VlmdError as exc:  # the status line is sent: the error goes in the stream
+            await send(exc.to_dict())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: a normal abort
+        log.info("client disconnected during the stream", request_id=requests[0].request_id if requests else None)
     finally:
         for task in tasks:
             task.cancel()
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
     return response
-
-
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, PayloadTooLargeError
+from vlmd.server.request_fields import unsupported_field_message
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 TIMESTAMP_FORMATS = ("srt", "verbose_json", "vtt")
@@ -68,7 +69,8 @@ async def read_transcription_form(request: web.Request, max_file_bytes: int) -> 
             else:
                 fields[name] = value
         else:
-            await _read_limited(part, MAX_FIELD_BYTES, name)  # unknown fields are ignored, as by OpenAI
+            # A field we would ignore gives wrong output without a word: refuse it by name.
+            raise BadRequestError(unsupported_field_message(name), param=name)
     if upload is None:
         raise BadRequestError("'file' is required: the audio to transcribe", param="file")
     return _validated(upload, fields, lists)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -13,195 +12,135 @@ from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, VlmdError
 from vlmd.server import responses
-from vlmd.server.detokenizer import IncrementalDetokenizer
+from vlmd.server.body import read_body
+from vlmd.server.generation import Generation, choice_requests, merged_deltas, usage
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
 from vlmd.server.state import ServerState
-from vlmd.types import EngineRequest, FinishReason
+from vlmd.server.structured_output import compile_structured_output
 
 log = structlog.get_logger(__name__)
 
 
-async def read_json(request: web.Request):
-    raw = await request.read()
+async def read_json(request: web.Request, max_run_bytes: int | None = None, describe: str = ""):
+    raw = await read_body(request, max_run_bytes, describe)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-class _Generation:
-    """Accumulates one request's output while its deltas stream in."""
-
-    def __init__(
-        self, state: ServerState, chat: ChatCompletionRequest, engine_request: EngineRequest, started: float
-    ):
-        self.state = state
-        self.started = started  # perf_counter() when the HTTP request arrived
-        self.chat = chat
-        self.engine_request = engine_request
-        self.detokenizer = IncrementalDetokenizer(state.tokenizer, chat.stop, chat.skip_special_tokens)
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
-        self.last_token_time: float | None = None
-
-    async def deltas(self):
-        """Yield (text, new token ids, new logprob entries) as they become available."""
-        try:
-            async with aclosing(self._deltas()) as inner:  # closing it aborts the engine request
-                async for item in inner:
-                    yield item
-        finally:
-            log.info(
-                "request finished",
-                request_id=self.engine_request.request_id,
-                prompt_tokens=len(self.engine_request.prompt_token_ids),
-                cached_tokens=self.num_cached_tokens,
-                completion_tokens=len(self.token_ids),
-                media_items=len(self.engine_request.mm_items),
-                finish_reason=self.finish_reason or "abort",
-                seconds=round(time.perf_counter() - self.started, 4),
-            )
-
-    async def _deltas(self):
-        async with aclosing(self.state.engine.generate(self.engine_request)) as stream:
-            async for delta in stream:
-                if delta.finish_reason is FinishReason.ERROR:
-                    raise EngineFailure(delta.error or "engine error")
-                if delta.new_token_ids:
-                    self._observe_latency()
-                self.num_cached_tokens = delta.num_cached_tokens
-                final = delta.finish_reason is not None
-                text = self.detokenizer.push(delta.new_token_ids, final=final)
-                self.token_ids.extend(delta.new_token_ids)
-                if delta.logprobs:
-                    self.logprobs.extend(delta.logprobs)
-                if self.detokenizer.stopped:
-                    self.finish_reason = "stop"
-                    yield text, delta.new_token_ids, delta.logprobs
-                    return  # leaving the stream aborts the request in the engine
-                if final:
-                    self.finish_reason = "length" if delta.finish_reason is FinishReason.LENGTH else "stop"
-                yield text, delta.new_token_ids, delta.logprobs
-                if final:
-                    return
-
-    def _observe_latency(self) -> None:
-        now = time.perf_counter()
-        metrics = self.state.metrics
-        if metrics is not None:
-            if self.last_token_time is None:
-                metrics.ttft.observe(now - self.started)
-            else:
-                metrics.itl.observe(now - self.last_token_time)
-        self.last_token_time = now
-
-    def usage(self) -> dict:
-        return responses.usage(len(self.engine_request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
-
-
-class EngineFailure(Exception):
-    pass
+async def read_text_body(request: web.Request, state: ServerState):
+    """The JSON body of a text front door, under the admission bounds: 503 past
+    --max-waiting-requests before it is read; a run of 12 bytes per character (a surrogate
+    pair's escapes) past the character bound is refused while it streams in, before any copy
+    or parse."""
+    state.admission.check_capacity()
+    preprocessor = state.preprocessor
+    with state.admission.reading_body(request.content_length):
+        return await read_json(
+            request, 12 * preprocessor.max_prompt_chars,
+            f"its text has more than {preprocessor.max_prompt_chars} characters: more than "
+            f"max_model_len ({preprocessor.max_model_len}) tokens can hold "
+            f"({preprocessor.max_token_chars} characters per token at most)")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
-    chat = parse_chat_request(await read_json(request))
+    chat = parse_chat_request(await read_text_body(request, state))
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
-    vocab_size = state.preprocessor.vocab_size
-    out_of_range = [t for t in chat.stop_token_ids if t >= vocab_size]
-    if out_of_range:  # the sampler would index its logits with them and fail the whole batch
-        raise BadRequestError(
-            f"stop_token_ids must be below the vocabulary size {vocab_size}, got {out_of_range[0]}",
-            param="stop_token_ids",
+    chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
+    state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
+    grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
+    with state.admission.media_lease() as lease:  # decoded media held until the answer is done
+        return await _generate(request, state, chat, started, grammar, lease)
+
+
+async def _generate(request: web.Request, state: ServerState, chat: ChatCompletionRequest, started: float,
+                    grammar, lease) -> web.StreamResponse:
+    processed = await state.admission.preprocess(
+        lambda deadline: state.preprocessor.process_chat(
+            chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
         )
-    loop = asyncio.get_running_loop()
-    processed = await loop.run_in_executor(
-        state.pool, state.preprocessor.process_chat, chat.messages, chat.mm_processor_kwargs
     )
-    num_prompt = len(processed.prompt_token_ids)
-    sampling = chat.sampling_params(num_prompt, state.max_model_len)
-    engine_request = EngineRequest(
-        request_id=f"chatcmpl-{uuid.uuid4().hex}",
-        prompt_token_ids=processed.prompt_token_ids,
-        sampling=sampling,
-        mm_items=processed.items,
-        eos_token_ids=state.eos_token_ids,
-        arrival_time=time.time(),
-        mrope_positions=processed.mrope_positions,
-        mrope_position_delta=processed.mrope_position_delta,
-    )
-    generation = _Generation(state, chat, engine_request, started)
+    engine_requests = choice_requests(state, f"chatcmpl-{uuid.uuid4().hex}", processed, chat.sampling, grammar)
+    generations = [
+        Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0)
+        for index, engine_request in enumerate(engine_requests)
+    ]
     if chat.stream:
-        return await _stream(request, state, chat, generation)
-    return await _complete(state, chat, generation)
+        return await _stream(request, state, chat, generations)
+    return await _complete(state, chat, generations)
 
 
-async def _complete(state: ServerState, chat: ChatCompletionRequest, generation: _Generation) -> web.Response:
-    text_parts = []
-    try:
-        async for text, _, _ in generation.deltas():
-            text_parts.append(text)
-    except EngineFailure as exc:
-        return web.json_response(_server_error(str(exc)), status=500, dumps=_dumps)
-    request_id = generation.engine_request.request_id
+async def _complete(state: ServerState, chat: ChatCompletionRequest, generations: list[Generation]) -> web.Response:
+    async with aclosing(merged_deltas(generations)) as deltas:  # an engine error propagates: 400 or 500
+        async for _ in deltas:
+            pass
+    first = generations[0]
+    choices = [
+        responses.completion_choice(
+            g.index, g.text, g.finish_reason or "stop", g.token_ids if chat.return_token_ids else None,
+            responses.logprobs_content(state.tokenizer, g.logprobs) if chat.logprobs else None,
+        )
+        for g in generations
+    ]
     body = responses.completion(
-        request_id,
-        int(time.time()),
-        state.config.model_name,
-        "".join(text_parts),
-        generation.finish_reason or "stop",
-        generation.usage(),
-        generation.token_ids if chat.return_token_ids else None,
-        generation.engine_request.prompt_token_ids if chat.return_token_ids else None,
-        responses.logprobs_content(state.tokenizer, generation.logprobs) if chat.logprobs else None,
+        _response_id(first), int(time.time()), state.config.model_name, choices, usage(generations),
+        first.engine_request.prompt_token_ids if chat.return_token_ids else None,
     )
     return web.json_response(body, dumps=_dumps)
 
 
-async def _stream(request: web.Request, state: ServerState, chat: ChatCompletionRequest, generation: _Generation):
+async def _stream(request: web.Request, state: ServerState, chat: ChatCompletionRequest, generations: list[Generation]):
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    request_id = generation.engine_request.request_id
+    request_id = _response_id(generations[0])
     created = int(time.time())
     model = state.config.model_name
 
     async def send(body: dict) -> None:
         await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
-    first_extra = {"prompt_token_ids": generation.engine_request.prompt_token_ids} if chat.return_token_ids else {}
-    await send(responses.chunk(request_id, created, model, {"role": "assistant", "content": ""}, **first_extra))
+    first_extra = {"prompt_token_ids": generations[0].engine_request.prompt_token_ids} if chat.return_token_ids else {}
     try:
-        async for text, token_ids, logprobs in generation.deltas():
-            finish = generation.finish_reason
-            if not text and not finish and not chat.return_token_ids and not chat.logprobs:
-                continue
-            await send(
-                responses.chunk(
-                    request_id, created, model, {"content": text} if text else {}, finish,
-                    token_ids=list(token_ids) if chat.return_token_ids else None,
-                    logprobs=responses.logprobs_content(state.tokenizer, logprobs or []) if chat.logprobs else None,
-                )
-            )
-    except EngineFailure as exc:
-        await send(_server_error(str(exc)))
-    else:
-        if chat.include_usage:
-            await send(responses.usage_chunk(request_id, created, model, generation.usage()))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        for g in generations:
+            await send(responses.chunk(request_id, created, model, g.index, {"role": "assistant", "content": ""},
+                                       **(first_extra if g.index == 0 else {})))
+        try:
+            async with aclosing(merged_deltas(generations)) as deltas:
+                async for delta in deltas:
+                    if not delta.text and not delta.finish_reason and not chat.return_token_ids and not chat.logprobs:
+                        continue
+                    await send(
+                        responses.chunk(
+                            request_id, created, model, delta.index, {"content": delta.text} if delta.text else {},
+                            delta.finish_reason,
+                            token_ids=list(delta.token_ids) if chat.return_token_ids else None,
+                            logprobs=responses.logprobs_content(state.tokenizer, delta.logprobs or [])
+                            if chat.logprobs else None,
+                        )
+                    )
+        except VlmdError as exc:  # the status line is sent: the error goes in the stream
+            await send(exc.to_dict())
+        else:
+            if chat.include_usage:
+                await send(responses.usage_chunk(request_id, created, model, usage(generations)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: a normal abort, not a server error
+        log.info("client disconnected during the stream", request_id=request_id)
     return response
 
 
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
+def _response_id(generation: Generation) -> str:
+    """The response's id: the choices' engine ids without their ``-<index>``."""
+    return generation.engine_request.request_id.rsplit("-", 1)[0]
 
 
 def _dumps(body) -> str:
     return orjson.dumps(body).decode()
 
 
-__all__ = ["chat_completions", "read_json", "VlmdError"]
+__all__ = ["chat_completions", "read_json", "read_text_body", "VlmdError"]

@@ -17,9 +17,11 @@ _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _EngineCollector:
-    def __init__(self, engine, processor_cache):
+    def __init__(self, engine, processor_cache, owner, grammar_compiler=None):
         self.engine = engine
         self.processor_cache = processor_cache
+        self.owner = owner  # Metrics: its ``admission`` is set once the server has one
+        self.grammar_compiler = grammar_compiler
 
     def collect(self):
         stats = self.engine.stats
@@ -34,6 +36,12 @@ class _EngineCollector:
         cache = self.processor_cache
         if cache is not None:
             gauges["vlmd_processor_cache_bytes"] = ("Bytes of processed media cached", cache.nbytes)
+        admission = self.owner.admission
+        if admission is not None:
+            gauges["vlmd_preprocess_in_flight"] = ("Requests taken by or queued for a preprocessing thread",
+                                                   admission.num_preprocessing)
+            gauges["vlmd_inflight_media_bytes"] = ("Decoded media bytes held by requests in flight",
+                                                   admission.media.used_bytes)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
@@ -47,14 +55,28 @@ class _EngineCollector:
             "vlmd_processor_cache_queries": ("Processor-cache lookups", cache.queries if cache else 0),
             "vlmd_processor_cache_hits": ("Processor-cache lookups that hit", cache.hits if cache else 0),
         }
+        grammars = self.grammar_compiler
+        if grammars is not None:
+            counters["vlmd_grammar_cache_queries"] = ("Structured-output grammar lookups", grammars.num_lookups)
+            counters["vlmd_grammar_cache_hits"] = ("Grammar lookups found compiled", grammars.num_hits)
+            counters["vlmd_grammar_compiles"] = ("Structured-output grammars compiled", grammars.num_compiles)
+        counters["vlmd_failed_steps"] = ("Engine steps that raised and were re-run without their culprit",
+                                         stats.num_failed_steps)
+        counters["vlmd_requests_failed_in_step"] = ("Requests a failed engine step was traced to",
+                                                    stats.num_requests_failed)
+        if admission is not None:
+            counters["vlmd_requests_overloaded"] = ("Requests answered 503 at an admission bound",
+                                                    admission.num_rejected)
+            counters["vlmd_preprocess_timeouts"] = ("Requests past --preprocess-timeout", admission.num_timeouts)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 
 
 class Metrics:
-    def __init__(self, engine, processor_cache=None):
+    def __init__(self, engine, processor_cache=None, grammar_compiler=None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, processor_cache))
+        self.admission = None  # vlmd.server.admission.Admission, set by the server
+        self.registry.register(_EngineCollector(engine, processor_cache, self, grammar_compiler))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
@@ -65,6 +87,7 @@ class Metrics:
         self.encoder = histogram("vlmd_encoder_forward_seconds", "Encoder work in one engine step", _FAST)
         self.fetch = histogram("vlmd_media_fetch_seconds", "Fetch and decode of one item", _FAST, ("modality",))
         self.process = histogram("vlmd_media_preprocess_seconds", "Processor work for one item", _FAST, ("modality",))
+        self.grammar_compile = histogram("vlmd_grammar_compile_seconds", "Compiling one structured-output grammar", _FAST)
 
     # Observers called from the engine thread and the preprocessing threads.
     def observe_step(self, step) -> None:
@@ -78,6 +101,9 @@ class Metrics:
 
     def observe_process(self, modality: str, seconds: float) -> None:
         self.process.labels(modality).observe(seconds)
+
+    def observe_grammar_compile(self, seconds: float) -> None:
+        self.grammar_compile.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

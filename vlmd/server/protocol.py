@@ -1,119 +1,87 @@
-"""Validating an OpenAI chat-completions body into a plain request object."""
+"""Validating an OpenAI chat-completions body into a plain request object.
+
+Every field is read here (or by ``sampling_fields``), refused by name, or one of the few
+that have no effect by OpenAI's definition (``request_fields.NO_EFFECT_FIELDS``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vlmd.errors import BadRequestError
-from vlmd.types import SamplingParams
+from vlmd.server.request_fields import RequestFields
+from vlmd.structured.spec import StructuredOutputSpec
+from vlmd.structured.spec import parse_structured_output as parse_spec
+from vlmd.server.sampling_fields import SamplingFields, read_sampling_fields
 
-_MISSING = object()
-
-
-def _field(body: dict, name: str, kinds, default=_MISSING, *, allow_none: bool = True):
-    value = body.get(name, _MISSING)
-    if value is _MISSING or (value is None and allow_none):
-        if default is _MISSING:
-            raise BadRequestError(f"'{name}' is required", param=name)
-        return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise BadRequestError(f"'{name}' has the wrong type", param=name)
-    if not isinstance(value, kinds):
-        raise BadRequestError(f"'{name}' has the wrong type", param=name)
-    return value
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
 class ChatCompletionRequest:
     model: str
     messages: list
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    sampling: SamplingFields
     logprobs: bool = False
-    top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
-    skip_special_tokens: bool = True
     mm_processor_kwargs: dict[str, Any] | None = None
-
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        room = max_model_len - num_prompt_tokens
-        if self.max_tokens is not None and self.max_tokens > room:
-            raise BadRequestError(
-                f"this model's maximum context length is {max_model_len} tokens; the request has "
-                f"{num_prompt_tokens} prompt tokens and asks for {self.max_tokens} completion tokens",
-                param="max_tokens",
-            )
-        return self._sampling(self.max_tokens if self.max_tokens is not None else room)
-
-    def _sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_tokens=self.min_tokens,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            logprobs=self.top_logprobs if self.logprobs else None,
-        )
+    chat_template_kwargs: dict[str, Any] | None = None
+    structured: StructuredOutputSpec | None = None  # response_format / structured_outputs / guided_*
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    if not isinstance(body, dict):
-        raise BadRequestError("the request body must be a JSON object")
-    model = _field(body, "model", str)
-    messages = _field(body, "messages", list)
-    max_tokens = _field(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, None)
-    if _field(body, "n", int, 1) != 1:
-        raise BadRequestError("only n=1 is supported", param="n")
-    stop = _field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
-        raise BadRequestError("'stop' must be a string or a list of non-empty strings", param="stop")
-    stop_token_ids = _field(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids):
-        raise BadRequestError("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
-    top_k = _field(body, "top_k", int, 0)
-    stream_options = _field(body, "stream_options", dict, {})
-    mm_kwargs = _field(body, "mm_processor_kwargs", dict, None)
+    fields = RequestFields(body)
+    model = fields.get("model", str)
+    messages = fields.get("messages", list)
+    logprobs = fields.get("logprobs", bool, False)
+    top_logprobs = fields.get("top_logprobs", int, 0)
+    if top_logprobs and not logprobs:
+        raise BadRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    sampling = read_sampling_fields(fields, logprobs=top_logprobs if logprobs else None, default_max_tokens=None)
+    # No tools and no forced tool call ask for nothing; anything else is refused by name.
+    fields.accept_when("tools", lambda value: value in (None, []))
+    fields.accept_when("tool_choice", lambda value: value in (None, "none"))
+    fields.accept_when("modalities", lambda value: value in (None, ["text"]))
     request = ChatCompletionRequest(
         model=model,
         messages=messages,
-        max_tokens=max_tokens,
-        temperature=float(_field(body, "temperature", (int, float), 1.0)),
-        top_p=float(_field(body, "top_p", (int, float), 1.0)),
-        top_k=0 if top_k == -1 else top_k,
-        min_tokens=_field(body, "min_tokens", int, 0),
-        seed=_field(body, "seed", int, None),
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=_field(body, "ignore_eos", bool, False),
-        logprobs=_field(body, "logprobs", bool, False),
-        top_logprobs=_field(body, "top_logprobs", int, 0),
-        stream=_field(body, "stream", bool, False),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        return_token_ids=_field(body, "return_token_ids", bool, False),
-        skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
-        mm_processor_kwargs=mm_kwargs,
+        sampling=sampling,
+        logprobs=logprobs,
+        stream=fields.get("stream", bool, False),
+        include_usage=read_stream_options(fields),
+        return_token_ids=fields.get("return_token_ids", bool, False),
+        mm_processor_kwargs=fields.get("mm_processor_kwargs", dict, None),
+        chat_template_kwargs=fields.get("chat_template_kwargs", dict, None),
+        structured=parse_structured_output(fields),
     )
-    if request.top_logprobs and not request.logprobs:
-        raise BadRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-    if request.max_tokens is not None and request.max_tokens < 1:
-        raise BadRequestError("'max_tokens' must be at least 1", param="max_tokens")
-    # Range checks shared with every other entry point live in SamplingParams. The context
-    # length is checked once the prompt is known (sampling_params), with the real numbers.
-    request._sampling(request.max_tokens if request.max_tokens is not None else 2**31)
+    fields.finish()
     return request
+
+
+def read_stream_options(fields: RequestFields) -> bool:
+    """``stream_options``: ``include_usage`` is the only option (a final usage chunk)."""
+    options = fields.get("stream_options", dict, {})
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise BadRequestError(f"stream_options.{unknown[0]} is not supported", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadRequestError("stream_options.include_usage must be true or false", param="stream_options")
+    return include_usage
+
+
+# ---- structured outputs ------------------------------------------------------------------
+# The ONE place the structured-output fields of chat and text completions are read;
+# vlmd/structured/spec.py turns them into a StructuredOutputSpec (400s name the field).
+
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+)
+
+
+def parse_structured_output(fields: RequestFields) -> StructuredOutputSpec | None:
+    """What constrains the output's shape, or None for free text."""
+    return parse_spec({name: fields.raw(name) for name in STRUCTURED_OUTPUT_FIELDS})

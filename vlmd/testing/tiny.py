@@ -4,40 +4,41 @@
 
 or from Python: ``build_tiny("llava", out_dir, seed=0, size="tiny") -> Path``.
 
-The same family, seed and size always give byte-identical files.  Each family has a builder in
-a sibling module, looked up lazily (importing torch/transformers only when building).
+The same family, seed and size always give byte-identical files.  Each family's plugin registers
+its builder through the ``vlmd_register_tiny_builders`` hook (this module names no family); the
+builder is imported only when building, so listing the families imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["BUILDERS", "SIZES", "build_tiny", "main"]
-
-#: family -> "module:function"; the function is ``f(out_dir, seed=..., size=...) -> Path``.
-BUILDERS: dict[str, str] = {
-    "llava": "vlmd.testing.tiny_llava:build_tiny_llava",
-    "qwen2_vl": "vlmd.testing.tiny_qwen2_vl:build_tiny_qwen2_vl",
-    "whisper": "vlmd.testing.tiny_whisper:build_tiny_whisper",
-}
+__all__ = ["SIZES", "build_tiny", "builders", "main"]
 
 SIZES = ("tiny", "small")
 
 
+def builders() -> dict[str, str]:
+    """family -> "module:function" of every installed plugin's builder
+    (``f(out_dir, seed=..., size=...) -> Path``)."""
+    from vlmd.plugins.manager import tiny_builders
+
+    return tiny_builders()
+
+
 def _resolve(family: str):
-    try:
-        target = BUILDERS[family]
-    except KeyError:
-        known = ", ".join(sorted(BUILDERS)) or "(none)"
-        raise ValueError(f"unknown model family {family!r}; known families: {known}") from None
-    module_name, _, func_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), func_name)
+    known = builders()
+    if family not in known:
+        names = ", ".join(sorted(known)) or "(none installed)"
+        raise ValueError(f"unknown model family {family!r}; known families: {names}")
+    from vlmd.plugins.registry import resolve
+
+    return resolve(known[family])
 
 
 def build_tiny(family: str, out_dir, seed: int = 0, size: str = "tiny") -> Path:
@@ -53,15 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m vlmd.testing.tiny",
         description="Build a deterministic random checkpoint for tests (offline).",
     )
-    parser.add_argument("--family", required=True, help=f"model family: {', '.join(sorted(BUILDERS))}")
+    known = builders()
+    parser.add_argument("--family", required=True, help=f"model family: {', '.join(sorted(known))}")
     parser.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weights/tokenizer seed (default 0)")
     parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny (fast tests) or small (~100M params)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
 
-    if args.family not in BUILDERS:
-        parser.error(f"unknown model family {args.family!r}; known families: {', '.join(sorted(BUILDERS))}")
+    if args.family not in known:
+        parser.error(f"unknown model family {args.family!r}; known families: {', '.join(sorted(known))}")
     start = time.monotonic()
     out = build_tiny(args.family, args.out, seed=args.seed, size=args.size)
     elapsed = time.monotonic() - start

@@ -16,3 +16,8 @@ FAMILY = ModelFamily(
 @hookimpl
 def vlmd_register_model_families(registry):
     registry.register(FAMILY)
+
+
+@hookimpl
+def vlmd_register_tiny_builders(builders):
+    builders["qwen2_vl"] = "vlmd_qwen2_vl.tiny:build_tiny_qwen2_vl"

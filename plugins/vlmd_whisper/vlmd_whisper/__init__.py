@@ -16,3 +16,13 @@ FAMILY = ModelFamily(
 @hookimpl
 def vlmd_register_model_families(registry):
     registry.register(FAMILY)
+
+
+@hookimpl
+def vlmd_register_tiny_builders(builders):
+    builders["whisper"] = "vlmd_whisper.tiny:build_tiny_whisper"
+
+
+@hookimpl
+def vlmd_register_converters(converters):
+    converters["ct2"] = "vlmd_whisper.convert.ct2_whisper:convert_ct2_whisper"

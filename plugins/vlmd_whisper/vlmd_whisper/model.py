@@ -3,7 +3,7 @@
 The encoder (two convolutions, sinusoidal positions, pre-LN transformer) needs no KV cache,
 so transformers' own ``WhisperEncoder`` is built from the checkpoint config; it turns one
 30 s window of log-mel features into 1,500 vectors. The decoder is ours
-(``vlmd/models/whisper.py``): self-attention over the paged cache, cross-attention to K/V the
+(``decoder.py``): self-attention over the paged cache, cross-attention to K/V the
 runner keeps per request.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.models.loader import iterate_weights
-from vlmd.models.whisper import CrossState, WhisperDecoder
+from vlmd_whisper.decoder import CrossState, WhisperDecoder
 from vlmd_whisper.timestamps import TimestampRules
 
 

@@ -110,13 +110,20 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
         )
         return ProcessorOutput(list(prompt_token_ids), [item])
 
-    def window_item(self, samples: np.ndarray) -> MultiModalItem:
-        return self.apply([self.sot], {"audio": [samples]}).items[0]
+    def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
+        """The decoder prompt and the window's audio as one item without placeholders."""
+        prompt_ids = self.prompt_text_ids(options.prompt) if options.prompt else []
+        return self.apply(self.decoder_prompt(options, language, prompt_ids), {"audio": [samples]})
 
     # ---- prompts and outputs -------------------------------------------------------
 
     def languages(self) -> dict[str, int]:
         return dict(self._languages)
+
+    @property
+    def speech_tasks(self) -> tuple[str, ...]:
+        # An English-only checkpoint has no <|translate|> task.
+        return ("transcribe", "translate") if self._languages else ("transcribe",)
 
     def prompt_text_ids(self, text: str) -> list[int]:
         if self.prev_sot is None:
@@ -143,8 +150,8 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
         code = code or "en"  # English-only models
         return LANGUAGES.get(code, code)
 
-    def detection_prompt(self) -> list[int]:
-        return [self.sot]
+    def detection_prompt(self, samples: np.ndarray) -> ProcessorOutput:
+        return self.apply([self.sot], {"audio": [samples]})
 
     def token_constraints(self) -> TokenConstraints:
         generation = self.info.generation

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmd.convert.ct2_reader import CT2Model, dequantized, read_ct2_model
-from vlmd.convert.whisper_tokens import whisper_special_ids, write_tokenizer
+from vlmd_whisper.convert.ct2_reader import CT2Model, dequantized, read_ct2_model
+from vlmd_whisper.convert.whisper_tokens import whisper_special_ids, write_tokenizer
 
 _GELU = 3  # CTranslate2's ActivationType.GELU
 _COMMON = {  # per-layer CT2 path -> transformers path, for encoder and decoder layers

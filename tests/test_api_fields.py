@@ -1,0 +1,232 @@
+"""Strict request bodies through the front door: every field a client sends either works
+or is a 400 that names it; the documented no-effect fields are accepted. Also /tokenize,
+/detokenize, /version and /ping, and chat_template_kwargs reaching the template."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import numpy as np
+import orjson
+import pytest
+
+from conftest import Server, image_message, random_image
+from test_bad_input import assert_error
+
+TEXT = [{"role": "user", "content": "hi"}]
+
+
+def _chat(server, **extra):
+    return server.chat({"messages": TEXT, "max_tokens": 2, **extra})
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        ({"frobnicate": 1}, ("unrecognized", "frobnicate")),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, ("tools", "chat templates")),
+        ({"tool_choice": "required"}, ("tool_choice", "tool support")),
+        ({"functions": [{"name": "f"}]}, ("functions",)),
+        ({"parallel_tool_calls": True}, ("parallel_tool_calls",)),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, ("audio",)),
+        ({"modalities": ["text", "audio"]}, ("modalities",)),
+        ({"prediction": {"type": "content", "content": "x"}}, ("prediction",)),
+        ({"reasoning_effort": "high"}, ("reasoning_effort",)),
+        ({"echo": True}, ("echo", "/v1/completions")),
+        ({"include_stop_str_in_output": True}, ("include_stop_str_in_output",)),
+        ({"store": True}, ("store",)),
+        ({"service_tier": "flex"}, ("service_tier",)),
+        ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, ("continuous_usage_stats",)),
+        ({"chat_template_kwargs": {"tokenize": True}}, ("chat_template_kwargs", "tokenize")),
+        ({"logit_bias": {"abc": 1}}, ("logit_bias",)),
+        ({"logit_bias": {"5": 101}}, ("logit_bias", "-100 and 100")),
+        ({"presence_penalty": 2.5}, ("presence_penalty", "-2 and 2")),
+        ({"frequency_penalty": -3}, ("frequency_penalty", "-2 and 2")),
+        ({"repetition_penalty": 0}, ("repetition_penalty",)),
+        ({"min_p": 1.5}, ("min_p",)),
+        # Structured outputs are read in one place (protocol.parse_structured_output); bad
+        # ones name their field (tests/test_structured_outputs.py has the working ones).
+        ({"response_format": {"type": "xml"}}, ("response_format",)),
+        ({"guided_choice": "a"}, ("guided_choice",)),
+        ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, ("one output constraint",)),
+    ],
+)
+def test_fields_we_do_not_implement_are_400_naming_them(llava_server, extra, fragments):
+    status, body = _chat(llava_server, **extra)
+    assert_error(status, body, 400, *fragments, param=next(iter(extra)))
+
+
+def test_no_effect_fields_are_accepted(llava_server):
+    base = {"temperature": 0, "max_tokens": 4}
+    _, plain = _chat(llava_server, **base)
+    status, body = _chat(
+        llava_server, **base, user="u-1", metadata={"k": "v"}, store=False, safety_identifier="s",
+        prompt_cache_key="p", service_tier="auto", tools=[], tool_choice="none", modalities=["text"],
+        response_format={"type": "text"}, parallel_tool_calls=None,
+    )
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+def test_logit_bias_token_outside_the_vocabulary(llava_server, tiny_llava_dir):
+    vocab_size = orjson.loads((tiny_llava_dir / "config.json").read_bytes())["text_config"]["vocab_size"]
+    status, body = _chat(llava_server, logit_bias={str(vocab_size): 5})
+    assert_error(status, body, 400, "vocabulary size", param="logit_bias")
+
+
+def test_openai_client_sees_a_named_400_for_tools(llava_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=llava_server.model, messages=TEXT, max_tokens=2,
+            tools=[{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
+        )
+    assert "'tools' is not supported" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=llava_server.model, messages=TEXT, max_tokens=2,
+                                       extra_body={"top_a": 0.2})
+    assert "top_a" in info.value.message
+
+
+# --- /tokenize, /detokenize, /version, /ping -----------------------------------------------
+
+
+def _post(server, path, body):
+    status, raw = server.request("POST", path, orjson.dumps(body))
+    return status, orjson.loads(raw)
+
+
+def test_tokenize_messages_counts_the_image_placeholders(llava_server):
+    messages = image_message("What is this?", random_image(31, 200, 150))
+    status, tokens = _post(llava_server, "/tokenize", {"model": llava_server.model, "messages": messages})
+    assert status == 200, tokens
+    status, chat = llava_server.chat({"messages": messages, "max_tokens": 1, "return_token_ids": True})
+    assert tokens["tokens"] == chat["prompt_token_ids"]
+    assert tokens["count"] == chat["usage"]["prompt_tokens"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 2048
+    _, text_only = _post(llava_server, "/tokenize", {"messages": [{"role": "user", "content": "What is this?"}]})
+    assert tokens["count"] - text_only["count"] >= 576  # the image's placeholders (and the template's "\n")
+    assert tokens["token_strs"] is None
+
+
+def test_tokenize_prompt_and_detokenize_round_trip(llava_server):
+    status, tokens = _post(llava_server, "/tokenize", {"prompt": "hello world", "return_token_strs": True})
+    assert status == 200
+    assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"])
+    _, without = _post(llava_server, "/tokenize", {"prompt": "hello world", "add_special_tokens": False})
+    assert tokens["tokens"][len(tokens["tokens"]) - len(without["tokens"]):] == without["tokens"]  # BOS if any
+    status, text = _post(llava_server, "/detokenize", {"tokens": without["tokens"]})
+    assert status == 200 and text == {"prompt": "hello world"}
+    status, body = _post(llava_server, "/detokenize", {"tokens": [10**9]})
+    assert_error(status, body, 400, "token ids", param="tokens")
+    status, body = _post(llava_server, "/tokenize", {"prompt": "x", "bogus": 1})
+    assert_error(status, body, 400, "bogus", param="bogus")
+    status, body = _post(llava_server, "/tokenize", {"model": "nope", "prompt": "x"})
+    assert status == 404
+
+
+def test_version_and_ping(llava_server):
+    import vlmd
+
+    status, raw = llava_server.request("GET", "/version")
+    assert status == 200 and orjson.loads(raw) == {"version": vlmd.__version__}
+    assert llava_server.request("GET", "/ping")[0] == 200
+    assert llava_server.request("POST", "/ping")[0] == 200
+
+
+# --- chat_template_kwargs reach the template (Qwen2-VL's add_vision_id) ---------------------
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_server(tiny_qwen2_vl_dir, tmp_path_factory):
+    server = Server(tiny_qwen2_vl_dir, "--max-model-len", "2048", name="tiny-qwen2-vl",
+                    log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+def test_chat_template_kwargs_change_the_rendered_prompt(qwen2_vl_server):
+    messages = image_message("What is this?", random_image(32, 112, 84))
+    _, plain = _post(qwen2_vl_server, "/tokenize", {"messages": messages, "return_token_strs": True})
+    _, with_id = _post(qwen2_vl_server, "/tokenize", {"messages": messages, "return_token_strs": True,
+                                                      "chat_template_kwargs": {"add_vision_id": True}})
+    assert with_id["count"] > plain["count"]
+    assert "Picture" in "".join(with_id["token_strs"]) and "Picture" not in "".join(plain["token_strs"])
+    status, chat = qwen2_vl_server.chat({"messages": messages, "max_tokens": 1, "return_token_ids": True,
+                                         "chat_template_kwargs": {"add_vision_id": True}})
+    assert status == 200, chat
+    assert chat["prompt_token_ids"] == with_id["tokens"]
+
+
+def test_qwen2_vl_completions_and_n_with_m_rope(qwen2_vl_server):
+    """Text prompts get M-RoPE positions from the family's processor too; n greedy choices
+    of an image chat are twins."""
+    status, raw = qwen2_vl_server.request("POST", "/v1/completions", orjson.dumps(
+        {"model": qwen2_vl_server.model, "prompt": "What is", "max_tokens": 4, "temperature": 0, "n": 2}))
+    body = orjson.loads(raw)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]
+    status, chat = qwen2_vl_server.chat({"messages": image_message("Describe", random_image(35, 112, 84)),
+                                         "max_tokens": 4, "temperature": 0, "n": 2, "return_token_ids": True})
+    assert status == 200, chat
+    assert chat["choices"][0]["token_ids"] == chat["choices"][1]["token_ids"]
+
+
+# --- the audio form ------------------------------------------------------------------------
+
+
+def _wav(seconds: float = 1.0) -> bytes:
+    samples = (np.sin(np.arange(int(16000 * seconds)) / 10) * 8000).astype(np.int16)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes(samples.tobytes())
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("field", "fragment"), [("chunking_strategy", "30 s"), ("top_p", "unrecognized")])
+def test_audio_form_fields_we_do_not_implement_are_400(whisper_server, field, fragment):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=whisper_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.transcriptions.create(model=whisper_server.model, file=("a.wav", _wav()),
+                                           extra_body={field: "auto"})
+    assert field in info.value.message and fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([{"role": "user", "content": "hi", "name": "alice"}], "messages[0].name"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+         "messages[1].tool_calls"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}], "cache_control"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,", "detail": "high"}}]}],
+         "detail"),
+    ],
+)
+def test_message_fields_we_do_not_implement_are_400(llava_server, messages, fragment):
+    status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
+    assert_error(status, body, 400, fragment, param="messages")
+
+
+def test_message_fields_with_no_effect_are_accepted(llava_server):
+    url = image_message("hi", random_image(34, 32, 32))[0]["content"][0]["image_url"]["url"]
+    messages = [{"role": "user", "name": None, "content": [
+        {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}, {"type": "text", "text": "hi"}]}]
+    status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
+    assert status == 200, body
+
+
+def test_text_routes_on_a_speech_model_say_where_it_is_served(whisper_server):
+    status, raw = whisper_server.request("POST", "/v1/completions", orjson.dumps(
+        {"model": whisper_server.model, "prompt": "hello", "max_tokens": 2}))
+    assert_error(status, raw, 400, "/v1/audio/transcriptions")
+    status, raw = whisper_server.request("POST", "/tokenize", orjson.dumps({"messages": TEXT}))
+    assert_error(status, raw, 400, "/v1/audio/transcriptions")
+    status, raw = whisper_server.request("POST", "/tokenize", orjson.dumps({"prompt": "hello"}))
+    assert status == 200 and orjson.loads(raw)["count"] > 0

@@ -1,0 +1,76 @@
+"""Reading a JSON body with the text bound applied while it streams in.
+
+A body may be up to ``--max-request-bytes`` because media travel inside it as ``data:``
+URLs; text may not be nearly that long (vlmd.processing.preprocess: at most the tokenizer's
+longest token x max_model_len characters). Reading a 40 MB body whole and parsing it costs
+two copies and a full JSON parse on the event loop before the bound can be checked, and
+several at once hold the loop for seconds. So a body larger than the bound is scanned as it
+arrives, at C speed (``bytes.find``): a run of bytes between two double quotes that is
+longer than ``max_run_bytes`` and does not start like a data URL is text (or structure)
+longer than any prompt can be, and is refused at once; the rest of the body is discarded
+by aiohttp, which still lets the client finish sending and read the answer. Bodies that pass
+are parsed as usual and the exact character bound is checked on the parsed messages.
+(A string's escapes only split runs, so the scan can only miss, never refuse wrongly.)
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from vlmd.errors import BadRequestError
+
+_DATA = b"data:"
+
+
+class _RunScanner:
+    def __init__(self, max_run_bytes: int, describe: str):
+        self.max_run_bytes = max_run_bytes
+        self.describe = describe
+        self.run = 0  # bytes since the last double quote
+        self.head = b""  # the run's first bytes, to tell a data URL
+        self.seen_quote = False
+
+    def feed(self, chunk: bytes) -> None:
+        first = chunk.find(b'"')
+        if first < 0:
+            self._extend(chunk)
+            return
+        self._extend(chunk[:first])
+        last = chunk.rfind(b'"')
+        if last - first > self.max_run_bytes:  # only then can a run between two of its quotes be too long
+            start = first
+            while start < last:
+                end = chunk.find(b'"', start + 1)
+                self.run, self.head, self.seen_quote = 0, b"", True
+                self._extend(chunk[start + 1:end])
+                start = end
+        self.run, self.head, self.seen_quote = 0, b"", True
+        self._extend(chunk[last + 1:])
+
+    def _extend(self, piece: bytes) -> None:
+        if len(self.head) < len(_DATA):
+            self.head += piece[: len(_DATA) - len(self.head)]
+        self.run += len(piece)
+        if self.run > self.max_run_bytes and self.seen_quote and self.head.lower() != _DATA:
+            raise BadRequestError(
+                f"the body holds a run of more than {self.max_run_bytes} bytes outside any data: URL, "
+                f"so {self.describe}", param="messages")
+
+
+async def read_body(request: web.Request, max_run_bytes: int | None = None, describe: str = "") -> bytes | memoryview:
+    """The body, refused early (400) when a run outside data URLs passes ``max_run_bytes``."""
+    length = request.content_length
+    if max_run_bytes is None or length is None or length <= max_run_bytes or length > request.client_max_size:
+        return await request.read()  # aiohttp enforces --max-request-bytes (413)
+    buffer = bytearray(length)  # one copy, no regrowth
+    view = memoryview(buffer)
+    scanner = _RunScanner(max_run_bytes, describe)
+    position = 0
+    async for chunk in request.content.iter_any():
+        end = position + len(chunk)
+        if end > length:
+            raise BadRequestError("the body is longer than its Content-Length")
+        view[position:end] = chunk
+        position = end
+        scanner.feed(chunk)
+    return view[:position]

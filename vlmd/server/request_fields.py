@@ -1,0 +1,123 @@
+"""Strict request bodies: every field is read by a parser, refused by name, or on a short
+list of fields that have no effect by OpenAI's own definition.
+
+A parser reads fields through ``RequestFields.get``, which records each name; ``finish``
+then answers 400 for every field left over, naming it (and why, where we know), the way
+OpenAI answers "Unrecognized request argument supplied". A field that is silently
+ignored gives a user wrong output without a word, so there is no "accept and drop".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vlmd.errors import BadRequestError
+
+_MISSING = object()
+
+# Fields accepted with no effect, because OpenAI defines them as having none on the
+# output: identifiers and tags for OpenAI's own dashboards, abuse monitoring and routing.
+# The check says which values keep that true (``store: true`` would ask us to keep the
+# completion, which we never do, so it is refused).
+NO_EFFECT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "user": lambda value: value is None or isinstance(value, str),
+    "safety_identifier": lambda value: value is None or isinstance(value, str),
+    "metadata": lambda value: value is None or isinstance(value, dict),
+    "prompt_cache_key": lambda value: value is None or isinstance(value, str),
+    "store": lambda value: value in (None, False),
+    "service_tier": lambda value: value in (None, "auto", "default"),
+}
+
+# Fields we know and refuse, with the reason a user needs.
+_TOOLS_REASON = (
+    "no tool calling: the chat templates of the served families (LLaVA-1.5, Qwen2-VL) have "
+    "no tool support, so the models were never taught a tool-call format"
+)
+NOT_SUPPORTED_FIELDS: dict[str, str] = {
+    "tools": _TOOLS_REASON,
+    "tool_choice": _TOOLS_REASON,
+    "functions": _TOOLS_REASON,
+    "function_call": _TOOLS_REASON,
+    "parallel_tool_calls": _TOOLS_REASON,
+    "audio": "the served models answer in text only",
+    "modalities": "only text output (modalities ['text'])",
+    "prediction": "no predicted outputs",
+    "reasoning_effort": "the served models have no reasoning mode",
+    "verbosity": "the served models have no verbosity control",
+    "web_search_options": "no web search",
+    "suffix": "no insertion (suffix)",
+    "best_of": "best_of is a text-completions field (/v1/completions)",
+    "echo": "echo is a text-completions field (/v1/completions)",
+    "include_stop_str_in_output": "stop strings are always cut from the output",
+    "chat_template": "the checkpoint's own chat template is always used",
+    "chunking_strategy": "audio is always cut into windows of at most 30 s at quiet points",
+    "known_speaker_names": "no speaker diarization",
+    "known_speaker_references": "no speaker diarization",
+}
+
+
+class RequestFields:
+    """A JSON body being read field by field."""
+
+    def __init__(self, body: Any, what: str = "the request body"):
+        if not isinstance(body, dict):
+            raise BadRequestError(f"{what} must be a JSON object")
+        self.body = body
+        self._read: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def raw(self, name: str, default: Any = None) -> Any:
+        """The value as sent (None counts as absent), unchecked."""
+        self._read.add(name)
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def get(self, name: str, kinds, default: Any = _MISSING) -> Any:
+        """The value if it has one of ``kinds`` (bool is never an int here); ``default``
+        when absent or null; 400 when required and absent, or of the wrong type."""
+        self._read.add(name)
+        value = self.body.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise BadRequestError(f"'{name}' is required", param=name)
+            return default
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise BadRequestError(f"'{name}' has the wrong type", param=name)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = float(self.get(name, (int, float), default))
+        if value != value or value in (float("inf"), float("-inf")):
+            raise BadRequestError(f"'{name}' must be a finite number", param=name)
+        return value
+
+    def accept_when(self, name: str, allowed: Callable[[Any], bool]) -> None:
+        """Read a field whose only accepted values are the ones with no effect."""
+        self._read.add(name)
+        if name in self.body and not allowed(self.body[name]):
+            raise BadRequestError(_reason(name, f"'{name}' with this value is not supported"), param=name)
+
+    def finish(self) -> None:
+        """400 for the first field no parser read (in the body's order), naming it."""
+        for name, value in self.body.items():
+            if name in self._read or value is None:  # null asks for nothing
+                continue
+            check = NO_EFFECT_FIELDS.get(name)
+            if check is not None:
+                if check(value):
+                    continue
+                raise BadRequestError(f"'{name}' with value {value!r} is not supported", param=name)
+            raise BadRequestError(unsupported_field_message(name), param=name)
+
+
+def unsupported_field_message(name: str) -> str:
+    return _reason(name, f"unrecognized request field '{name}'")
+
+
+def _reason(name: str, fallback: str) -> str:
+    reason = NOT_SUPPORTED_FIELDS.get(name)
+    return f"'{name}' is not supported: {reason}" if reason else fallback

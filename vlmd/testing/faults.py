@@ -1,0 +1,76 @@
+"""Fault injection for tests: a model whose encoder or forward raises on a marked input.
+
+Off unless the ``VLMD_FAULT_INJECTION`` environment variable is set (tests set it on the
+server they start; production never does), e.g.
+``VLMD_FAULT_INJECTION='{"encoder_pixel_value": 13, "forward_token_id": 4242}'``:
+
+- ``encoder_pixel_value``: the image encoder raises for a batch holding an item whose
+  uint8 pixels all equal this value (a solid-colour image stays solid through resizing);
+- ``forward_token_id``: the decoder forward raises for a batch holding this token id,
+  *after* the real forward ran, so the failed step has already written K/V for every
+  request in it: the worst case for re-running the step without the culprit.
+
+Both fail the whole batch, as a real shape bug or a bad input would: the engine must find
+the culprit itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import structlog
+
+log = structlog.get_logger(__name__)
+
+ENV = "VLMD_FAULT_INJECTION"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def install_from_env(model) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    settings = json.loads(spec)
+    log.warning("fault injection is on (tests only)", settings=settings)
+    pixel_value = settings.get("encoder_pixel_value")
+    if pixel_value is not None:
+        _poison_encoder(model, int(pixel_value))
+    token_id = settings.get("forward_token_id")
+    if token_id is not None:
+        _poison_forward(model, int(token_id))
+
+
+def _poison_encoder(model, pixel_value: int) -> None:
+    encode = model.embed_multimodal
+
+    def embed_multimodal(modality, encoder_inputs):
+        for inputs in encoder_inputs:
+            pixels = inputs.get("pixels")
+            if pixels is not None and np.size(pixels) and bool(np.all(np.asarray(pixels) == pixel_value)):
+                raise InjectedFault(f"injected encoder fault: a {modality} item of solid value {pixel_value}")
+        return encode(modality, encoder_inputs)
+
+    model.embed_multimodal = embed_multimodal
+
+
+def _poison_forward(model, token_id: int) -> None:
+    embed, forward = model.embed_input_ids, model.forward
+    batch = {"poisoned": False}
+
+    def embed_input_ids(input_ids):
+        batch["poisoned"] = bool((input_ids == token_id).any())
+        return embed(input_ids)
+
+    def poisoned_forward(*args, **kwargs):
+        hidden = forward(*args, **kwargs)  # K/V of the whole batch are written first
+        if batch["poisoned"]:
+            raise InjectedFault(f"injected forward fault: token {token_id} in the batch")
+        return hidden
+
+    model.embed_input_ids = embed_input_ids
+    model.forward = poisoned_forward
