@@ -284,3 +284,25 @@ def test_health_turns_503_when_a_rank_dies_while_idle(tiny_llava_dir, tmp_path):
         assert server.process.wait(15) == 1
     finally:
         server.stop()
+
+
+def test_a_poisoned_request_fails_alone_under_tp2(tiny_llava_dir, tmp_path, monkeypatch):
+    """A step that raises on every rank is re-run over parts of it on every rank (the re-runs
+    are messages too), so the culprit fails alone and the ranks stay in step."""
+    from test_fault_isolation_server import FLAGS
+    from test_fault_isolation_server import (
+        test_poisoned_requests_fail_alone_and_good_ones_match_transformers as poisoned_requests_fail_alone,
+    )
+    from vlmd.testing.faults import ENV
+    from vlmd.testing.soak import POISON_PIXEL
+
+    monkeypatch.setenv(ENV, orjson.dumps({"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 4095}).decode())
+    server = Server(tiny_llava_dir, *TP2, *FLAGS, log_dir=tmp_path)
+    monkeypatch.delenv(ENV)
+    try:
+        poisoned_requests_fail_alone(server, tiny_llava_dir)
+        assert server.request("GET", "/health")[0] == 200
+        _check_llava([_llava_chat(server, 2)], [_llava_reference(tiny_llava_dir, 2)])
+    finally:
+        server.stop()
+    assert '"step failed on this rank as on rank 0"' in server.log_path.read_text()
