@@ -99,7 +99,7 @@ def default_model_dir() -> Path:
     return target
 
 
-def serve(config: ServeConfig, sock: socket.socket) -> None:
+def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> None:
     import uvloop
     from aiohttp import web
 
@@ -113,7 +113,8 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
 
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    built = build_engine(config)
+    built = build_engine(config, log_level)
+    executor = built.core.executor
     if config.warmup:
         warm_up(built)
     engine = AsyncEngine(loop)
@@ -122,7 +123,7 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
         built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
     built.preprocessor.processor.observer = metrics
-    worker = EngineWorker(built.core, engine.post_deltas, config.torch_threads, observe_step=metrics.observe_step)
+    worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step)
     engine.attach(worker)
     worker.start()
     state = ServerState(
@@ -145,13 +146,33 @@ def serve(config: ServeConfig, sock: socket.socket) -> None:
     )
     metrics.admission = state.admission
     app = create_app(state)
+    executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
     log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
     try:
         web.run_app(app, sock=sock, loop=loop, handler_cancellation=True, access_log=None, print=None)
     finally:
         worker.stop()
+        executor.shutdown()
         state.pool.shutdown(wait=False, cancel_futures=True)
         log.info("shut down", model=config.model_name)
+    if state.fatal_error is not None:
+        log.error("exiting after a tensor-parallel failure", reason=state.fatal_error)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown: a process group that lost a peer aborts there
+
+
+# Seconds between a fatal engine failure and the exit: in-flight requests get their errors first.
+FAILURE_GRACE_S = 1.0
+
+
+def _fail_server(state, message: str) -> None:
+    """On the event loop: /health turns 503 now; the server stops (exit 1) shortly after."""
+    import signal
+
+    if state.fatal_error is None:
+        state.fatal_error = message
+        state.engine.loop.call_later(FAILURE_GRACE_S, os.kill, os.getpid(), signal.SIGTERM)
 
 
 def _serve_command(args: argparse.Namespace) -> None:
@@ -161,11 +182,19 @@ def _serve_command(args: argparse.Namespace) -> None:
     config = config_from_flags(args, model=args.model or "")  # validates every setting
     if args.model is not None:
         check_model_dir(args.model)
+    if config.node_rank > 0:  # ranks only, no HTTP: MODEL_DIR must be the same checkpoint as node 0's
+        if args.model is None:
+            raise ValueError("--node-rank > 0 needs MODEL_DIR (the same checkpoint as node 0's)")
+        from vlmd.engine.rank_launcher import run_node
+        from vlmd.engine.tp_startup import world_spec_of
+
+        sys.exit(run_node(world_spec_of(config), config.node_rank, str(Path(config.model).expanduser()),
+                          config.dtype, config.torch_threads, args.log_level))
     sock = bind_socket(config.host, config.port)
     if args.model is None:
         config.model = str(default_model_dir())
         config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
-    serve(config, sock)
+    serve(config, sock, args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -72,7 +72,9 @@ class ServeConfig:
     media_max_bytes: int = setting(20 * 2**20, "largest fetched image or video, in bytes", minimum=1)
     media_timeout_s: float = setting(10.0, "seconds allowed to fetch one media URL", minimum=0)
     preprocess_threads: int = setting(4, "threads that fetch, decode and preprocess media", minimum=1)
-    torch_threads: int | None = setting(None, "intra-op threads of the engine thread (default: torch's)", minimum=1)
+    torch_threads: int | None = setting(
+        None, "intra-op threads of the engine thread, of each rank under tensor parallelism "
+        "(default: torch's; with ranks, this host's cores divided among its ranks)", minimum=1)
     disable_chunked_mm_input: bool = setting(False, "schedule each media item's placeholders in one step")
     enable_prefix_caching: bool = setting(
         True, "share KV blocks of identical prefixes, media included", negatable=True)
@@ -105,6 +107,18 @@ class ServeConfig:
     max_inflight_media_gb: float = setting(
         2.0, "decoded media held by requests in flight, GiB; beyond it a request gets 503", minimum=1e-6)
     warmup: bool = setting(True, "run one warm-up request before serving", negatable=True)
+    # Tensor parallelism (vlmd/engine/executor.py, docs/architecture.md "Tensor parallelism").
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is sharded over; >1 starts that many rank processes (gloo on CPU, NCCL on CUDA)",
+        minimum=1)
+    nnodes: int = setting(1, "hosts the tensor-parallel ranks span (ranks are split evenly between them)", minimum=1)
+    node_rank: int = setting(0, "this host's index among --nnodes; only node 0 serves HTTP, the others run ranks only",
+                             minimum=0)
+    master_addr: str = setting("127.0.0.1", "address of node 0, where the ranks meet (torch.distributed TCP store)")
+    master_port: int | None = setting(
+        None, "port on node 0 where the ranks meet (default: a free port; required with --nnodes > 1)", minimum=1)
+    distributed_timeout_s: float = setting(
+        60.0, "a rank that does not answer a collective within this many seconds ends the server", minimum=1)
 
     @property
     def model_name(self) -> str:
@@ -118,6 +132,12 @@ class ServeConfig:
             if minimum is not None and value is not None and value < minimum:
                 flag = "--" + spec.name.replace("_", "-")
                 raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} is not a multiple of --nnodes {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (the port on node 0 every host connects to)")
 
 
 def parse_device(text: str) -> str:

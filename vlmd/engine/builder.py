@@ -17,6 +17,8 @@ import torch
 
 from vlmd.config import ServeConfig, media_policy_fields
 from vlmd.engine.core import EngineCore
+from vlmd.engine.executor import InProcessExecutor
+from vlmd.engine.tp_startup import begin_tensor_parallel
 from vlmd.errors import VlmdError
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.media.policy import MediaPolicy
@@ -27,7 +29,7 @@ from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.processing.speech import SpeechToTextProcessor
 from vlmd.processing.transcription import TranscriptionPreprocessor
 from vlmd.engine.memory_plan import MemoryPlan
-from vlmd.engine.profile import profile_peak, worst_case_runs
+from vlmd.engine.profile import profile_peak, unprofiled, worst_case_runs
 from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
 from vlmd.runner.device import resolve_device
 from vlmd.runner.kv_cache import bytes_per_block
@@ -38,7 +40,7 @@ from vlmd.testing.faults import install_from_env as install_fault_injection
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -54,20 +56,47 @@ class BuiltEngine:
     transcriber: object = None
     grammar_compiler: GrammarCompiler | None = None
     memory_plan: MemoryPlan | None = None
+    # Intra-op threads of the engine thread (rank 0's share of the cores under tensor parallelism).
+    torch_threads: int | None = None
 
 
 def text_config_of(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def build_engine(config: ServeConfig) -> BuiltEngine:
+def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, device: torch.device | None = None,
+               before_device=None):
+    """The family's model for a checkpoint; ``tp`` (a ``TPGroup``) loads only that rank's shard.
+
+    ``before_device(model)`` runs before the move to ``device`` (dropping unused encoders
+    there saves their device memory); the linear kernels are chosen last, on the device.
+    """
+    from transformers import AutoConfig
+
+    hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
+    family = build_registry().for_architectures(list(hf_config.architectures or []))
+    loader = family.load("model").load
+    model = loader(model_dir, hf_config, dtype) if tp is None or tp.size == 1 else loader(model_dir, hf_config, dtype, tp=tp)
+    if before_device is not None:
+        before_device(model)
+    if device is not None:
+        model = model.to(device)
+    # Last, after the dtype cast and the move: the chosen kernels (CPU only) may hold weights
+    # in a packed layout.
+    kernels = select_linear_kernels(model)
+    log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
+    install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION (every rank alike)
+    return model
+
+
+def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     from transformers import AutoConfig, AutoTokenizer
 
     started = time.perf_counter()
     model_dir = str(Path(config.model).expanduser())
-    if config.dtype not in _DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}")
-    dtype = _DTYPES[config.dtype]
+    if config.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}")
+    dtype = DTYPES[config.dtype]
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -116,16 +145,18 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         # from the CPU oracle after a few tokens.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model = family.load("model").load(model_dir, hf_config, dtype)
-    dropped = drop_unused_encoders(model, supported, modalities)
-    model = model.to(device)
-    if model.kv_spec != info.kv_spec():  # `vlmd cost` sizes caches from info.kv_spec()
+    # Tensor parallelism: the other ranks start first and load their shards meanwhile (they
+    # die with this process if the start-up fails here: rank_process._die_with_parent).
+    tensor_parallel = begin_tensor_parallel(config, model_dir, log_level) if config.tensor_parallel_size > 1 else None
+    dropped: list[str] = []
+    model = load_model(
+        model_dir, dtype, tensor_parallel.tp if tensor_parallel else None, hf_config, device,
+        before_device=lambda loaded: dropped.extend(drop_unused_encoders(loaded, supported, modalities)),
+    )
+    # `vlmd cost` sizes caches from info.kv_spec() (a tensor-parallel rank holds its shard).
+    if tensor_parallel is None and model.kv_spec != info.kv_spec():
         raise RuntimeError(f"{family.name}: the model's KV spec {model.kv_spec} differs from its processing "
                            f"info's {info.kv_spec()}")
-    install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION
-    # Last, after the dtype cast and the move to the device: the chosen kernels (CPU only) may hold weights in a packed layout.
-    kernels = select_linear_kernels(model)
-    log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
     enable_prefix_caching = config.enable_prefix_caching
     if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
         # Decoder K/V depend on the request's encoder input through cross-attention, and a
@@ -145,14 +176,22 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
     )
     filler = (tokenizer.encode(" the", add_special_tokens=False) or [0])[0]
     encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
-    runs = worst_case_runs(processor, dummy, modalities, scheduler_config, filler, encoder_decoder)
-    profile = profile_peak(model, runs, scheduler_config, dtype, device)
+    if tensor_parallel is None:
+        runs = worst_case_runs(processor, dummy, modalities, scheduler_config, filler, encoder_decoder)
+        profile = profile_peak(model, runs, scheduler_config, dtype, device)
+    else:  # a forward needs every rank's collectives: rank 0 cannot run one alone at start-up
+        profile = unprofiled()
     hidden = int(text_config.hidden_size)
     plan = plan_kv_cache(config, device, profile, weight_bytes_of(model), bytes_per_block(model.kv_spec, config.block_size, dtype),
                          encoder_cache_size * hidden * dtype.itemsize, max_model_len)
     num_blocks = plan.num_kv_blocks
     scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks)
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device)
+    if tensor_parallel is None:
+        executor, torch_threads = InProcessExecutor(runner), config.torch_threads
+    else:
+        executor = tensor_parallel.executor(runner, num_blocks, config.block_size, config.seed)
+        torch_threads = tensor_parallel.threads
     log.info("memory plan", **{k: v for k, v in plan.fields().items()}, profile_method=profile.method,
              profile_seconds=round(profile.seconds, 2), dropped_encoders=dropped or None)
     policy = MediaPolicy(
@@ -184,8 +223,8 @@ def build_engine(config: ServeConfig) -> BuiltEngine:
         seconds=round(time.perf_counter() - started, 2),
     )
     return BuiltEngine(
-        EngineCore(Scheduler(scheduler_config), runner), preprocessor, tokenizer, eos, max_model_len,
-        scheduler_config, dummy, transcriber, grammar_compiler, plan
+        EngineCore(Scheduler(scheduler_config), executor), preprocessor, tokenizer, eos, max_model_len,
+        scheduler_config, dummy, transcriber, grammar_compiler, plan, torch_threads
     )
 
 

@@ -1,4 +1,4 @@
-"""The engine core: one scheduler, one runner, one step at a time (worker thread only)."""
+"""The engine core: one scheduler, one executor, one step at a time (worker thread only)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from vlmd.engine.executor import Executor, RankFailure
 from vlmd.engine.isolation import find_culprits
 from vlmd.errors import ENGINE_FAILED
-from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
@@ -48,9 +48,9 @@ class StepMetrics:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, executor: Executor):
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor  # the only way to the model (engine/executor.py)
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_requests_failed = 0
@@ -84,18 +84,20 @@ class EngineCore:
             and request.num_preemptions == 0
             and request.arrival_time
         ]
-        self.runner.apply_schedule(out)
+        self.executor.apply_schedule(out)
         deltas: list[RequestDelta] = []
         if out.is_empty:
             result = RunnerOutput()
         else:
             try:
-                result = self.runner.run(out, list(out.num_scheduled_tokens))
+                result = self.executor.run(out, list(out.num_scheduled_tokens))
+            except RankFailure:
+                raise  # no request caused it and none can run: every one fails (engine/worker.py)
             except Exception as exc:
                 self.num_failed_steps += 1
                 log.warning("engine step failed; re-running it to find the request that caused it",
                             error=f"{type(exc).__name__}: {exc}", requests=len(out.num_scheduled_tokens))
-                result, culprits = find_culprits(self.runner, out, exc)
+                result, culprits = find_culprits(self.executor, out, exc)
                 deltas = self._fail_culprits(out, culprits)
         self.num_steps += 1
         self.last_step_metrics = StepMetrics(result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued)
@@ -112,7 +114,7 @@ class EngineCore:
             self.scheduler.requests[rid].mm_items[index].identifier
             for rid in culprits
             for index in out.scheduled_encoder_inputs.get(rid, ())
-        } - set(self.runner.encoder_outputs)
+        } - set(self.executor.encoder_outputs)
         messages = {
             rid: f"the engine failed while computing this request ({type(exc).__name__})"
             for rid, exc in culprits.items()
@@ -142,7 +144,7 @@ class EngineCore:
             num_free_kv_blocks=kv.num_free_blocks,
             kv_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
-            num_encoder_forwards=self.runner.num_encoder_forwards,
+            num_encoder_forwards=self.executor.num_encoder_forwards,
             encoder_cache_usage=self.scheduler.encoder_cache.usage,
             encoder_cache_queries=self.scheduler.encoder_cache.num_queries,
             encoder_cache_hits=self.scheduler.encoder_cache.num_hits,

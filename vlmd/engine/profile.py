@@ -36,6 +36,12 @@ class ProfileResult:
     seconds: float
 
 
+def unprofiled() -> ProfileResult:
+    """No profile run (tensor parallelism: a forward needs every rank); the plan then rests
+    on --kv-cache-gb / --num-kv-blocks, or on the utilisation without activation figures."""
+    return ProfileResult(base_bytes=0, activation_bytes=0, encoder_peak_bytes=0, method="not profiled", seconds=0.0)
+
+
 @dataclass
 class ProfileRun:
     name: str

@@ -8,6 +8,7 @@ projections, GQA, paged attention, weight loading) is ``LlamaForCausalLM``'s.
 
 from __future__ import annotations
 
+from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.llama import LlamaForCausalLM
 
@@ -15,7 +16,7 @@ from vlmd.models.llama import LlamaForCausalLM
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """``forward`` takes positions ``[T]`` (plain RoPE) or ``[3, T]`` (M-RoPE rows t, h, w)."""
 
-    def __init__(self, config, *, tie_word_embeddings: bool | None = None):
+    def __init__(self, config, *, tie_word_embeddings: bool | None = None, tp: TPGroup = SINGLE):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen2 sliding-window attention is not supported")
         section = mrope_section(config)
@@ -24,7 +25,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
             theta, scaling = rope_parameters(config)
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             rotary = MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, section)
-        super().__init__(config, qkv_bias=True, rotary=rotary)
+        super().__init__(config, qkv_bias=True, rotary=rotary, tp=tp)
         self.uses_mrope = section is not None
         # Qwen2-VL keeps tie_word_embeddings on the outer config, not on its text config.
         if tie_word_embeddings is None:

@@ -24,9 +24,13 @@ from vlmd.types import MultiModalItem
 class ModelRunner:
     def __init__(
         self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
-        device: torch.device | None = None,
+        device: torch.device | None = None, samples: bool = True,
     ):
+        """``samples=False``: a tensor-parallel rank other than 0, which runs the forward
+        (its collectives) but neither computes logits nor samples; it learns the tokens
+        rank 0 sampled through :meth:`append_sampled` before the next step."""
         self.model = model
+        self.samples = samples
         # The one device of this runner: weights, KV cache, encoder outputs, sampler state
         # and each step's tensors live there (default: where the weights are).
         self.device = device if device is not None else next(model.parameters()).device
@@ -83,7 +87,7 @@ class ModelRunner:
         hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches, **extra)
 
         result = RunnerOutput(encoder_seconds=encoder_seconds)
-        if batch.sample_rows:
+        if batch.sample_rows and self.samples:
             logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
@@ -99,6 +103,19 @@ class ModelRunner:
         for piece in batch.slices:
             piece.state.num_computed_tokens = piece.end
         return result
+
+    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+        """The tokens another rank sampled in the previous step (a rank that does not sample)."""
+        for request_id, token in sampled_token_ids.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.append_token(token)
+
+    def set_computed(self, num_computed_tokens: dict[str, int]) -> None:
+        """Rank 0's view before a re-run of a failed step (its run may have failed after the
+        forward, where this rank's succeeded and advanced)."""
+        for request_id, count in num_computed_tokens.items():
+            self.requests[request_id].num_computed_tokens = count
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.dropped_request_ids:

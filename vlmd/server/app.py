@@ -115,7 +115,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: 200 with an empty body (``/ping`` is the same, under the API key)."""
+    """Liveness: 200 with an empty body (``/ping`` is the same, under the API key); 503 once
+    the model cannot run any more (a tensor-parallel rank was lost)."""
+    state: ServerState = request.app["state"]
+    if state.fatal_error is not None:
+        return _error_response(503, f"the engine cannot run: {state.fatal_error}", "server_error")
     return web.Response(text="")
 
 

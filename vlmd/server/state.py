@@ -26,3 +26,6 @@ class ServerState:
     grammar_compiler: object = None
     # Bounds on waiting work, preprocessing time and decoded media in flight.
     admission: object = None  # vlmd.server.admission.Admission
+    # Set when the model can no longer run (a tensor-parallel rank was lost): /health answers
+    # 503 with it and the server exits non-zero.
+    fatal_error: str | None = None

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmd.layers.linear import ReplicatedLinear
+from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup
 from vlmd.models.llama import LlamaForCausalLM
 from vlmd.models.loader import iterate_weights
 from vlmd_llava.processing import CLIP_MEAN, CLIP_STD, image_processor_config
@@ -50,7 +50,10 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaModel(nn.Module):
-    def __init__(self, config):
+    """Under tensor parallelism (``tp``) the Llama is sharded; the CLIP tower and projector are
+    replicated: every rank encodes every image (docs/architecture.md, "Tensor parallelism")."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         from transformers import CLIPVisionModel
 
@@ -71,12 +74,12 @@ class LlavaModel(nn.Module):
         self.multi_modal_projector = LlavaProjector(
             vision_config.hidden_size, config.text_config.hidden_size, config.projector_hidden_act
         )
-        self.language_model = LlamaForCausalLM(config.text_config)
+        self.language_model = LlamaForCausalLM(config.text_config, tp=tp)
         self.kv_spec = self.language_model.kv_spec
 
     @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype) -> "LlavaModel":
-        model = cls(config)
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "LlavaModel":
+        model = cls(config, tp)
         settings = image_processor_config(str(model_dir))
         model.register_buffer("pixel_mean", torch.tensor(settings.get("image_mean", CLIP_MEAN)).view(1, 3, 1, 1), persistent=False)
         model.register_buffer("pixel_std", torch.tensor(settings.get("image_std", CLIP_STD)).view(1, 3, 1, 1), persistent=False)

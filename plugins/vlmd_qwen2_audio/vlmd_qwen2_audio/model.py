@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.models.loader import iterate_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_audio.processing import conv_output_frames, num_audio_tokens
@@ -55,7 +56,7 @@ class Qwen2AudioProjector(nn.Module):
 
 
 class Qwen2AudioModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
@@ -64,12 +65,12 @@ class Qwen2AudioModel(nn.Module):
         audio_config._attn_implementation = "sdpa"
         self.audio_tower = Qwen2AudioEncoder(audio_config)
         self.multi_modal_projector = Qwen2AudioProjector(audio_config.d_model, config.text_config.hidden_size)
-        self.language_model = Qwen2ForCausalLM(config.text_config)
+        self.language_model = Qwen2ForCausalLM(config.text_config, tp=tp)  # sharded; the encoder replicated
         self.kv_spec = self.language_model.kv_spec
 
     @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype) -> "Qwen2AudioModel":
-        model = cls(config)
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen2AudioModel":
+        model = cls(config, tp)
         model.load_weights(iterate_weights(model_dir))
         return model.to(dtype).eval()
 

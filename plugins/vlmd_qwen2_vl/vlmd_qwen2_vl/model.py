@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.models.loader import iterate_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_vl.settings import VisionSettings, read_settings
@@ -54,7 +55,10 @@ def patchify(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, settin
 
 
 class Qwen2VLModel(nn.Module):
-    def __init__(self, config):
+    """Under tensor parallelism (``tp``) the Qwen2 decoder is sharded; the vision tower is
+    replicated: every rank encodes every image and video (docs/architecture.md)."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
@@ -63,14 +67,14 @@ class Qwen2VLModel(nn.Module):
         vision_config._attn_implementation = "sdpa"
         self.visual = Qwen2VisionTransformerPretrainedModel(vision_config)
         self.language_model = Qwen2ForCausalLM(
-            config.text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False))
+            config.text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), tp=tp
         )
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
 
     @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype) -> "Qwen2VLModel":
-        model = cls(config)
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen2VLModel":
+        model = cls(config, tp)
         model.load_weights(iterate_weights(model_dir))
         model = model.to(dtype).eval()
         # Registered after the dtype cast: normalisation stays float32, as the reference's.

@@ -19,21 +19,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmd.layers.attention import AttentionMetadata, paged_attention
+from vlmd.layers.linear import (
+    SINGLE,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+)
 from vlmd.models.base import KVSpec
 
 CrossState = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [1, heads, frames, head_dim]
 
 
 class WhisperSelfAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int):
+    def __init__(self, d_model: int, num_heads: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        # Q, K, V in one matmul; K has no bias in Whisper, so its bias slot stays zero.
-        self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.head_dim = d_model // num_heads
+        # Q, K, V in one matmul (this rank's heads); K has no bias in Whisper, so its bias
+        # slot keeps the zeros it starts with.
+        self.qkv_proj = QKVParallelLinear(d_model, self.head_dim, num_heads, num_heads, bias=True, tp=tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.out_proj = RowParallelLinear(d_model, d_model, bias=True, tp=tp)
         self.scale = self.head_dim**-0.5
-        with torch.no_grad():
-            self.qkv_proj.bias[d_model : 2 * d_model].zero_()
 
     def forward(self, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -43,15 +51,15 @@ class WhisperSelfAttention(nn.Module):
 
 
 class WhisperCrossAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int):
+    def __init__(self, d_model: int, num_heads: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.kv_proj = nn.Linear(d_model, 2 * d_model)  # K (no bias: zero slot) and V
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.head_dim = d_model // num_heads
+        self.num_heads = tp.split(num_heads, "decoder attention heads")
+        self.q_proj = ColumnParallelLinear(d_model, d_model, bias=True, tp=tp)
+        # K (no bias: its slot keeps its zeros) and V of this rank's heads.
+        self.kv_proj = MergedColumnParallelLinear(d_model, [d_model, d_model], bias=True, tp=tp)
+        self.out_proj = RowParallelLinear(d_model, d_model, bias=True, tp=tp)
         self.scale = self.head_dim**-0.5
-        with torch.no_grad():
-            self.kv_proj.bias[:d_model].zero_()
 
     def memory(self, encoder_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one request's encoder output ``[frames, d_model]``."""
@@ -72,15 +80,15 @@ class WhisperCrossAttention(nn.Module):
 
 
 class WhisperDecoderLayer(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, ffn_dim: int, eps: float = 1e-5):
+    def __init__(self, d_model: int, num_heads: int, ffn_dim: int, eps: float = 1e-5, tp: TPGroup = SINGLE):
         super().__init__()
         self.self_attn_layer_norm = nn.LayerNorm(d_model, eps=eps)
-        self.self_attn = WhisperSelfAttention(d_model, num_heads)
+        self.self_attn = WhisperSelfAttention(d_model, num_heads, tp)
         self.encoder_attn_layer_norm = nn.LayerNorm(d_model, eps=eps)
-        self.encoder_attn = WhisperCrossAttention(d_model, num_heads)
+        self.encoder_attn = WhisperCrossAttention(d_model, num_heads, tp)
         self.final_layer_norm = nn.LayerNorm(d_model, eps=eps)
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.fc1 = ColumnParallelLinear(d_model, ffn_dim, bias=True, tp=tp)
+        self.fc2 = RowParallelLinear(ffn_dim, d_model, bias=True, tp=tp)
 
     def forward(self, hidden, kv_cache, meta, spans) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), kv_cache, meta)
@@ -89,9 +97,13 @@ class WhisperDecoderLayer(nn.Module):
 
 
 class WhisperDecoder(nn.Module):
-    """Built from a transformers ``WhisperConfig``; weights named ``model.decoder.*``."""
+    """Built from a transformers ``WhisperConfig``; weights named ``model.decoder.*``.
 
-    def __init__(self, config):
+    Under tensor parallelism (``tp``) every attention and MLP is split by heads / columns
+    (one all-reduce after each out_proj and fc2); embeddings, norms and the output
+    projection are whole on every rank."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         if getattr(config, "activation_function", "gelu") != "gelu":
             raise ValueError(f"Whisper activation {config.activation_function!r} is not supported (gelu is)")
@@ -101,12 +113,13 @@ class WhisperDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, d_model)
         self.embed_positions = nn.Embedding(config.max_target_positions, d_model)
         self.layers = nn.ModuleList(
-            WhisperDecoderLayer(d_model, heads, config.decoder_ffn_dim) for _ in range(config.decoder_layers)
+            WhisperDecoderLayer(d_model, heads, config.decoder_ffn_dim, tp=tp) for _ in range(config.decoder_layers)
         )
         self.layer_norm = nn.LayerNorm(d_model, eps=1e-5)
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
         self.proj_out = None if self.tied else nn.Linear(d_model, config.vocab_size, bias=False)
-        self.kv_spec = KVSpec(num_layers=config.decoder_layers, num_kv_heads=heads, head_dim=d_model // heads)
+        self.kv_spec = KVSpec(num_layers=config.decoder_layers, num_kv_heads=self.layers[0].self_attn.num_heads,
+                              head_dim=d_model // heads)
 
     def cross_attention_state(self, encoder_output: torch.Tensor) -> CrossState:
         return [layer.encoder_attn.memory(encoder_output) for layer in self.layers]
@@ -149,31 +162,35 @@ class WhisperDecoder(nn.Module):
             if name == "proj_out.weight":
                 if self.proj_out is None:
                     continue  # tied: the same values as the token embeddings
-                target, rows = "proj_out.weight", None
+                target, shard = "proj_out.weight", None
             else:
-                target, rows = _our_name(name.removeprefix("model.decoder."), params)
+                target, shard = _our_name(name.removeprefix("model.decoder."))
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in Whisper checkpoint")
-            destination = param if rows is None else param.narrow(0, rows[0], rows[1])
-            if destination.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
-            with torch.no_grad():
-                destination.copy_(tensor.to(param.dtype))
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:  # a linear layer: it takes this rank's slice
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as exc:
+                    raise ValueError(f"weight {name!r}: {exc}") from None
+            elif param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            else:
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.dtype))
             loaded.add(name)
         return loaded
 
 
-def _our_name(name: str, params: dict[str, torch.Tensor]) -> tuple[str, tuple[int, int] | None]:
-    """A checkpoint name -> (our parameter, (first row, rows) within a fused projection)."""
+def _our_name(name: str) -> tuple[str, str | int | None]:
+    """A checkpoint name -> (our parameter, shard id of a fused projection's weight_loader)."""
     for attention, fused, parts in (
-        ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        ("encoder_attn", "kv_proj", ("k_proj", "v_proj")),
+        ("self_attn", "qkv_proj", (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"))),
+        ("encoder_attn", "kv_proj", (("k_proj", 0), ("v_proj", 1))),
     ):
-        for index, part in enumerate(parts):
+        for part, shard in parts:
             fragment = f".{attention}.{part}."
             if fragment in name:
-                target = name.replace(fragment, f".{attention}.{fused}.")
-                size = params[target].shape[0] // len(parts) if target in params else 0
-                return target, (index * size, size)
+                return name.replace(fragment, f".{attention}.{fused}."), shard
     return name, None

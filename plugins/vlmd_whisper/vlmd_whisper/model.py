@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.models.loader import iterate_weights
 from vlmd_whisper.decoder import CrossState, WhisperDecoder
 from vlmd_whisper.timestamps import TimestampRules
@@ -29,23 +30,26 @@ def generation_config(model_dir: str | Path) -> dict:
 
 
 class WhisperModel(nn.Module):
+    """Under tensor parallelism (``tp``) the decoder is sharded; the encoder is replicated:
+    every rank encodes every window (docs/architecture.md, "Tensor parallelism")."""
+
     is_encoder_decoder = True
 
-    def __init__(self, config, generation: dict):
+    def __init__(self, config, generation: dict, tp: TPGroup = SINGLE):
         super().__init__()
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
         config._attn_implementation = "sdpa"
         self.config = config
         self.encoder = WhisperEncoder(config)
-        self.decoder = WhisperDecoder(config)
+        self.decoder = WhisperDecoder(config, tp)
         self.kv_spec = self.decoder.kv_spec
         self.timestamp_rules = TimestampRules.from_generation_config(generation)
         self.num_frames = config.max_source_positions * 2  # conv2 has stride 2
 
     @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype) -> "WhisperModel":
-        model = cls(config, generation_config(model_dir))
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "WhisperModel":
+        model = cls(config, generation_config(model_dir), tp)
         model.load_weights(iterate_weights(model_dir))
         return model.to(dtype).eval()
 
