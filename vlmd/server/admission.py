@@ -1,8 +1,9 @@
 """Admission and back-pressure on the event loop: who may start work, and for how long.
 
 Bounds, each with its answer (all 503 with Retry-After: the server is healthy, only full):
-- waiting work: requests queued for a preprocessing thread plus requests the engine has not
-  started yet, at most ``--max-waiting-requests``, checked before a request's body is parsed;
+- waiting work: requests whose body is being read, requests in preprocessing, and requests
+  the engine has not started yet, at most ``--max-waiting-requests``, checked before a
+  request's body is read;
 - the preprocessing queue: at most ``--max-preprocess-queue`` requests wait for a thread;
 - preprocessing time: a request may hold a thread for ``--preprocess-timeout`` seconds (the
   clock starts when a thread takes it); then the client is answered and the thread abandons
@@ -45,6 +46,7 @@ class Admission:
         self.max_body_bytes = max_body_bytes
         self.body_budget_bytes = BODIES_IN_FLIGHT * max_body_bytes
         self.body_bytes = 0  # Content-Length of the bodies being read and parsed now
+        self.num_reading = 0
         self.num_preprocessing = 0  # taken by a thread or queued for one
         self.num_timeouts = 0
         self.num_rejected = 0
@@ -55,7 +57,10 @@ class Admission:
 
     @property
     def num_waiting(self) -> int:
-        return self.num_queued + self.engine.num_waiting
+        """Admitted work not yet running: bodies being read, requests in preprocessing
+        (taken or queued: both arrived before any later request), and requests the engine
+        has not started."""
+        return self.num_reading + self.num_preprocessing + self.engine.num_waiting
 
     def check_capacity(self) -> None:
         """At the door, before the body is even parsed."""
@@ -76,10 +81,12 @@ class Admission:
                 f"{self.body_bytes} bytes of request bodies are being read; this one ({size} bytes) would pass "
                 f"{self.body_budget_bytes} ({BODIES_IN_FLIGHT} x --max-request-bytes): retry later")
         self.body_bytes += size
+        self.num_reading += 1
         try:
             yield
         finally:
             self.body_bytes -= size
+            self.num_reading -= 1
 
     def media_lease(self) -> MediaLease:
         return self.media.lease()
