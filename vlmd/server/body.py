@@ -20,6 +20,11 @@ from aiohttp import web
 from vlmd.errors import BadRequestError
 
 _DATA = b"data:"
+# OpenAI's ``input_audio`` carries its clip as bare base64 under the key ``data``: the run
+# of a string value whose key is "data" is media too (a text field of that name is refused by
+# the strict parser after the parse, and a word there fails the audio decoder, also a 400).
+_DATA_KEY = b"data"
+_HEAD = 8  # bytes kept of each run: enough to tell a data URL, a key and the colon after it
 
 
 class _RunScanner:
@@ -29,6 +34,19 @@ class _RunScanner:
         self.run = 0  # bytes since the last double quote
         self.head = b""  # the run's first bytes, to tell a data URL
         self.seen_quote = False
+        self.previous: tuple[bytes | None, bytes | None] = (None, None)  # the two runs before, if short
+
+    def _boundary(self) -> None:
+        """A double quote: the run ends (remembered if short, as a possible key) and another starts."""
+        if self.seen_quote:
+            self.previous = (self.previous[1], self.head if self.run <= _HEAD else None)
+        self.run, self.head, self.seen_quote = 0, b"", True
+
+    def _is_media(self) -> bool:
+        if self.head.lower().startswith(_DATA):
+            return True
+        key, between = self.previous
+        return key == _DATA_KEY and between is not None and between.strip() == b":"
 
     def feed(self, chunk: bytes) -> None:
         first = chunk.find(b'"')
@@ -41,20 +59,24 @@ class _RunScanner:
             start = first
             while start < last:
                 end = chunk.find(b'"', start + 1)
-                self.run, self.head, self.seen_quote = 0, b"", True
+                self._boundary()
                 self._extend(chunk[start + 1:end])
                 start = end
-        self.run, self.head, self.seen_quote = 0, b"", True
+        else:  # the runs between this chunk's quotes are short: remember only the last two
+            for inner in chunk[first + 1:last].split(b'"')[-2:] if last > first else ():
+                self._boundary()
+                self._extend(inner)
+        self._boundary()
         self._extend(chunk[last + 1:])
 
     def _extend(self, piece: bytes) -> None:
-        if len(self.head) < len(_DATA):
-            self.head += piece[: len(_DATA) - len(self.head)]
+        if len(self.head) < _HEAD:
+            self.head += piece[: _HEAD - len(self.head)]
         self.run += len(piece)
-        if self.run > self.max_run_bytes and self.seen_quote and self.head.lower() != _DATA:
+        if self.run > self.max_run_bytes and self.seen_quote and not self._is_media():
             raise BadRequestError(
-                f"the body holds a run of more than {self.max_run_bytes} bytes outside any data: URL, "
-                f"so {self.describe}", param="messages")
+                f"the body holds a run of more than {self.max_run_bytes} bytes outside any data: URL "
+                f"or input_audio data, so {self.describe}", param="messages")
 
 
 async def read_body(request: web.Request, max_run_bytes: int | None = None, describe: str = "") -> bytes | memoryview:
