@@ -39,6 +39,9 @@ class ServeConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "TCP port to listen on (bound before the model loads)", minimum=0)
     dtype: str = setting("float32", "weights and activations dtype", choices=("float32", "bfloat16", "float16"))
+    linear_kernels: str = setting(
+        "auto", "how linear layers pick their kernel: auto (timed per shape at start-up), plain (F.linear), "
+        "packed (oneDNN pre-packed where available)", choices=("auto", "plain", "packed"))
     chat_template: str | None = setting(
         None, "a Jinja chat template, as a file path or the template text, used instead of the checkpoint's",
         parse=lambda text: resolve_chat_template(text), metavar="FILE|TEMPLATE")

@@ -65,7 +65,7 @@ def text_config_of(hf_config):
 
 
 def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, device: torch.device | None = None,
-               before_device=None):
+               before_device=None, linear_kernels: str = "auto"):
     """The family's model for a checkpoint; ``tp`` (a ``TPGroup``) loads only that rank's shard.
 
     ``before_device(model)`` runs before the move to ``device`` (dropping unused encoders
@@ -83,7 +83,7 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
         model = model.to(device)
     # Last, after the dtype cast and the move: the chosen kernels (CPU only) may hold weights
     # in a packed layout.
-    kernels = select_linear_kernels(model)
+    kernels = select_linear_kernels(model, linear_kernels)
     log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()})
     install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION (every rank alike)
     return model
@@ -152,6 +152,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     model = load_model(
         model_dir, dtype, tensor_parallel.tp if tensor_parallel else None, hf_config, device,
         before_device=lambda loaded: dropped.extend(drop_unused_encoders(loaded, supported, modalities)),
+        linear_kernels=config.linear_kernels,
     )
     # `vlmd cost` sizes caches from info.kv_spec() (a tensor-parallel rank holds its shard).
     if tensor_parallel is None and model.kv_spec != info.kv_spec():
