@@ -62,6 +62,8 @@ async def one_request(session, url, model, image_url, output_tokens):
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             chunk = orjson.loads(line[6:])
+            if "error" in chunk:  # an error after the status line arrives as a chunk
+                raise RuntimeError(f"error in the stream: {chunk['error']}")
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 token_times.append(time.perf_counter())
     ttft = token_times[0] - start if token_times else float("nan")
