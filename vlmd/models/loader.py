@@ -84,3 +84,40 @@ def _header(path: Path) -> tuple[int, dict]:
         table = json.loads(handle.read(length))
     table.pop("__metadata__", None)
     return 8 + length, table
+
+
+def load_multimodal_weights(
+    weights, rename, encoder_params: dict[str, torch.nn.Parameter], language_model, family: str,
+    encoder_prefix: str = "", skip=None,
+) -> None:
+    """A vision/audio-language checkpoint into its model: ``language_model.*`` (after
+    ``rename``) goes to ``language_model.load_weights`` (which loads only this rank's shard),
+    every other tensor into ``encoder_params`` (keyed without ``encoder_prefix``). A name
+    that is unknown, a shape that differs, or a parameter left unfilled is an error naming
+    the family; ``skip(target)`` names weights the model does not build (and parameters it
+    does not expect to be filled)."""
+    text_weights = []
+    filled: set[str] = set()
+    for name, tensor in weights:
+        target = rename(name)
+        if target.startswith("language_model."):
+            text_weights.append((target[len("language_model."):], tensor))
+            continue
+        if skip is not None and skip(target):
+            continue
+        key = target[len(encoder_prefix):] if target.startswith(encoder_prefix) else target
+        if key not in encoder_params:
+            raise ValueError(f"unexpected weight {name!r} in {family} checkpoint")
+        if encoder_params[key].shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(encoder_params[key].shape)}"
+            )
+        with torch.no_grad():
+            encoder_params[key].copy_(tensor)
+        filled.add(key)
+    loaded = language_model.load_weights(text_weights)
+    expected = {key for key in encoder_params if skip is None or not skip(encoder_prefix + key)}
+    # named_parameters() lists a tied lm_head once, as embed_tokens.
+    missing = sorted(expected - filled) + sorted({name for name, _ in language_model.named_parameters()} - loaded)
+    if missing:
+        raise ValueError(f"{family} checkpoint lacks weights, e.g. {missing[:3]}")

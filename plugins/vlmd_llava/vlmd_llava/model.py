@@ -12,7 +12,7 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup
 from vlmd.models.llama import LlamaForCausalLM
-from vlmd.models.loader import iterate_weights
+from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd_llava.processing import CLIP_MEAN, CLIP_STD, image_processor_config
 
 # Checkpoint prefixes (transformers 4.x, 5.x, and published LLaVA-1.5 layouts) -> ours.
@@ -87,24 +87,14 @@ class LlavaModel(nn.Module):
         return model.to(dtype).eval()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        text_weights = []
-        for name, tensor in weights:
-            target = _rename(name)
-            if target.startswith("language_model."):
-                text_weights.append((target[len("language_model.") :], tensor))
-                continue
-            if target.startswith("vision_tower.encoder.layers."):
-                layer = int(target.split(".")[3])
-                if layer >= self.num_vision_layers:
-                    continue  # past the feature layer: never used
-            if target.startswith("vision_tower.post_layernorm."):
-                continue
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in LLaVA checkpoint")
-            with torch.no_grad():
-                params[target].copy_(tensor)
-        self.language_model.load_weights(text_weights)
+        params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
+        load_multimodal_weights(weights, _rename, params, self.language_model, "LLaVA", skip=self._never_built)
+
+    def _never_built(self, target: str) -> bool:
+        """Tower layers past the feature layer and the final layer norm are never run."""
+        if target.startswith("vision_tower.encoder.layers."):
+            return int(target.split(".")[3]) >= self.num_vision_layers
+        return target.startswith("vision_tower.post_layernorm.")
 
     def drop_encoders(self, modalities: set[str]) -> list[str]:
         """--limit-mm-per-prompt image=0: the vision tower and projector are never needed."""

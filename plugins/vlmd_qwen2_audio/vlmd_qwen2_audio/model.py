@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup
-from vlmd.models.loader import iterate_weights
+from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_audio.processing import conv_output_frames, num_audio_tokens
 
@@ -76,28 +76,7 @@ class Qwen2AudioModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        text_weights = []
-        filled: set[str] = set()
-        for name, tensor in weights:
-            target = _rename(name)
-            if target.startswith("language_model."):
-                text_weights.append((target[len("language_model.") :], tensor))
-                continue
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in Qwen2-Audio checkpoint")
-            if params[target].shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}"
-                )
-            with torch.no_grad():
-                params[target].copy_(tensor)
-            filled.add(target)
-        loaded = self.language_model.load_weights(text_weights)
-        missing = sorted(set(params) - filled) + sorted(
-            {name for name, _ in self.language_model.named_parameters()} - loaded
-        )
-        if missing:
-            raise ValueError(f"Qwen2-Audio checkpoint lacks weights, e.g. {missing[:3]}")
+        load_multimodal_weights(weights, _rename, params, self.language_model, "Qwen2-Audio")
 
     # ---- the runner's contract -----------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup
-from vlmd.models.loader import iterate_weights
+from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_vl.settings import VisionSettings, read_settings
 
@@ -86,29 +86,8 @@ class Qwen2VLModel(nn.Module):
         return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.visual.named_parameters())
-        text_weights = []
-        filled: set[str] = set()
-        for name, tensor in weights:
-            target = _rename(name)
-            if target.startswith("language_model."):
-                text_weights.append((target[len("language_model.") :], tensor))
-                continue
-            key = target[len("visual.") :]
-            if key not in params:
-                raise ValueError(f"unexpected weight {name!r} in Qwen2-VL checkpoint")
-            if params[key].shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
-            with torch.no_grad():
-                params[key].copy_(tensor)
-            filled.add(key)
-        loaded = self.language_model.load_weights(text_weights)
-        # named_parameters() lists a tied lm_head once, as embed_tokens.
-        missing = sorted(set(params) - filled) + sorted(
-            {name for name, _ in self.language_model.named_parameters()} - loaded
-        )
-        if missing:
-            raise ValueError(f"Qwen2-VL checkpoint lacks weights, e.g. {missing[:3]}")
+        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
+                                "Qwen2-VL", encoder_prefix="visual.")
 
     # ---- the runner's contract -----------------------------------------------------
 

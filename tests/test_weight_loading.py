@@ -1,0 +1,44 @@
+"""The families' checkpoint loading (vlmd/models/loader.py:load_multimodal_weights) refuses a
+checkpoint with a weight missing, unknown or of the wrong shape, naming the family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from vlmd.models.loader import iterate_weights
+from vlmd.plugins.manager import build_registry
+
+
+def _model_and_weights(model_dir):
+    config = AutoConfig.from_pretrained(model_dir)
+    model_class = build_registry().for_architectures(list(config.architectures)).load("model")
+    return model_class(config), list(iterate_weights(model_dir))
+
+
+def _encoder_weight(weights) -> int:
+    """The index of the first weight of the vision or audio tower."""
+    return next(i for i, (name, _) in enumerate(weights) if any(k in name for k in ("vision", "visual", "audio")))
+
+
+@pytest.mark.parametrize("fixture, family", [
+    ("tiny_llava_dir", "LLaVA"), ("tiny_qwen2_vl_dir", "Qwen2-VL"), ("tiny_qwen2_audio_dir", "Qwen2-Audio"),
+])
+def test_bad_checkpoints_are_refused_by_name(request, fixture, family):
+    model_dir = request.getfixturevalue(fixture)
+    model, weights = _model_and_weights(model_dir)
+    model.load_weights(weights)  # the checkpoint as built loads
+    index = _encoder_weight(weights)
+    name, tensor = weights[index]
+
+    model, _ = _model_and_weights(model_dir)
+    with pytest.raises(ValueError, match=f"{family} checkpoint lacks weights"):
+        model.load_weights(weights[:index] + weights[index + 1:])
+    model, _ = _model_and_weights(model_dir)
+    with pytest.raises(ValueError, match="has shape"):
+        model.load_weights(weights[:index] + [(name, torch.zeros(3, 1, 2))] + weights[index + 1:])
+    model, _ = _model_and_weights(model_dir)
+    junk = name.rsplit(".", 1)[0] + ".no_such_weight"
+    with pytest.raises(ValueError, match=f"unexpected weight .* in {family} checkpoint"):
+        model.load_weights(weights + [(junk, tensor)])
