@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 import soundfile as sf
 
-from bench_chat import start_server
+from bench_chat import start_server, stream_chat
 
 
 def make_wav(seed: int, seconds: float) -> str:
@@ -46,20 +46,8 @@ async def one_request(session, url, model, audio_b64, output_tokens):
         ]}],
         "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
     }
-    start = time.perf_counter()
-    token_times = []
-    async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
-                            headers={"Content-Type": "application/json"}) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = orjson.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                token_times.append(time.perf_counter())
-    ttft = token_times[0] - start if token_times else float("nan")
-    return ttft, [b - a for a, b in zip(token_times, token_times[1:])]
+    ttft, gaps, _ = await stream_chat(session, url, body)
+    return ttft, gaps
 
 
 async def run_level(url, model, concurrency, clips, output_tokens):

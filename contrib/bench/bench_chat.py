@@ -52,6 +52,11 @@ async def one_request(session, url, model, image_url, output_tokens):
         "temperature": 0,
         "stream": True,
     }
+    return await stream_chat(session, url, body)
+
+
+async def stream_chat(session, url, body):
+    """POST one streaming chat body: (TTFT, inter-token gaps, seconds), shared by the benches."""
     start = time.perf_counter()
     token_times = []
     async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
