@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from vlmd.layers.attention import SequenceChunk, attention_backend_for, cpu_paged, paged_attention
+from vlmd.layers.attention import SequenceChunk, attention_backend_for, cpu_paged, decode_plan, paged_attention
 from vlmd.layers.attention.segments import GATHER_CHUNK_TOKENS, slot_ranges
 
 HEAD_DIM = 8
@@ -99,10 +99,18 @@ def test_block_sizes_and_partly_used_blocks(block_size):
 def test_contexts_up_to_16k_tokens(order):
     # A random table is all scattered blocks: gathered a bounded chunk at a time.
     meta = _run_step([(16383, 1), (4095, 1), (8000, 48)], heads=2, kv_heads=1, table_order=order, seed=7)
-    context = meta.plans[0].context
+    context = meta.plans[0].context  # the prefill's earlier 8000 tokens
     assert all(len(slots) <= GATHER_CHUNK_TOKENS for slots in context.gathers)
+    if meta.decode_batch is not None and meta.decode_plan.num_decodes == 0:
+        return
+    plan = meta.decode_plan
+    assert all(len(slots) <= GATHER_CHUNK_TOKENS for _, slots in plan.gathers)
+    assert plan.leftover_slots.shape[1] <= decode_plan.MAX_LEFTOVER_TOKENS
     if order == "ascending":
-        assert context.views == [(context.views[0][0], context.views[0][0] + 16384)] and not context.gathers
+        # 1023 full blocks in one view, the last (its own token's) block in the leftover.
+        assert [(row, end - start) for row, start, end in plan.views] == [(0, 16368), (1, 4080)]
+        assert not plan.gathers and not plan.shared
+        assert plan.leftover_valid.sum().item() == 16 + 16
 
 
 def test_bfloat16_cache():
@@ -127,3 +135,83 @@ def test_bad_batches_raise():
         backend.prepare_metadata([SequenceChunk([0], 10, 10)], num_decodes=0)
     with pytest.raises(ValueError, match="no attention backend"):
         attention_backend_for("tpu", 16)
+
+
+def _run_shared_step(groups, *, heads=6, kv_heads=2, block_size=16, seed=0):
+    """Decodes whose tables start with common blocks, as the prefix cache hands them out.
+
+    ``groups``: (shared prefix tokens, [own tokens after it per decode]); the prefix is a
+    whole number of blocks written once, each decode's own blocks are scattered.
+    """
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = list(range(4096))
+    rng.shuffle(pool)
+    cache = (torch.zeros(4096 * block_size, kv_heads, HEAD_DIM), torch.zeros(4096 * block_size, kv_heads, HEAD_DIM))
+
+    def take(tokens):
+        nonlocal pool
+        count = -(-tokens // block_size)
+        table, pool = pool[:count], pool[count:]
+        return table
+
+    def write(table, offset, k_ctx, v_ctx):
+        positions = torch.arange(offset, offset + k_ctx.shape[0])
+        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+        cache[0][slots], cache[1][slots] = k_ctx, v_ctx
+
+    chunks, contexts = [], []
+    for prefix_tokens, own in groups:
+        prefix_table = sorted(take(prefix_tokens))  # a prefill's blocks: one ascending run
+        prefix_k, prefix_v = torch.randn(prefix_tokens, kv_heads, HEAD_DIM), torch.randn(prefix_tokens, kv_heads, HEAD_DIM)
+        write(prefix_table, 0, prefix_k, prefix_v)
+        for own_tokens in own:
+            table = prefix_table + take(own_tokens + 1)
+            k_own, v_own = torch.randn(own_tokens, kv_heads, HEAD_DIM), torch.randn(own_tokens, kv_heads, HEAD_DIM)
+            write(table, prefix_tokens, k_own, v_own)
+            chunks.append(SequenceChunk(table, prefix_tokens + own_tokens, 1))
+            contexts.append((torch.cat([prefix_k, k_own]), torch.cat([prefix_v, v_own])))
+    q = torch.randn(len(chunks), heads, HEAD_DIM)
+    k = torch.randn(len(chunks), kv_heads, HEAD_DIM)
+    v = torch.randn(len(chunks), kv_heads, HEAD_DIM)
+    meta = attention_backend_for("cpu", block_size).prepare_metadata(chunks, len(chunks))
+    scale = HEAD_DIM**-0.5
+    got = paged_attention(q, k, v, cache, meta, scale)
+    for row, (chunk, (k_ctx, v_ctx)) in enumerate(zip(chunks, contexts)):
+        expected = _reference(q[row:row + 1], torch.cat([k_ctx, k[row:row + 1]]), torch.cat([v_ctx, v[row:row + 1]]),
+                              chunk.start, scale)
+        torch.testing.assert_close(got[row:row + 1].double(), expected, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"decode {row} (context {chunk.start}): {m}")
+    return meta
+
+
+def test_decodes_sharing_prefix_blocks_read_them_once(decode_path):
+    # Two images' prompts (3 and 2 requests each), a lone request, one sharing too little.
+    meta = _run_shared_step([(608, [0, 5, 40]), (320, [17, 33]), (48, [3, 9]), (0, [700])], seed=4)
+    if decode_path == "batched":
+        return
+    shared = sorted((prefix.rows, sum(end - start for start, end in prefix.ranges)) for prefix in meta.decode_plan.shared)
+    # The 48-token prefix is below MIN_SHARED_TOKENS: those two decode on their own.
+    assert shared == [([0, 1, 2], 608), ([3, 4], 320)]
+
+
+def test_shared_groups_split_where_tables_diverge():
+    full = [40, 40, 40, 40, 2]
+    tables = [
+        list(range(40)),
+        list(range(40)),
+        [0] + list(range(100, 139)),  # one block in common with rows 0-1: too few
+        [0] + list(range(100, 139)),
+        [0, 1, 2],
+    ]
+    groups = decode_plan._shared_groups(tables, full, list(range(5)), 0, 16)
+    assert sorted(groups) == [([0, 1], 40), ([2, 3], 40)]
+
+
+def test_plan_keeps_every_decodes_last_block_in_the_batched_leftover():
+    # Tables of 5 blocks: the first 4 are one run (64 tokens, a view), the 5th is the tail.
+    plan = decode_plan.plan_decodes([[0, 1, 2, 3, 9], [4, 5, 6, 7, 8]], [65, 80], 16)
+    assert not plan.shared  # different blocks
+    assert plan.views == [(0, 0, 64), (1, 64, 128)]
+    assert plan.leftover_valid.view(2, -1).sum(1).tolist() == [1, 16]
+    assert plan.leftover_slots[0, 0].item() == 9 * 16 and plan.leftover_slots[1, :16].tolist() == list(range(128, 144))

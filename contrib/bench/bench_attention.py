@@ -3,8 +3,11 @@
 One decode step of the small LLaVA's decoder shape (12 heads, 4 K/V heads, head_dim 64,
 9 layers, block size 16) at context lengths 600, 4k and 16k, batch 1 and 8: metadata once,
 then attention in every layer. Block tables as a fresh pool hands them out (ascending
-ids) and shuffled (every block scattered, the backend's worst case). Prints one JSON line
-of milliseconds per step (best of --repeats):
+ids), shuffled (every block scattered, the backend's worst case), "interleaved" (each
+prompt one run, the last 3 blocks of every decode interleaved with the others', as decode
+tails grow) and "shared" (the same, with one prompt's blocks shared by every decode, as
+the prefix cache hands out a repeated image). Prints one JSON line of milliseconds per
+step (best of --repeats):
 
     python contrib/bench/bench_attention.py
 """
@@ -79,6 +82,14 @@ def main() -> None:
             ascending = [ids[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
             random.Random(0).shuffle(ids)
             shuffled = [ids[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+            # As the server lays them out: a prompt's blocks in one run, then decode tails
+            # that grow a block at a time while the other decodes grow too (interleaved);
+            # "shared": every decode has the same prompt blocks (prefix cache, one image).
+            tail_blocks = min(3, per_seq - 1)
+            prompt_blocks = per_seq - tail_blocks
+            tails = [[batch * prompt_blocks + j * batch + i for j in range(tail_blocks)] for i in range(batch)]
+            interleaved = [list(range(i * prompt_blocks, (i + 1) * prompt_blocks)) + tails[i] for i in range(batch)]
+            shared = [list(range(prompt_blocks)) + tails[i] for i in range(batch)]
             positions = [context] * batch
             q = torch.randn(batch, heads, head_dim)
             k, v = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
@@ -87,6 +98,10 @@ def main() -> None:
                     "old_ms": best_ms(lambda: old_decode_step(q, k, v, caches, ascending, positions, block_size, scale), args.repeats),
                     "new_ms": best_ms(lambda: new_decode_step(q, k, v, caches, ascending, positions, backend, scale), args.repeats),
                     "new_shuffled_ms": best_ms(lambda: new_decode_step(q, k, v, caches, shuffled, positions, backend, scale), args.repeats),
+                    "old_interleaved_ms": best_ms(lambda: old_decode_step(q, k, v, caches, interleaved, positions, block_size, scale), args.repeats),
+                    "new_interleaved_ms": best_ms(lambda: new_decode_step(q, k, v, caches, interleaved, positions, backend, scale), args.repeats),
+                    "old_shared_ms": best_ms(lambda: old_decode_step(q, k, v, caches, shared, positions, block_size, scale), args.repeats),
+                    "new_shared_ms": best_ms(lambda: new_decode_step(q, k, v, caches, shared, positions, backend, scale), args.repeats),
                 }
             row["old_over_new"] = round(row["old_ms"] / row["new_ms"], 2)
             results[f"c{batch}_ctx{context}"] = row
