@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmd.layers.linear import (
+    adopt_linear_modules,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -154,3 +155,22 @@ def test_an_exhausted_measuring_budget_falls_back_to_packed_weights():
     assert all(entry["ms"] is None for entry in report["shapes"].values())
     expected = "packed" if packing_available(torch.zeros(1)) else "plain"
     assert all(entry["chosen"] == [expected] * len(M_BUCKETS) for entry in report["shapes"].values())
+
+
+def test_adopted_linears_of_a_borrowed_module_keep_names_parameters_and_results():
+    torch.manual_seed(0)
+    tower = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
+    names = [name for name, _ in tower.named_parameters()]
+    weight = tower[0].weight
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        expected = tower(x)
+    assert adopt_linear_modules(tower) == 2
+    assert isinstance(tower[0], ReplicatedLinear) and isinstance(tower[2][0], ReplicatedLinear)
+    assert tower[0].weight is weight  # the same parameter: loading by name is unchanged
+    assert [name for name, _ in tower.named_parameters()] == names
+    report = select_linear_kernels(tower, "packed")
+    assert report["mode"] == "packed"
+    with torch.inference_mode():
+        torch.testing.assert_close(tower(x), expected, rtol=1e-5, atol=1e-5)
+    assert adopt_linear_modules(tower) == 0  # already on the seam

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup
+from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
 from vlmd.models.llama import LlamaForCausalLM
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd_llava.processing import CLIP_MEAN, CLIP_STD, image_processor_config
@@ -70,6 +70,8 @@ class LlavaModel(nn.Module):
         # transformers 4.x wraps the tower in `.vision_model`; 5.x does not.
         self.vision_tower = getattr(tower, "vision_model", tower)
         self.vision_tower.encoder.layers = self.vision_tower.encoder.layers[: self.num_vision_layers]
+        # The tower's products get measured kernels like the decoder's (CLIP only calls them).
+        adopt_linear_modules(self.vision_tower)
         self.keep_cls = getattr(config, "vision_feature_select_strategy", "default") != "default"
         self.multi_modal_projector = LlavaProjector(
             vision_config.hidden_size, config.text_config.hidden_size, config.projector_hidden_act

@@ -1,5 +1,6 @@
 """The one linear layer seam of the model code (see layers.py, kernels.py, selection.py)."""
 
+from vlmd.layers.linear.adopt import adopt_linear_modules
 from vlmd.layers.linear.layers import (
     ColumnParallelLinear,
     LinearBase,
@@ -12,6 +13,7 @@ from vlmd.layers.linear.parallel import SINGLE, TPGroup, all_reduce
 from vlmd.layers.linear.selection import select_linear_kernels
 
 __all__ = [
+    "adopt_linear_modules",
     "ColumnParallelLinear",
     "LinearBase",
     "MergedColumnParallelLinear",
