@@ -105,12 +105,12 @@ def test_contexts_up_to_16k_tokens(order):
         return
     plan = meta.decode_plan
     assert all(len(slots) <= GATHER_CHUNK_TOKENS for _, slots in plan.gathers)
-    assert plan.leftover_slots.shape[1] <= decode_plan.MAX_LEFTOVER_TOKENS
     if order == "ascending":
-        # 1023 full blocks in one view, the last (its own token's) block in the leftover.
-        assert [(row, end - start) for row, start, end in plan.views] == [(0, 16368), (1, 4080)]
-        assert not plan.gathers and not plan.shared
-        assert plan.leftover_valid.sum().item() == 16 + 16
+        # One run of blocks each, the last block (its own token's) included: one call each.
+        assert [(row, end - start) for row, start, end in plan.views] == [(0, 16384), (1, 4096)]
+        assert not plan.gathers and not plan.shared and not plan.leftover_rows
+    else:
+        assert plan.leftover_slots.shape[1] <= decode_plan.MAX_LEFTOVER_TOKENS
 
 
 def test_bfloat16_cache():
@@ -208,10 +208,11 @@ def test_shared_groups_split_where_tables_diverge():
     assert sorted(groups) == [([0, 1], 40), ([2, 3], 40)]
 
 
-def test_plan_keeps_every_decodes_last_block_in_the_batched_leftover():
+def test_a_last_block_after_its_run_is_read_in_place_and_other_tails_are_batched():
     # Tables of 5 blocks: the first 4 are one run (64 tokens, a view), the 5th is the tail.
     plan = decode_plan.plan_decodes([[0, 1, 2, 3, 9], [4, 5, 6, 7, 8]], [65, 80], 16)
     assert not plan.shared  # different blocks
-    assert plan.views == [(0, 0, 64), (1, 64, 128)]
-    assert plan.leftover_valid.view(2, -1).sum(1).tolist() == [1, 16]
-    assert plan.leftover_slots[0, 0].item() == 9 * 16 and plan.leftover_slots[1, :16].tolist() == list(range(128, 144))
+    # Row 1's tail (block 8) follows its run (blocks 4-7): the view covers it.
+    assert plan.views == [(0, 0, 64), (1, 64, 144)]
+    assert plan.leftover_rows == [0]
+    assert plan.leftover_slots.tolist() == [[9 * 16]] and plan.leftover_valid.sum().item() == 1

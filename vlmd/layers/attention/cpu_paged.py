@@ -173,21 +173,27 @@ def _attend_decodes(q, k_cache, v_cache, plan: DecodePlan, scale: float) -> torc
     decodes, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    # The leftover of every decode, one padded batch, one masked call: [B, Hkv, G, D].
-    slots, mask = plan.leftover_inputs(q.dtype, k_cache.device)
-    width = slots.shape[1]
-    keys = _gather(k_cache, slots.view(-1)).view(decodes, width, kv_heads, dim).transpose(1, 2)
-    values = _gather(v_cache, slots.view(-1)).view(decodes, width, kv_heads, dim).transpose(1, 2)
-    attended, lse = _flash(
-        q.view(decodes, kv_heads, group, dim), keys, values, 0.0, False,
-        attn_mask=mask, scale=scale,
-    )
-    out = attended.reshape(decodes, heads, dim).float()
-    lse = lse.reshape(decodes, heads)
+    # The leftover of every decode that has one, one padded batch, one masked call.
+    rows = plan.leftover_rows
+    if len(rows) == decodes:
+        out, lse = _attend_leftovers(q, k_cache, v_cache, plan, scale)
+    else:  # empty partials (lse -inf) that the first real part replaces when merged
+        out = q.new_zeros(decodes, heads, dim, dtype=torch.float32)
+        lse = q.new_full((decodes, heads), float("-inf"), dtype=torch.float32)
+        if rows:
+            index = torch.tensor(rows, device=q.device)
+            part_out, part_lse = _attend_leftovers(q.index_select(0, index), k_cache, v_cache, plan, scale)
+            out.index_copy_(0, index, part_out)
+            lse.index_copy_(0, index, part_lse.float())
+    filled = set(rows)
     for row, start, stop in plan.views:
         grouped = q[row].view(1, kv_heads, group, dim)
-        part = _unmasked(grouped, k_cache[start:stop], v_cache[start:stop], scale, 1)
-        out[row], lse[row] = _merge((out[row], lse[row]), (part[0][:, 0], part[1][:, 0]))
+        part_out, part_lse = _unmasked(grouped, k_cache[start:stop], v_cache[start:stop], scale, 1)
+        if row in filled:
+            out[row], lse[row] = _merge((out[row], lse[row]), (part_out[:, 0], part_lse[:, 0]))
+        else:  # its first part: nothing to merge with
+            out[row], lse[row] = part_out[:, 0], part_lse[:, 0]
+            filled.add(row)
     for row, gathered in plan.gathers:
         grouped = q[row].view(1, kv_heads, group, dim)
         part = _unmasked(grouped, _gather(k_cache, gathered), _gather(v_cache, gathered), scale, 1)
@@ -212,6 +218,21 @@ def _attend_decodes(q, k_cache, v_cache, plan: DecodePlan, scale: float) -> torc
         out.index_copy_(0, index, merged_out)
         lse.index_copy_(0, index, merged_lse)
     return out
+
+
+def _attend_leftovers(q, k_cache, v_cache, plan: DecodePlan, scale: float):
+    """[R, H, D] queries of ``plan.leftover_rows`` against their padded leftovers:
+    ([R, H, D] float32 output, [R, H] log-sum-exp)."""
+    count, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    slots, mask = plan.leftover_inputs(q.dtype, k_cache.device)
+    width = slots.shape[1]
+    keys = _gather(k_cache, slots.view(-1)).view(count, width, kv_heads, dim).transpose(1, 2)
+    values = _gather(v_cache, slots.view(-1)).view(count, width, kv_heads, dim).transpose(1, 2)
+    attended, lse = _flash(
+        q.view(count, kv_heads, heads // kv_heads, dim), keys, values, 0.0, False, attn_mask=mask, scale=scale,
+    )
+    return attended.reshape(count, heads, dim).float(), lse.reshape(count, heads)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ without a mask and merged exactly by log-sum-exp (``cpu_paged._merge``):
   per step instead of once per decode ("cascade" attention);
 - **long runs**: ranges of consecutive blocks of at least ``MIN_VIEW_TOKENS`` tokens, which
   are plain views of the cache, attended in place, one call per run;
-- the **leftover**: the partly used last block (always: it holds the token just written)
-  and the short scattered ranges. Every decode's leftover is gathered into one padded
+- the **leftover**: the partly used last block (it holds the token just written), unless
+  it directly follows a long run (then it extends that run), and the short scattered
+  ranges. Every decode's leftover is gathered into one padded
   ``[B, L]`` batch and attended in one masked call: decode tails grow a block at a time
   while other sequences grow too, so they are scattered, and a call per scattered block
   per decode per layer cost more than the whole step's linear layers (profile of the c8
@@ -47,8 +48,9 @@ class DecodePlan:
     shared: list[SharedPrefix] = field(default_factory=list)
     views: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first slot, end slot)
     gathers: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, slots) beyond the leftover
-    leftover_slots: torch.Tensor | None = None  # [B, L] slots, padded with slot 0
-    leftover_valid: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is real
+    leftover_rows: list[int] = field(default_factory=list)  # decodes with a leftover (most of them)
+    leftover_slots: torch.Tensor | None = None  # [R, L] their slots, padded with slot 0
+    leftover_valid: torch.Tensor | None = None  # [R, 1, 1, L] True where a slot is real
     _masks: dict = field(default_factory=dict)
 
     def leftover_inputs(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +79,17 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
     for row, (table, length) in enumerate(zip(tables, lengths)):
         first, last = shared_blocks[row], full[row]
         tail = table[last] * block_size
-        leftover = list(range(tail, tail + length - last * block_size))
+        tail_end = tail + length - last * block_size
+        ranges = slot_ranges(table[first:last], (last - first) * block_size, block_size)
+        # The last block right after a long run (a prompt's blocks, then the next one the
+        # pool handed out) is read as part of that run: one call less, no merge.
+        extended = next((i for i, (start, end) in enumerate(ranges) if end == tail and end - start >= MIN_VIEW_TOKENS), None)
+        leftover = [] if extended is not None else list(range(tail, tail_end))
         excess: list[int] = []
-        for start, end in slot_ranges(table[first:last], (last - first) * block_size, block_size):
-            if end - start >= MIN_VIEW_TOKENS:
+        for index, (start, end) in enumerate(ranges):
+            if index == extended:
+                plan.views.append((row, start, tail_end))
+            elif end - start >= MIN_VIEW_TOKENS:
                 plan.views.append((row, start, end))
             elif len(leftover) + end - start <= MAX_LEFTOVER_TOKENS:
                 leftover.extend(range(start, end))
@@ -88,11 +97,14 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
                 excess.extend(range(start, end))
         for piece in torch.tensor(excess, dtype=torch.long).split(GATHER_CHUNK_TOKENS) if excess else ():
             plan.gathers.append((row, piece))
-        leftovers.append(leftover)
-    width = max(len(slots) for slots in leftovers)
-    plan.leftover_slots = torch.tensor([slots + [0] * (width - len(slots)) for slots in leftovers], dtype=torch.long)
-    counts = torch.tensor([len(slots) for slots in leftovers])
-    plan.leftover_valid = (torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)).view(len(tables), 1, 1, width)
+        if leftover:
+            plan.leftover_rows.append(row)
+            leftovers.append(leftover)
+    if leftovers:
+        width = max(len(slots) for slots in leftovers)
+        plan.leftover_slots = torch.tensor([slots + [0] * (width - len(slots)) for slots in leftovers], dtype=torch.long)
+        counts = torch.tensor([len(slots) for slots in leftovers])
+        plan.leftover_valid = (torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)).view(len(leftovers), 1, 1, width)
     return plan
 
 
