@@ -13,7 +13,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import structlog
+# Before anything imports torch: its CPU allocator reads this once, at its first allocation.
+# Large tensors (weights, packed weights, the KV cache) then sit on 2 MiB transparent huge
+# pages (madvise), so a decode step streaming every weight takes a TLB miss per 2 MiB instead
+# of per 4 KiB. Measured in one run, small LLaVA decoder, AMD EPYC fam 25 model 17, 2
+# threads: a decode step at batch 8 (shared 608-token prefix) 21.5/20.8 -> 18.2/17.5 ms,
+# batch 1 16.9/17.1 -> 16.2/15.9 ms. Set THP_MEM_ALLOC_ENABLE=0 to opt out.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import structlog  # noqa: E402
 
 from vlmd.cli_flags import add_serve_flags, config_from_flags, refused_flag
 from vlmd.config import ServeConfig
