@@ -188,8 +188,9 @@ def _run_shared_step(groups, *, heads=6, kv_heads=2, block_size=16, seed=0):
 def test_decodes_sharing_prefix_blocks_read_them_once(decode_path):
     # Two images' prompts (3 and 2 requests each), a lone request, one sharing too little.
     meta = _run_shared_step([(608, [0, 5, 40]), (320, [17, 33]), (48, [3, 9]), (0, [700])], seed=4)
-    if decode_path == "batched":
-        return
+    # Even where the padded batch would fit, sharing decodes take the plan (the batch would
+    # copy the shared blocks once per decode).
+    assert meta.decodes_share_a_prefix
     shared = sorted((prefix.rows, sum(end - start for start, end in prefix.ranges)) for prefix in meta.decode_plan.shared)
     # The 48-token prefix is below MIN_SHARED_TOKENS: those two decode on their own.
     assert shared == [([0, 1, 2], 608), ([3, 4], 320)]

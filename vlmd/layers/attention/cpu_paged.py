@@ -15,10 +15,10 @@ the first implementation's gather did for every decode in every layer (47 ms aga
 - A prefill chunk (``segments.py``) attends to its earlier context in views and bounded
   gathers (no mask: every earlier token precedes every query) and, causally, to its own
   new tokens, taken straight from this step's k/v.
-- Small decode batches (the padded copy of all their contexts fits in
-  ``BATCHED_DECODE_BYTES``) gather whole contexts into one padded ``[B, L]`` batch and one
-  masked SDPA call: below that size a kernel call per part costs more than the copy (tiny
-  models, short contexts; same benchmark).
+- Decode batches (of two or more) that share no prefix and whose padded copy of all contexts fits in
+  ``BATCHED_DECODE_BYTES`` (3/8 of the last-level cache) gather whole contexts into one
+  padded ``[B, L]`` batch and one masked SDPA call: below that size a kernel call per part
+  costs more than the copy (figures at ``BATCHED_DECODE_BYTES``).
 - GQA: for an unmasked part the ``G`` query heads sharing a key/value head are stacked
   as ``G * n`` queries of that head, so each K/V head is read once; the causal self part
   uses the kernel's own GQA support.
@@ -38,9 +38,29 @@ from vlmd.layers.attention.segments import ContextSegments, context_segments
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-# Decodes are gathered into one padded batch when that copy (K and V, one layer) is at most
-# this many bytes (about the size of a core's L2), and read in place otherwise.
-BATCHED_DECODE_BYTES = 1 << 20
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """This host's largest CPU cache (Linux sysfs), or ``default`` where it cannot be read."""
+    sizes = []
+    for index in range(8):
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
+        except OSError:
+            break
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=default)
+
+
+# Decodes that share no prefix are gathered into one padded batch (one masked call per
+# layer) when that copy (K and V, one layer) is at most this many bytes, and read in place
+# otherwise. With index_select the copy beats a kernel call per decode until the copy and
+# its sources outgrow the last-level cache, then falls off a cliff (bench of the small
+# LLaVA's shape, 9 layers, 32 MiB L3, AMD EPYC fam 25 model 17): padded vs in place per
+# step, c8 x 620 tokens (10 MB) 12.3 vs 15.3 ms, c8 x 300 (5 MB) 4.8 vs 8.7, c2 x 2048
+# (8.4 MB) 8.6 vs 10.8, but c8 x 1024 (16.8 MB) 85.6 vs 23.4 ms.
+BATCHED_DECODE_BYTES = _last_level_cache_bytes() * 3 // 8
 # The padded index is only built when it could qualify (a K/V token is >= 2 * 4 bytes).
 _BATCHED_DECODE_MAX_TOKENS = BATCHED_DECODE_BYTES // 8
 
@@ -74,6 +94,13 @@ class CPUPagedMetadata(AttentionMetadata):
     decode_batch: DecodeBatch | None  # the decodes as one padded batch, when small enough
     decode_chunks: list[SequenceChunk]
     _decode_plan: DecodePlan | None = None
+
+    @property
+    def decodes_share_a_prefix(self) -> bool:
+        """Whether the decode plan found blocks several decodes have in common (then it
+        beats the padded batch, which would copy the shared blocks once per decode)."""
+        first_blocks = {chunk.block_ids[0] for chunk in self.decode_chunks}
+        return len(first_blocks) < len(self.decode_chunks) and bool(self.decode_plan.shared)
 
     @property
     def decode_plan(self) -> DecodePlan:
@@ -135,7 +162,9 @@ class CPUPagedBackend(AttentionBackend):
         decodes = meta.num_decodes
         batch = meta.decode_batch
         batch_bytes = batch.slots.numel() * 2 * k_cache[0].numel() * k_cache.element_size() if batch else 0
-        if batch is not None and batch_bytes <= BATCHED_DECODE_BYTES:
+        # One decode reads its context in place in one or two calls: a copy never pays off.
+        fits = batch is not None and batch_bytes <= BATCHED_DECODE_BYTES
+        if decodes > 1 and fits and not meta.decodes_share_a_prefix:
             # [B, Hkv, G, D] queries against [B, Hkv, L, D]: the mask is the same for all G.
             grouped = q[:decodes].view(decodes, kv_heads, heads // kv_heads, q.shape[2])
             keys = _gather(k_cache, batch.slots).transpose(1, 2)

@@ -83,7 +83,9 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
         ranges = slot_ranges(table[first:last], (last - first) * block_size, block_size)
         # The last block right after a long run (a prompt's blocks, then the next one the
         # pool handed out) is read as part of that run: one call less, no merge.
-        extended = next((i for i, (start, end) in enumerate(ranges) if end == tail and end - start >= MIN_VIEW_TOKENS), None)
+        extended = next(
+            (i for i, (start, end) in enumerate(ranges) if end == tail and end - start >= MIN_VIEW_TOKENS), None
+        )
         leftover = [] if extended is not None else list(range(tail, tail_end))
         excess: list[int] = []
         for index, (start, end) in enumerate(ranges):
@@ -102,7 +104,8 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
             leftovers.append(leftover)
     if leftovers:
         width = max(len(slots) for slots in leftovers)
-        plan.leftover_slots = torch.tensor([slots + [0] * (width - len(slots)) for slots in leftovers], dtype=torch.long)
+        padded = [slots + [0] * (width - len(slots)) for slots in leftovers]
+        plan.leftover_slots = torch.tensor(padded, dtype=torch.long)
         counts = torch.tensor([len(slots) for slots in leftovers])
         plan.leftover_valid = (torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)).view(len(leftovers), 1, 1, width)
     return plan
