@@ -77,7 +77,8 @@ class ServeConfig:
     preprocess_threads: int = setting(4, "threads that fetch, decode and preprocess media", minimum=1)
     torch_threads: int | None = setting(
         None, "intra-op threads of the engine thread, of each rank under tensor parallelism "
-        "(default: torch's; with ranks, this host's cores divided among its ranks)", minimum=1)
+        "(default: 1 for a CPU model whose weights fit in half the last-level cache, else "
+        "torch's; with ranks, this host's cores divided among its ranks)", minimum=1)
     disable_chunked_mm_input: bool = setting(False, "schedule each media item's placeholders in one step")
     enable_prefix_caching: bool = setting(
         True, "share KV blocks of identical prefixes, media included", negatable=True)

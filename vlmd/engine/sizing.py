@@ -64,8 +64,14 @@ def drop_unused_encoders(model, supported: dict, modalities: list[str]) -> list[
 
 
 def weight_bytes_of(model: torch.nn.Module) -> int:
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    """Parameters, buffers and the pre-packed weights of linear kernels (which replace
+    their layer's plain weight, so ``parameters()`` alone misses most of a packed model)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    for module in model.modules():
+        packed = getattr(getattr(module, "kernel", None), "packed", None)
+        if isinstance(packed, torch.Tensor):
+            tensors[id(packed)] = packed
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def plan_kv_cache(

@@ -32,26 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmd.host import last_level_cache_bytes
 from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
 from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes
 from vlmd.layers.attention.segments import ContextSegments, context_segments
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-
-def _last_level_cache_bytes(default: int = 32 << 20) -> int:
-    """This host's largest CPU cache (Linux sysfs), or ``default`` where it cannot be read."""
-    sizes = []
-    for index in range(8):
-        try:
-            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
-        except OSError:
-            break
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=default)
-
 
 # Decodes that share no prefix are gathered into one padded batch (one masked call per
 # layer) when that copy (K and V, one layer) is at most this many bytes, and read in place
@@ -60,7 +46,7 @@ def _last_level_cache_bytes(default: int = 32 << 20) -> int:
 # LLaVA's shape, 9 layers, 32 MiB L3, AMD EPYC fam 25 model 17): padded vs in place per
 # step, c8 x 620 tokens (10 MB) 12.3 vs 15.3 ms, c8 x 300 (5 MB) 4.8 vs 8.7, c2 x 2048
 # (8.4 MB) 8.6 vs 10.8, but c8 x 1024 (16.8 MB) 85.6 vs 23.4 ms.
-BATCHED_DECODE_BYTES = _last_level_cache_bytes() * 3 // 8
+BATCHED_DECODE_BYTES = last_level_cache_bytes() * 3 // 8
 # The padded index is only built when it could qualify (a K/V token is >= 2 * 4 bytes).
 _BATCHED_DECODE_MAX_TOKENS = BATCHED_DECODE_BYTES // 8
 
