@@ -165,6 +165,8 @@ def test_parity_split_placeholders_server_kwargs_and_preemption(tiny_qwen2_vl_di
     server = Server(
         tiny_qwen2_vl_dir, "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "image=3,video=1",
         "--max-num-batched-tokens", "32", "--num-kv-blocks", "20", "--max-model-len", "320",
+        # Two intra-op threads, as when tuned: preemption needs the requests to overlap.
+        "--torch-threads", "2",
         "--mm-processor-kwargs", orjson.dumps({"max_pixels": SERVER_MAX_PIXELS}).decode(),
         "--media-io-kwargs", orjson.dumps({"video": {"num_frames": NUM_FRAMES}}).decode(), log_dir=tmp_path,
     )
