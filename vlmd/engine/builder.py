@@ -90,7 +90,7 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
     return model
 
 
-def default_engine_threads(model, device) -> int | None:
+def default_engine_threads(weight_bytes: int, device) -> int | None:
     """One intra-op thread for a model whose weights fit in half the last-level cache, else
     torch's default (None). Such a step is bound by per-op overhead, not bandwidth or FLOPs:
     a second OpenMP thread adds fork/join to every small op and takes a core from the event
@@ -100,7 +100,7 @@ def default_engine_threads(model, device) -> int | None:
     The small LLaVA (~380 MB) was slower on one thread (c8 repeated 6.5 vs 5.0 req/s)."""
     if device.type != "cpu":
         return None
-    return 1 if weight_bytes_of(model) <= last_level_cache_bytes() // 2 else None
+    return 1 if weight_bytes <= last_level_cache_bytes() // 2 else None
 
 
 def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
@@ -197,7 +197,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     else:  # a forward needs every rank's collectives: rank 0 cannot run one alone at start-up
         profile = unprofiled()
     hidden = int(text_config.hidden_size)
-    plan = plan_kv_cache(config, device, profile, weight_bytes_of(model), bytes_per_block(model.kv_spec, config.block_size, dtype),
+    weight_bytes = weight_bytes_of(model)
+    plan = plan_kv_cache(config, device, profile, weight_bytes, bytes_per_block(model.kv_spec, config.block_size, dtype),
                          encoder_cache_size * hidden * dtype.itemsize, max_model_len)
     num_blocks = plan.num_kv_blocks
     scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks)
@@ -205,7 +206,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     if tensor_parallel is None:
         executor, torch_threads = InProcessExecutor(runner), config.torch_threads
         if torch_threads is None:
-            torch_threads = default_engine_threads(model, device)
+            torch_threads = default_engine_threads(weight_bytes, device)
     else:
         executor = tensor_parallel.executor(runner, num_blocks, config.block_size, config.seed)
         torch_threads = tensor_parallel.threads

@@ -80,13 +80,17 @@ class CPUPagedMetadata(AttentionMetadata):
     decode_batch: DecodeBatch | None  # the decodes as one padded batch, when small enough
     decode_chunks: list[SequenceChunk]
     _decode_plan: DecodePlan | None = None
+    _shares: bool | None = None
 
     @property
     def decodes_share_a_prefix(self) -> bool:
         """Whether the decode plan found blocks several decodes have in common (then it
-        beats the padded batch, which would copy the shared blocks once per decode)."""
-        first_blocks = {chunk.block_ids[0] for chunk in self.decode_chunks}
-        return len(first_blocks) < len(self.decode_chunks) and bool(self.decode_plan.shared)
+        beats the padded batch, which would copy the shared blocks once per decode).
+        Decided once per step: distinct first blocks rule sharing out without a plan."""
+        if self._shares is None:
+            first_blocks = {chunk.block_ids[0] for chunk in self.decode_chunks}
+            self._shares = len(first_blocks) < len(self.decode_chunks) and bool(self.decode_plan.shared)
+        return self._shares
 
     @property
     def decode_plan(self) -> DecodePlan:
@@ -196,7 +200,7 @@ def _attend_decodes(q, k_cache, v_cache, plan: DecodePlan, scale: float) -> torc
         out = q.new_zeros(decodes, heads, dim, dtype=torch.float32)
         lse = q.new_full((decodes, heads), float("-inf"), dtype=torch.float32)
         if rows:
-            index = torch.tensor(rows, device=q.device)
+            index = plan.leftover_index.to(q.device)
             part_out, part_lse = _attend_leftovers(q.index_select(0, index), k_cache, v_cache, plan, scale)
             out.index_copy_(0, index, part_out)
             lse.index_copy_(0, index, part_lse.float())
@@ -216,7 +220,7 @@ def _attend_decodes(q, k_cache, v_cache, plan: DecodePlan, scale: float) -> torc
     for prefix in plan.shared:
         rows = prefix.rows
         members = len(rows)
-        index = torch.tensor(rows, device=q.device)
+        index = prefix.index.to(q.device)
         # [m, Hkv, G, D] -> [1, Hkv, m * G, D]: every member's queries against the prefix, once.
         stacked = q.index_select(0, index).view(members, kv_heads, group, dim).transpose(0, 1)
         stacked = stacked.reshape(1, kv_heads, members * group, dim)

@@ -40,34 +40,38 @@ MAX_LEFTOVER_TOKENS = 256
 class SharedPrefix:
     rows: list[int]  # decode rows that share it
     ranges: list[tuple[int, int]]  # slot ranges of the shared blocks
+    index: torch.Tensor = field(init=False)  # ``rows`` as a tensor, built once per step
+
+    def __post_init__(self):
+        self.index = torch.tensor(self.rows, dtype=torch.long)
 
 
 @dataclass
 class DecodePlan:
-    num_decodes: int
     shared: list[SharedPrefix] = field(default_factory=list)
     views: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first slot, end slot)
     gathers: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, slots) beyond the leftover
     leftover_rows: list[int] = field(default_factory=list)  # decodes with a leftover (most of them)
+    leftover_index: torch.Tensor | None = None  # ``leftover_rows`` as a tensor
     leftover_slots: torch.Tensor | None = None  # [R, L] their slots, padded with slot 0
     leftover_valid: torch.Tensor | None = None  # [R, 1, 1, L] True where a slot is real
-    _masks: dict = field(default_factory=dict)
+    _staged: dict = field(default_factory=dict)
 
     def leftover_inputs(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded slots and the additive mask (0 or -inf, in the queries' dtype) on the
         cache's device: built once per step, reused by every layer. (The plan is built on
         the host, after the step's tensors were staged, hence the move here.)"""
         key = (dtype, device)
-        if key not in self._masks:
+        if key not in self._staged:
             valid = self.leftover_valid.to(device)
             mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
-            self._masks[key] = (self.leftover_slots.to(device), mask)
-        return self._masks[key]
+            self._staged[key] = (self.leftover_slots.to(device), mask)
+        return self._staged[key]
 
 
 def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -> DecodePlan:
     """``tables[i]``: decode i's block table; ``lengths[i]``: its context, own token included."""
-    plan = DecodePlan(num_decodes=len(tables))
+    plan = DecodePlan()
     # Blocks before the last used one are full: only those can be shared or viewed.
     full = [(length - 1) // block_size for length in lengths]
     shared_blocks = [0] * len(tables)
@@ -103,6 +107,7 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
             plan.leftover_rows.append(row)
             leftovers.append(leftover)
     if leftovers:
+        plan.leftover_index = torch.tensor(plan.leftover_rows, dtype=torch.long)
         width = max(len(slots) for slots in leftovers)
         padded = [slots + [0] * (width - len(slots)) for slots in leftovers]
         plan.leftover_slots = torch.tensor(padded, dtype=torch.long)
