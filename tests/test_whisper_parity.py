@@ -135,3 +135,32 @@ def test_tiny_en_matches_transformers_on_speech(tiny_en_dir, timestamps):
     if timestamps:
         segments = built.transcriber.segments(outputs["fox"], built.transcriber.prepare_samples(samples).windows[0])
         assert segments and 0 <= segments[0].start < segments[-1].end <= len(samples) / 16000 + 0.02
+
+
+def test_every_whisper_product_is_on_the_linear_seam(tiny_whisper_dir):
+    """Encoder linears and the tied output projection are selected like the decoder's, and
+    packed kernels give the plain products' results to float rounding."""
+    import torch
+    from torch import nn
+    from transformers import AutoConfig
+
+    from vlmd.layers.linear import LinearBase, select_linear_kernels
+    from vlmd_whisper.model import WhisperModel
+
+    config = AutoConfig.from_pretrained(tiny_whisper_dir)
+    plain = WhisperModel.load(tiny_whisper_dir, config, torch.float32)
+    packed = WhisperModel.load(tiny_whisper_dir, config, torch.float32)
+    assert not [name for name, m in packed.named_modules() if type(m) is nn.Linear]
+    decoder = packed.decoder
+    assert isinstance(decoder.proj_out, LinearBase)
+    assert decoder.proj_out.weight is decoder.embed_tokens.weight  # tied: one tensor
+    select_linear_kernels(packed, "packed")
+    assert decoder.embed_tokens.weight is not None  # the lookups still have their table
+    assert all(m.kernel is not None for m in packed.modules() if isinstance(m, LinearBase))
+
+    features = np.random.default_rng(0).standard_normal((config.num_mel_bins, plain.num_frames)).astype(np.float32)
+    with torch.inference_mode():
+        encoded = [m.embed_multimodal("audio", [{"input_features": features}])[0] for m in (plain, packed)]
+        torch.testing.assert_close(encoded[1], encoded[0], rtol=1e-4, atol=1e-4)
+        hidden = torch.randn(3, config.d_model)
+        torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-4, atol=1e-4)

@@ -6,7 +6,8 @@ Hugging Face copy. The paragraph (~29 s) is spoken by espeak-ng (voice en-us+f2,
 resampled to 16 kHz with sox, so every engine reads the same samples. Greedy decoding, no
 timestamps, English. Each engine transcribes once to warm up, then ``--runs`` times; wall
 times are medians, measured one engine at a time (vlmd: one HTTP request to ``vlmd serve``,
-upload, decode and features included). Prints one JSON line:
+upload, decode and features included; each run's upload differs from the others in one
+sample's lowest bit, so no run finds its encoder output in vlmd's cache). Prints one JSON line:
 
     {"audio_s": 28.77, "cpus": 2, "vlmd": {"wer": .., "seconds": ..}, "transformers": {...},
      "faster_whisper_float32": {...}, "faster_whisper_int8": {...}, ...}
@@ -59,6 +60,13 @@ def wer(reference: str, hypothesis: str) -> float:
     return round(jiwer.wer(words(reference), words(hypothesis)), 4)
 
 
+def distinct_wav(wav: bytes, run: int) -> bytes:
+    """The 16-bit PCM ``wav`` with the lowest bit of sample ``run`` (from the end) flipped."""
+    data = bytearray(wav)
+    data[-2 * (run + 1)] ^= 1  # little-endian: the low byte of that sample
+    return bytes(data)
+
+
 def timed(function, runs: int) -> tuple[str, float]:
     function()  # warm-up
     times, text = [], ""
@@ -85,11 +93,17 @@ def vlmd_transcriber(model_dir: Path, port: int, wav: bytes, flags: list[str]):
         except OSError:
             time.sleep(0.3)
     boundary = uuid.uuid4().hex
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'
             f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="speech.wav"\r\n\r\n').encode()
-    body += wav + f"\r\n--{boundary}--\r\n".encode()
+
+    runs = iter(range(1 << 30))
 
     def transcribe() -> str:
+        # The other engines encode the audio on every call; vlmd would find a repeated upload's
+        # encoder output in its cache and skip the encoder. One sample's lowest bit differs per
+        # run (same speech, a new content hash), so every run encodes.
+        data = distinct_wav(wav, next(runs))
+        body = (head + data + f"\r\n--{boundary}--\r\n".encode())
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/audio/transcriptions", data=body,
                                          headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
         with urllib.request.urlopen(request, timeout=600) as response:

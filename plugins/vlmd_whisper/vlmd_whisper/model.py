@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.loader import iterate_weights
 from vlmd_whisper.decoder import CrossState, WhisperDecoder
 from vlmd_whisper.timestamps import TimestampRules
@@ -42,6 +42,9 @@ class WhisperModel(nn.Module):
         config._attn_implementation = "sdpa"
         self.config = config
         self.encoder = WhisperEncoder(config)
+        # Its attention and MLP products (M = 1,500 frames per window) onto the linear seam;
+        # the encoder only calls them, never reads their weights (see adopt.py).
+        adopt_linear_modules(self.encoder)
         self.decoder = WhisperDecoder(config, tp)
         self.kv_spec = self.decoder.kv_spec
         self.timestamp_rules = TimestampRules.from_generation_config(generation)
