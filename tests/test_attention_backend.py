@@ -111,6 +111,15 @@ def test_contexts_up_to_16k_tokens(order):
         assert plan.leftover_slots.shape[1] <= decode_plan.MAX_LEFTOVER_TOKENS
 
 
+@pytest.mark.parametrize("order,in_one_view", [("ascending", True), ("random", False), ("descending", False)])
+def test_a_lone_decode_is_read_in_place_only_when_its_context_is_one_run(order, in_one_view, decode_path):
+    # Otherwise (where the copy fits) it is gathered into one call: no parts to merge.
+    meta = _run_step([(600, 1)], table_order=order, seed=11)
+    assert meta.lone_decode_in_one_view is in_one_view
+    if decode_path == "batched":
+        assert meta.decode_batch.mask is None  # one decode: nothing padded
+
+
 def test_bfloat16_cache():
     _run_step([(200, 1), (30, 9)], dtype=torch.bfloat16, seed=3)
 
