@@ -198,6 +198,7 @@ def test_decodes_sharing_prefix_blocks_read_them_once(decode_path):
     # Even where the padded batch would fit, sharing decodes take the plan (the batch would
     # copy the shared blocks once per decode).
     assert meta.decodes_share_a_prefix
+    assert not meta._batch_built  # the padded batch it does not take is never built
     shared = sorted((prefix.rows, sum(end - start for start, end in prefix.ranges)) for prefix in meta.decode_plan.shared)
     # The 48-token prefix is below MIN_SHARED_TOKENS: those two decode on their own.
     assert shared == [([0, 1, 2], 608), ([3, 4], 320)]

@@ -78,10 +78,27 @@ class SequencePlan:
 @dataclass
 class CPUPagedMetadata(AttentionMetadata):
     plans: list[SequencePlan]  # the prefill chunks (rows after the decodes)
-    decode_batch: DecodeBatch | None  # the decodes as one padded batch, when small enough
     decode_chunks: list[SequenceChunk]
     _decode_plan: DecodePlan | None = None
     _shares: bool | None = None
+    _decode_batch: DecodeBatch | None = None
+    _batch_built: bool = False
+
+    @property
+    def padded_decode_tokens(self) -> int:
+        """Rows of the padded batch of every decode's whole context (the longest, times the decodes)."""
+        chunks = self.decode_chunks
+        return max(chunk.start for chunk in chunks) * len(chunks) + len(chunks) if chunks else 0
+
+    @property
+    def decode_batch(self) -> DecodeBatch | None:
+        """The decodes as one padded batch, when small enough: built on first use (a step
+        whose decodes share a prefix or read one run in place never needs it), then shared
+        by every layer."""
+        if not self._batch_built:
+            self._decode_batch = self.backend._decode_batch(self.decode_chunks)
+            self._batch_built = True
+        return self._decode_batch
 
     @property
     def decodes_share_a_prefix(self) -> bool:
@@ -139,8 +156,7 @@ class CPUPagedBackend(AttentionBackend):
         slot_mapping = self.slot_mapping(chunks)
         decodes = chunks[:num_decodes]
         return CPUPagedMetadata(
-            backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, plans=plans,
-            decode_batch=self._decode_batch(decodes), decode_chunks=decodes,
+            backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, plans=plans, decode_chunks=decodes,
         )
 
     def _decode_batch(self, decodes: list[SequenceChunk]) -> DecodeBatch | None:
@@ -148,7 +164,7 @@ class CPUPagedBackend(AttentionBackend):
             return None
         lengths = [chunk.start + 1 for chunk in decodes]
         longest = max(lengths)
-        if longest * len(decodes) > _BATCHED_DECODE_MAX_TOKENS:
+        if longest * len(decodes) > _BATCHED_DECODE_MAX_TOKENS:  # (see padded_decode_tokens)
             return None
         size = self.block_size
         blocks = -(-longest // size)
@@ -165,10 +181,12 @@ class CPUPagedBackend(AttentionBackend):
         heads, kv_heads = q.shape[1], k.shape[1]
         out = torch.empty_like(q)
         decodes = meta.num_decodes
-        batch = meta.decode_batch
-        batch_bytes = batch.slots.numel() * 2 * k_cache[0].numel() * k_cache.element_size() if batch else 0
-        fits = batch is not None and batch_bytes <= BATCHED_DECODE_BYTES
-        if fits and not meta.decodes_share_a_prefix and not meta.lone_decode_in_one_view:
+        batch_bytes = meta.padded_decode_tokens * 2 * k_cache[0].numel() * k_cache.element_size()
+        batch = None
+        if decodes and batch_bytes <= BATCHED_DECODE_BYTES and not meta.decodes_share_a_prefix \
+                and not meta.lone_decode_in_one_view:
+            batch = meta.decode_batch
+        if batch is not None:
             # [B, Hkv, G, D] queries against [B, Hkv, L, D]: the mask is the same for all G.
             grouped = q[:decodes].view(decodes, kv_heads, heads // kv_heads, q.shape[2])
             keys = _gather(k_cache, batch.slots).transpose(1, 2)
