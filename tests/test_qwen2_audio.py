@@ -125,13 +125,18 @@ def test_parity_split_placeholders_and_preemption(tiny_qwen2_audio_dir, media_di
                     "--num-kv-blocks", "76", "--max-model-len", "1216", "--torch-threads", "2",
                     name="tiny-audio", log_dir=tmp_path)
     try:
-        steps_before = server.metrics()["vlmd_engine_steps_total"]
-        bodies = _run_concurrently(server, cases)
-        for name, body in zip(cases, bodies):
-            _check(body, references[name])
-        metrics = server.metrics()
-        prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
-        assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 32
+        # Whether two long requests overlap depends on when each one's preprocessing ends; a
+        # loaded host can serialise one round. Every round is checked; at most three are sent.
+        for _ in range(3):
+            steps_before = server.metrics()["vlmd_engine_steps_total"]
+            bodies = _run_concurrently(server, cases)
+            for name, body in zip(cases, bodies):
+                _check(body, references[name])
+            metrics = server.metrics()
+            prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
+            assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 32
+            if metrics["vlmd_num_preemptions_total"] > 0:
+                break
         assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
     finally:
         server.stop()
