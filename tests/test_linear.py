@@ -157,6 +157,26 @@ def test_an_exhausted_measuring_budget_falls_back_to_packed_weights():
     assert all(entry["chosen"] == [expected] * len(M_BUCKETS) for entry in report["shapes"].values())
 
 
+@pytest.mark.parametrize("cache_bytes,streamed", [(1 << 40, False), (1024, True)])
+def test_weights_that_outgrow_the_cache_are_never_timed_at_one_thread(monkeypatch, cache_bytes, streamed):
+    from vlmd.layers.linear import selection
+
+    monkeypatch.setattr(selection, "last_level_cache_bytes", lambda: cache_bytes)
+    monkeypatch.setattr(selection, "_DECISIONS", {})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = nn.Sequential(ReplicatedLinear(48, 96), ReplicatedLinear(96, 48))
+        report = select_linear_kernels(model, "auto")
+    finally:
+        torch.set_num_threads(previous)
+    assert report["streamed"] is streamed
+    timed = {name for entry in report["shapes"].values() for bucket in entry["ms"].values() for name in bucket}
+    assert any(name.endswith("@1t") for name in timed) is not streamed
+    if streamed:
+        assert not any(c.endswith("@1t") for entry in report["shapes"].values() for c in entry["chosen"])
+
+
 def test_adopted_linears_of_a_borrowed_module_keep_names_parameters_and_results():
     torch.manual_seed(0)
     tower = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 8, bias=False)))

@@ -99,11 +99,18 @@ class SelectedKernel:
         return F.linear(x, self.weight, bias)
 
 
-def candidates_for(weight: torch.Tensor) -> list[KernelChoice]:
+def candidates_for(weight: torch.Tensor, streamed: bool = False) -> list[KernelChoice]:
+    """``streamed``: the model's weights do not fit in the last-level cache, so a decode
+    step reads every weight from memory. Then one thread is not a candidate: timed in
+    cache it can win at M = 1 (no fork/join), but streaming from memory it gets about half
+    the bandwidth; in Whisper tiny.en's whole decode step, kernels forced and alternated
+    in one process (AMD EPYC fam 25 model 17), packed at one thread took 10.8-11.0 ms
+    against 7.8-8.2 at two, and a per-process selection that had picked one thread for a
+    shape made that process's steps slower than another's."""
     found = [PLAIN]
     if packing_available(weight):
         found.append(PACKED)
-    if torch.get_num_threads() > 1:
+    if torch.get_num_threads() > 1 and not streamed:
         found += [KernelChoice(c.packed, 1) for c in list(found)]
     return found
 

@@ -14,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from vlmd.host import last_level_cache_bytes
 from vlmd.layers.linear.kernels import (
     M_BUCKETS,
     PACKED,
@@ -30,9 +31,16 @@ from vlmd.layers.linear.layers import LinearBase
 _DECISIONS: dict[tuple, tuple[KernelChoice, ...]] = {}
 
 
-def _signature(layer: LinearBase) -> tuple:
+def _signature(layer: LinearBase, streamed: bool) -> tuple:
     weight = layer.weight
-    return (tuple(weight.shape), weight.dtype, layer.bias is not None, torch.get_num_threads())
+    return (tuple(weight.shape), weight.dtype, layer.bias is not None, torch.get_num_threads(), streamed)
+
+
+def weights_outgrow_cache(layers: list[LinearBase]) -> bool:
+    """Whether these layers' weights together exceed the last-level cache (a decode step
+    then streams them from memory: see ``kernels.candidates_for``)."""
+    total = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    return total > last_level_cache_bytes()
 
 
 @torch.inference_mode()
@@ -49,6 +57,8 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     shared = _shared_weights(model)
     report: dict = {"mode": mode, "shapes": {}}
     measured: list[tuple[KernelChoice, ...]] = []
+    streamed = weights_outgrow_cache([layer for layer in layers if layer.weight.device.type == "cpu"])
+    report["streamed"] = streamed
     for layer in layers:
         weight = layer.weight
         if mode == "plain" or weight.device.type != "cpu":
@@ -57,11 +67,11 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         if mode == "packed":
             choices = (PACKED if packing_available(weight) else PLAIN,) * len(M_BUCKETS)
         else:
-            key = _signature(layer)
+            key = _signature(layer, streamed)
             name = f"{weight.shape[1]}x{weight.shape[0]}"
             if key not in _DECISIONS:
                 if time.perf_counter() - started < budget_s:
-                    choices, timings = measure_choices(weight, layer.bias, candidates_for(weight))
+                    choices, timings = measure_choices(weight, layer.bias, candidates_for(weight, streamed))
                     report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": timings}
                     measured.append(choices)
                     _DECISIONS[key] = choices
