@@ -175,6 +175,8 @@ def test_weights_that_outgrow_the_cache_are_never_timed_at_one_thread(monkeypatc
     assert any(name.endswith("@1t") for name in timed) is not streamed
     if streamed:
         assert not any(c.endswith("@1t") for entry in report["shapes"].values() for c in entry["chosen"])
+        if packing_available(torch.zeros(1)):  # and the decode buckets take the packed weight
+            assert all(entry["chosen"][:-1] == ["packed"] * (len(M_BUCKETS) - 1) for entry in report["shapes"].values())
 
 
 def test_adopted_linears_of_a_borrowed_module_keep_names_parameters_and_results():

@@ -121,12 +121,20 @@ def measure_choices(
     candidates: list[KernelChoice],
     rounds: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    streamed: bool = False,
 ) -> tuple[tuple[KernelChoice, ...], dict[str, dict[str, float]]]:
     """The fastest candidate per M bucket, and every timing (ms, best of ``rounds``).
 
     Candidates run interleaved round by round, so a burst of load from another process
     slows all of them rather than one. One thread is only tried for the small buckets:
     a large product is never faster on fewer cores.
+
+    ``streamed`` (the model's weights outgrow the last-level cache): the small buckets take
+    the packed weight wherever there is one. Timed in cache, plain ``F.linear`` can win a
+    small shape at M = 1 by more than ``PLAIN_MARGIN``, but in a decode step, which reads
+    the weight from memory, it loses (384x384 cold: 65 us plain, 40 us packed; Whisper
+    tiny.en's decode step, alternated in one process, all packed vs per-shape choices with
+    some plain: 7.82 vs 8.04, 8.20 vs 8.52, 8.49 vs 8.65, 7.89 vs 8.00, 9.24 vs 9.61 ms).
     """
     packed = pack_weight(weight) if any(c.packed for c in candidates) else None
     probe = SelectedKernel((PLAIN,) * len(M_BUCKETS), weight, packed)
@@ -135,7 +143,10 @@ def measure_choices(
     generator = torch.Generator().manual_seed(0)
     for index, (_, rows) in enumerate(M_BUCKETS):
         x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
-        tried = [c for c in candidates if c.threads is None or index < len(M_BUCKETS) - 1]
+        small = index < len(M_BUCKETS) - 1
+        tried = [c for c in candidates if c.threads is None or small]
+        if streamed and small and any(c.packed for c in tried):
+            tried = [c for c in tried if c.packed]
         best = {c: float("inf") for c in tried}
         for c in tried:  # warm-up: first calls allocate scratch and build oneDNN primitives
             probe._product(c, x, bias)

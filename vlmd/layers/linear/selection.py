@@ -71,7 +71,9 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             name = f"{weight.shape[1]}x{weight.shape[0]}"
             if key not in _DECISIONS:
                 if time.perf_counter() - started < budget_s:
-                    choices, timings = measure_choices(weight, layer.bias, candidates_for(weight, streamed))
+                    choices, timings = measure_choices(
+                        weight, layer.bias, candidates_for(weight, streamed), streamed=streamed
+                    )
                     report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": timings}
                     measured.append(choices)
                     _DECISIONS[key] = choices
