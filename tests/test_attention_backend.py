@@ -24,7 +24,6 @@ def decode_path(request, monkeypatch):
     """Small decode batches take the padded-gather path: run every case both ways."""
     budget = 0 if request.param == "in_place" else 1 << 40
     monkeypatch.setattr(cpu_paged, "BATCHED_DECODE_BYTES", budget)
-    monkeypatch.setattr(cpu_paged, "_BATCHED_DECODE_MAX_TOKENS", budget)
     return request.param
 
 
@@ -112,12 +111,11 @@ def test_contexts_up_to_16k_tokens(order):
 
 
 @pytest.mark.parametrize("order,in_one_view", [("ascending", True), ("random", False), ("descending", False)])
-def test_a_lone_decode_is_read_in_place_only_when_its_context_is_one_run(order, in_one_view, decode_path):
+def test_a_lone_decode_is_read_in_place_only_when_its_context_is_one_run(order, in_one_view):
     # Otherwise (where the copy fits) it is gathered into one call: no parts to merge.
     meta = _run_step([(600, 1)], table_order=order, seed=11)
     assert meta.lone_decode_in_one_view is in_one_view
-    if decode_path == "batched":
-        assert meta.decode_batch.mask is None  # one decode: nothing padded
+    assert meta.decode_batch.mask is None  # one decode: nothing padded
 
 
 def test_bfloat16_cache():
@@ -198,7 +196,7 @@ def test_decodes_sharing_prefix_blocks_read_them_once(decode_path):
     # Even where the padded batch would fit, sharing decodes take the plan (the batch would
     # copy the shared blocks once per decode).
     assert meta.decodes_share_a_prefix
-    assert not meta._batch_built  # the padded batch it does not take is never built
+    assert meta._decode_batch is None  # the padded batch it does not take is never built
     shared = sorted((prefix.rows, sum(end - start for start, end in prefix.ranges)) for prefix in meta.decode_plan.shared)
     # The 48-token prefix is below MIN_SHARED_TOKENS: those two decode on their own.
     assert shared == [([0, 1, 2], 608), ([3, 4], 320)]

@@ -48,14 +48,25 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # step, c8 x 620 tokens (10 MB) 12.3 vs 15.3 ms, c8 x 300 (5 MB) 4.8 vs 8.7, c2 x 2048
 # (8.4 MB) 8.6 vs 10.8, but c8 x 1024 (16.8 MB) 85.6 vs 23.4 ms.
 BATCHED_DECODE_BYTES = last_level_cache_bytes() * 3 // 8
-# The padded index is only built when it could qualify (a K/V token is >= 2 * 4 bytes).
-_BATCHED_DECODE_MAX_TOKENS = BATCHED_DECODE_BYTES // 8
 
 
 @dataclass
 class DecodeBatch:
     slots: torch.Tensor  # [B, L] context slots, padded with slot 0
     mask: torch.Tensor | None  # [B, 1, 1, L] True = attend; None when no context is padded
+
+
+def padded_decode_batch(decodes: list[SequenceChunk], block_size: int) -> DecodeBatch:
+    """Every decode's whole context (own token included) as slots of one ``[B, L]`` batch."""
+    lengths = [chunk.start + 1 for chunk in decodes]
+    longest = max(lengths)
+    blocks = -(-longest // block_size)
+    table = torch.tensor([c.block_ids[:blocks] + [0] * (blocks - len(c.block_ids[:blocks])) for c in decodes])
+    slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(decodes), -1)[:, :longest]
+    if min(lengths) == longest:  # nothing padded (always so for one decode): no mask to apply
+        return DecodeBatch(slots.contiguous(), None)
+    mask = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return DecodeBatch(slots.contiguous(), mask.view(len(decodes), 1, 1, longest))
 
 
 @dataclass
@@ -82,22 +93,20 @@ class CPUPagedMetadata(AttentionMetadata):
     _decode_plan: DecodePlan | None = None
     _shares: bool | None = None
     _decode_batch: DecodeBatch | None = None
-    _batch_built: bool = False
 
     @property
     def padded_decode_tokens(self) -> int:
         """Rows of the padded batch of every decode's whole context (the longest, times the decodes)."""
         chunks = self.decode_chunks
-        return max(chunk.start for chunk in chunks) * len(chunks) + len(chunks) if chunks else 0
+        return (max(chunk.start for chunk in chunks) + 1) * len(chunks) if chunks else 0
 
     @property
-    def decode_batch(self) -> DecodeBatch | None:
-        """The decodes as one padded batch, when small enough: built on first use (a step
-        whose decodes share a prefix or read one run in place never needs it), then shared
-        by every layer."""
-        if not self._batch_built:
-            self._decode_batch = self.backend._decode_batch(self.decode_chunks)
-            self._batch_built = True
+    def decode_batch(self) -> DecodeBatch:
+        """The decodes as one padded batch: built on first use (a step whose decodes share a
+        prefix, read one run in place or outgrow ``BATCHED_DECODE_BYTES`` never needs it),
+        then shared by every layer."""
+        if self._decode_batch is None:
+            self._decode_batch = padded_decode_batch(self.decode_chunks, self.backend.block_size)
         return self._decode_batch
 
     @property
@@ -159,22 +168,6 @@ class CPUPagedBackend(AttentionBackend):
             backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, plans=plans, decode_chunks=decodes,
         )
 
-    def _decode_batch(self, decodes: list[SequenceChunk]) -> DecodeBatch | None:
-        if not decodes:
-            return None
-        lengths = [chunk.start + 1 for chunk in decodes]
-        longest = max(lengths)
-        if longest * len(decodes) > _BATCHED_DECODE_MAX_TOKENS:  # (see padded_decode_tokens)
-            return None
-        size = self.block_size
-        blocks = -(-longest // size)
-        table = torch.tensor([c.block_ids[:blocks] + [0] * (blocks - len(c.block_ids[:blocks])) for c in decodes])
-        slots = (table.unsqueeze(-1) * size + torch.arange(size)).view(len(decodes), -1)[:, :longest]
-        if min(lengths) == longest:  # nothing padded (always so for one decode): no mask to apply
-            return DecodeBatch(slots.contiguous(), None)
-        mask = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-        return DecodeBatch(slots.contiguous(), mask.view(len(decodes), 1, 1, longest))
-
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache
@@ -182,11 +175,9 @@ class CPUPagedBackend(AttentionBackend):
         out = torch.empty_like(q)
         decodes = meta.num_decodes
         batch_bytes = meta.padded_decode_tokens * 2 * k_cache[0].numel() * k_cache.element_size()
-        batch = None
         if decodes and batch_bytes <= BATCHED_DECODE_BYTES and not meta.decodes_share_a_prefix \
                 and not meta.lone_decode_in_one_view:
             batch = meta.decode_batch
-        if batch is not None:
             # [B, Hkv, G, D] queries against [B, Hkv, L, D]: the mask is the same for all G.
             grouped = q[:decodes].view(decodes, kv_heads, heads // kv_heads, q.shape[2])
             keys = _gather(k_cache, batch.slots).transpose(1, 2)
