@@ -99,18 +99,11 @@ class SelectedKernel:
         return F.linear(x, self.weight, bias)
 
 
-def candidates_for(weight: torch.Tensor, streamed: bool = False) -> list[KernelChoice]:
-    """``streamed``: the model's weights do not fit in the last-level cache, so a decode
-    step reads every weight from memory. Then one thread is not a candidate: timed in
-    cache it can win at M = 1 (no fork/join), but streaming from memory it gets about half
-    the bandwidth; in Whisper tiny.en's whole decode step, kernels forced and alternated
-    in one process (AMD EPYC fam 25 model 17), packed at one thread took 10.8-11.0 ms
-    against 7.8-8.2 at two, and a per-process selection that had picked one thread for a
-    shape made that process's steps slower than another's."""
+def candidates_for(weight: torch.Tensor) -> list[KernelChoice]:
     found = [PLAIN]
     if packing_available(weight):
         found.append(PACKED)
-    if torch.get_num_threads() > 1 and not streamed:
+    if torch.get_num_threads() > 1:
         found += [KernelChoice(c.packed, 1) for c in list(found)]
     return found
 
@@ -129,12 +122,15 @@ def measure_choices(
     slows all of them rather than one. One thread is only tried for the small buckets:
     a large product is never faster on fewer cores.
 
-    ``streamed`` (the model's weights outgrow the last-level cache): the small buckets take
-    the packed weight wherever there is one. Timed in cache, plain ``F.linear`` can win a
-    small shape at M = 1 by more than ``PLAIN_MARGIN``, but in a decode step, which reads
-    the weight from memory, it loses (384x384 cold: 65 us plain, 40 us packed; Whisper
-    tiny.en's decode step, alternated in one process, all packed vs per-shape choices with
-    some plain: 7.82 vs 8.04, 8.20 vs 8.52, 8.49 vs 8.65, 7.89 vs 8.00, 9.24 vs 9.61 ms).
+    ``streamed`` (the model's weights outgrow the last-level cache, so a decode step reads
+    every weight from memory): the small buckets take the packed weight at all threads
+    wherever there is one. Timed in cache, one thread (no fork/join) or plain ``F.linear``
+    can win a small shape at M = 1, but streaming from memory both lose, and which shapes
+    drew them varied from process to process. Whisper tiny.en's whole decode step, kernels
+    forced and alternated in one process (AMD EPYC fam 25 model 17): packed at one thread
+    10.8-11.0 ms, at two 7.8-8.2; all packed vs per-shape choices with some plain: 7.82 vs
+    8.04, 8.20 vs 8.52, 8.49 vs 8.65, 7.89 vs 8.00, 9.24 vs 9.61 ms (384x384 cold: 65 us
+    plain, 40 us packed).
     """
     packed = pack_weight(weight) if any(c.packed for c in candidates) else None
     probe = SelectedKernel((PLAIN,) * len(M_BUCKETS), weight, packed)
@@ -145,8 +141,12 @@ def measure_choices(
         x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
         small = index < len(M_BUCKETS) - 1
         tried = [c for c in candidates if c.threads is None or small]
-        if streamed and small and any(c.packed for c in tried):
-            tried = [c for c in tried if c.packed]
+        if streamed and small:
+            tried = [c for c in tried if c.threads is None and c.packed] or [c for c in tried if c.threads is None]
+        if len(tried) == 1:  # nothing to compare: no timing at start-up
+            chosen.append(tried[0])
+            timings[f"M{rows}"] = {}
+            continue
         best = {c: float("inf") for c in tried}
         for c in tried:  # warm-up: first calls allocate scratch and build oneDNN primitives
             probe._product(c, x, bias)

@@ -36,9 +36,9 @@ def _signature(layer: LinearBase, streamed: bool) -> tuple:
     return (tuple(weight.shape), weight.dtype, layer.bias is not None, torch.get_num_threads(), streamed)
 
 
-def weights_outgrow_cache(layers: list[LinearBase]) -> bool:
+def _weights_outgrow_cache(layers: list[LinearBase]) -> bool:
     """Whether these layers' weights together exceed the last-level cache (a decode step
-    then streams them from memory: see ``kernels.candidates_for``)."""
+    then streams them from memory: see ``kernels.measure_choices``)."""
     total = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
     return total > last_level_cache_bytes()
 
@@ -57,7 +57,7 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     shared = _shared_weights(model)
     report: dict = {"mode": mode, "shapes": {}}
     measured: list[tuple[KernelChoice, ...]] = []
-    streamed = weights_outgrow_cache([layer for layer in layers if layer.weight.device.type == "cpu"])
+    streamed = _weights_outgrow_cache([layer for layer in layers if layer.weight.device.type == "cpu"])
     report["streamed"] = streamed
     for layer in layers:
         weight = layer.weight
@@ -71,9 +71,7 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             name = f"{weight.shape[1]}x{weight.shape[0]}"
             if key not in _DECISIONS:
                 if time.perf_counter() - started < budget_s:
-                    choices, timings = measure_choices(
-                        weight, layer.bias, candidates_for(weight, streamed), streamed=streamed
-                    )
+                    choices, timings = measure_choices(weight, layer.bias, candidates_for(weight), streamed=streamed)
                     report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": timings}
                     measured.append(choices)
                     _DECISIONS[key] = choices
