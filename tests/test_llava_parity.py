@@ -99,13 +99,16 @@ def test_parity_under_preemption(tiny_llava_dir, references, tmp_path):
     cases, refs = references
     # 76 blocks x 16 = 1216 tokens: two ~590-token prompts (37 blocks each) are admitted
     # together, and their decodes then outgrow the cache, so one must be preempted.
+    # Prefix caching off: a later round would otherwise find the first round's prompts
+    # cached and shared, and need too few blocks to preempt. Two intra-op threads (not the
+    # tiny model's default of one) keep steps as slow as when this was tuned.
     server = Server(
         tiny_llava_dir, "--num-kv-blocks", "76", "--max-model-len", "1216", "--max-num-batched-tokens", "4096",
-        log_dir=tmp_path,
+        "--no-enable-prefix-caching", "--torch-threads", "2", log_dir=tmp_path,
     )
     try:
-        # Preemption needs two requests to overlap, which depends on arrival timing on a
-        # loaded machine: run the batch again (every run is checked) until one preempted.
+        # Preemption needs two long requests to overlap, which depends on arrival timing:
+        # run the batch again (every run is checked) until one preempted.
         for _ in range(3):
             _check(_run_concurrently(server, cases), refs)
             metrics = server.metrics()
