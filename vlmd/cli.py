@@ -113,6 +113,7 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
 
     from vlmd.engine.async_engine import AsyncEngine
     from vlmd.engine.builder import build_engine, warm_up
+    from vlmd.engine.engine_thread import EngineThread, single_threaded_torch
     from vlmd.engine.worker import EngineWorker
     from vlmd.server.admission import Admission
     from vlmd.server.app import create_app
@@ -121,17 +122,21 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
 
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    built = build_engine(config, log_level)
+    # Built and stepped on one thread, the only one whose torch ops run in parallel
+    # (engine_thread.py: a second OpenMP team slows every step by a quarter).
+    engine_thread = EngineThread()
+    built = engine_thread.call(lambda: build_engine(config, log_level))
     executor = built.core.executor
     if config.warmup:
-        warm_up(built)
+        engine_thread.call(lambda: warm_up(built))
     engine = AsyncEngine(loop)
     metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan)
     if built.grammar_compiler is not None:
         built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
     built.preprocessor.processor.observer = metrics
-    worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step)
+    worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step,
+                          thread=engine_thread)
     engine.attach(worker)
     worker.start()
     state = ServerState(
@@ -141,7 +146,8 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         tokenizer=built.tokenizer,
         eos_token_ids=built.eos_token_ids,
         max_model_len=built.max_model_len,
-        pool=ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess"),
+        pool=ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess",
+                                initializer=single_threaded_torch),
         created=int(time.time()),
     )
     state.metrics = metrics
@@ -161,6 +167,9 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     finally:
         worker.stop()
         executor.shutdown()
+        # Last: the tensor-parallel ranks were started from this thread, and the kernel kills
+        # a child whose parent thread ends (rank_process._die_with_parent, PR_SET_PDEATHSIG).
+        engine_thread.close(timeout=10.0)
         state.pool.shutdown(wait=False, cancel_futures=True)
         log.info("shut down", model=config.model_name)
     if state.fatal_error is not None:
@@ -200,7 +209,9 @@ def _serve_command(args: argparse.Namespace) -> None:
                           config.dtype, config.torch_threads, args.log_level))
     sock = bind_socket(config.host, config.port)
     if args.model is None:
-        config.model = str(default_model_dir())
+        # On a thread that ends: the tiny build's torch ops leave no OpenMP team (engine_thread.py).
+        with ThreadPoolExecutor(1) as once:
+            config.model = str(once.submit(default_model_dir).result())
         config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
     serve(config, sock, args.log_level)
 

@@ -1,16 +1,18 @@
-"""The engine thread: drains its inbox, steps the core, posts deltas to the event loop."""
+"""The engine loop: on the engine thread, drains its inbox, steps the core, posts deltas to the
+event loop."""
 
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import structlog
 
 from vlmd.engine.core import EngineCore, StepMetrics
+from vlmd.engine.engine_thread import EngineThread
 from vlmd.errors import ENGINE_FAILED, ENGINE_REJECTED, VlmdError
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
 
@@ -39,25 +41,34 @@ class EngineWorker:
         post_deltas: Callable[[list[RequestDelta]], None],
         torch_threads: int | None = None,
         observe_step: Callable[[StepMetrics], None] | None = None,
+        thread: EngineThread | None = None,
     ):
+        """``thread``: the thread that built the engine (the server's, which ends it); without
+        it the worker starts a thread of its own and ends it in ``stop``."""
         self.core = core
         self.post_deltas = post_deltas
         self.observe_step = observe_step
         self.torch_threads = torch_threads
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = core.stats()
-        self._thread = threading.Thread(target=self._run, name="vlmd-engine", daemon=True)
+        self._own_thread = thread is None
+        self.thread = thread or EngineThread()
+        self._loop: Future | None = None
         self._stopping = False
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop = self.thread.submit(self._run)
+        self._loop.add_done_callback(_log_if_failed)
 
     def submit(self, message) -> None:
         self.inbox.put(message)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.submit(Shutdown())
-        self._thread.join(timeout)
+        if self._loop is not None:
+            wait([self._loop], timeout)
+        if self._own_thread:
+            self.thread.close(timeout=0)
 
     def _run(self) -> None:
         import torch
@@ -115,3 +126,8 @@ class EngineWorker:
         elif self.observe_step is not None:
             self.observe_step(self.core.last_step_metrics)
         return deltas
+
+
+def _log_if_failed(loop: Future) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        log.error("engine loop ended", exc_info=loop.exception())

@@ -1,0 +1,61 @@
+"""The engine thread runs what it is given in order; the media pool's torch ops start no
+OpenMP team (engine_thread.py says why a second team slows every engine step)."""
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from vlmd.engine.engine_thread import EngineThread, single_threaded_torch
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_op() -> float:
+    x = torch.ones(1 << 21)  # far above ATen's grain size: split over the thread's team
+    return float((x * 2).sum())
+
+
+def test_calls_run_in_order_on_one_thread_and_raise_to_the_caller():
+    thread = EngineThread(name="test-engine")
+    try:
+        seen = []
+        futures = [thread.submit(lambda i=i: seen.append((i, threading.current_thread().name))) for i in range(5)]
+        for future in futures:
+            future.result(timeout=10)
+        assert [i for i, _ in seen] == list(range(5))
+        assert {name for _, name in seen} == {"test-engine"}
+        assert thread.call(lambda: 41 + 1) == 42
+        with pytest.raises(ZeroDivisionError):
+            thread.call(lambda: 1 / 0)
+        assert thread.call(lambda: "still serving") == "still serving"
+    finally:
+        thread.close(timeout=10)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_pool_threads_start_no_openmp_team():
+    threads = torch.get_num_threads()
+    engine = EngineThread(name="test-engine-omp")
+    try:
+        before = _os_threads()
+
+        def engine_work():
+            torch.set_num_threads(2)
+            return _parallel_op()
+
+        engine.call(engine_work)
+        # The engine thread, and its team's one other thread, which lives on.
+        assert _os_threads() - before == 2
+        started = _os_threads()
+        with ThreadPoolExecutor(1, initializer=single_threaded_torch) as pool:
+            assert pool.submit(_parallel_op).result(timeout=30) == 2.0 * (1 << 21)
+            assert _os_threads() - started == 1, "a pool thread with a team of its own"
+            assert engine.call(torch.get_num_threads) == 2, "the engine thread keeps its count"
+    finally:
+        engine.close(timeout=10)
+        torch.set_num_threads(threads)  # also the default of threads not started yet
