@@ -59,3 +59,25 @@ def test_pool_threads_start_no_openmp_team():
     finally:
         engine.close(timeout=10)
         torch.set_num_threads(threads)  # also the default of threads not started yet
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_numpy_starts_no_openblas_pool_under_the_cli():
+    # The CLI module sets OpenBLAS to one thread before numpy loads it; on a host with more
+    # than one CPU, numpy's own default starts a pool of spinning threads at import.
+    import subprocess
+    import sys
+
+    script = (
+        "import os, vlmd.cli\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "import numpy\n"
+        "numpy.ones((512, 512)) @ numpy.ones((512, 512))\n"
+        "print(before, len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS', 'unset'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    before, after, setting = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True, timeout=120,
+    ).stdout.split()
+    assert setting == "1"
+    assert after == before, "numpy started threads of its own"
