@@ -4,12 +4,14 @@ gets, and the settings refused before anything starts."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 from vlmd.config import ServeConfig
 from vlmd.distributed.world import WorldSpec, cores_for
 from vlmd.engine.rank_launcher import RankSpec, local_rank_specs
+from vlmd.engine.tp_startup import pin_engine_thread
 
 
 def test_ranks_are_laid_out_node_by_node():
@@ -34,6 +36,26 @@ def test_each_rank_gets_its_own_cores():
     # More ranks than cores: still bound, wrapping around.
     many, _ = cores_for(len(available), len(available) + 1, 1)
     assert many == [available[0]]
+
+
+def test_rank_zero_pins_the_calling_thread_alone():
+    # The engine thread is pinned before its first torch op (its OpenMP team copies the
+    # pin); the other ranks start under the process's mask, returned by the pin.
+    config = ServeConfig(model="/m", tensor_parallel_size=2, torch_threads=1)
+    before = os.sched_getaffinity(0)
+    seen = {}
+
+    def engine_thread() -> None:
+        seen["pin"] = pin_engine_thread(config)
+        seen["own"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    pin = seen["pin"]
+    assert pin.process_mask == before
+    assert seen["own"] == set(pin.cores) and pin.threads == 1 and len(pin.cores) == 1
+    assert os.sched_getaffinity(0) == before, "the other threads keep the process's cores"
 
 
 @pytest.mark.parametrize(

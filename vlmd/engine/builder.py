@@ -18,7 +18,7 @@ import torch
 from vlmd.config import ServeConfig, media_policy_fields
 from vlmd.engine.core import EngineCore
 from vlmd.engine.executor import InProcessExecutor
-from vlmd.engine.tp_startup import begin_tensor_parallel
+from vlmd.engine.tp_startup import begin_tensor_parallel, pin_engine_thread
 from vlmd.errors import VlmdError
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.media.policy import MediaPolicy
@@ -107,6 +107,9 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     from transformers import AutoConfig, AutoTokenizer
 
     started = time.perf_counter()
+    # Tensor parallelism: this thread steps rank 0, pinned to its cores before its first torch
+    # op (its OpenMP team inherits the pin); the other ranks start under the process's mask.
+    pin = pin_engine_thread(config) if config.tensor_parallel_size > 1 else None
     model_dir = str(Path(config.model).expanduser())
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}")
@@ -161,7 +164,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         torch.backends.cudnn.allow_tf32 = False
     # Tensor parallelism: the other ranks start first and load their shards meanwhile (they
     # die with this process if the start-up fails here: rank_process._die_with_parent).
-    tensor_parallel = begin_tensor_parallel(config, model_dir, log_level) if config.tensor_parallel_size > 1 else None
+    tensor_parallel = begin_tensor_parallel(config, model_dir, pin, log_level) if pin is not None else None
     dropped: list[str] = []
     model = load_model(
         model_dir, dtype, tensor_parallel.tp if tensor_parallel else None, hf_config, device,

@@ -73,9 +73,11 @@ def is_collective_error(exc: BaseException) -> bool:
 
 
 class MultiprocExecutor:
-    def __init__(self, runner, channel: StepChannel, processes, timeout_s: float, cores: list[int] | None = None):
+    def __init__(self, runner, channel: StepChannel, processes, timeout_s: float, cores: list[int] | None = None,
+                 process_mask: set[int] | None = None):
         """``processes``: :class:`vlmd.engine.rank_launcher.RankProcesses` of this host's other
-        ranks (None when all of them are on other hosts)."""
+        ranks (None when all of them are on other hosts). ``process_mask``: the process's
+        cores (the caller's own mask when not given: it may be pinned already)."""
         self.runner = runner
         self.channel = channel
         self.processes = processes
@@ -88,7 +90,7 @@ class MultiprocExecutor:
         self._pending: SchedulerOutput | None = None  # applied here, not yet sent
         self._last_message = time.monotonic()
         self._cores = cores
-        self._process_mask = os.sched_getaffinity(0)
+        self._process_mask = process_mask or os.sched_getaffinity(0)
         self._bound_thread: int | None = None
         self._stopping = threading.Event()
         self._threads = [
@@ -233,8 +235,9 @@ class MultiprocExecutor:
                 self._lock.release()
 
     def _bind_caller(self) -> None:
-        """Pin whichever thread runs rank 0's steps to rank 0's cores (warm-up runs on the
-        main thread, serving on the engine thread: the main thread gets its mask back)."""
+        """Pin whichever thread runs rank 0's steps to rank 0's cores (the server's engine
+        thread is pinned from the start, ``tp_startup.bind_engine_thread``; another caller,
+        e.g. a test's, is pinned here and the thread pinned before gets its mask back)."""
         tid = threading.get_native_id()
         if self._cores is None or tid == self._bound_thread:
             return

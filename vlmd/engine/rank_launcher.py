@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import structlog
 
-from vlmd.distributed.world import WorldSpec
+from vlmd.distributed.world import WorldSpec, bind_thread
 
 log = structlog.get_logger(__name__)
 
@@ -59,11 +59,20 @@ class RankProcesses:
         self.procs: list[tuple[int, subprocess.Popen]] = []
         self._startup_done = threading.Event()
 
-    def start(self) -> None:
+    def start(self, mask: set[int] | None = None) -> None:
+        """``mask``: the cores the ranks start under (they pick their own share from it), when
+        the calling thread is pinned to fewer: a child inherits its parent thread's mask."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for spec in self.specs:
-            command = [sys.executable, "-m", "vlmd.engine.rank_process", spec.to_json()]
-            self.procs.append((spec.rank, subprocess.Popen(command, env=env)))
+        pinned = os.sched_getaffinity(0) if mask is not None else None
+        if mask is not None:
+            bind_thread(sorted(mask))
+        try:
+            for spec in self.specs:
+                command = [sys.executable, "-m", "vlmd.engine.rank_process", spec.to_json()]
+                self.procs.append((spec.rank, subprocess.Popen(command, env=env)))
+        finally:
+            if pinned is not None:
+                bind_thread(sorted(pinned))
         log.info("tensor-parallel ranks started", ranks=[rank for rank, _ in self.procs],
                  pids=[proc.pid for _, proc in self.procs])
 

@@ -10,12 +10,13 @@ arrives ends it after ``--distributed-timeout-s``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import structlog
 
 from vlmd.config import ServeConfig
-from vlmd.distributed.world import WorldSpec, cores_for, free_port
+from vlmd.distributed.world import WorldSpec, bind_thread, cores_for, free_port
 from vlmd.engine.rank_launcher import RankProcesses, local_rank_specs
 
 log = structlog.get_logger(__name__)
@@ -33,6 +34,7 @@ class TensorParallelStart:
     processes: RankProcesses
     cores: list[int]
     threads: int
+    process_mask: set[int] | None = None  # the process's cores, from before rank 0's pin
 
     @property
     def tp(self):
@@ -56,21 +58,44 @@ class TensorParallelStart:
         self.processes.started()
         log.info("tensor-parallel world ready", size=self.world.size, nnodes=self.world.nnodes,
                  backend=world.backend, rank0_cores=self.cores, threads_per_rank=self.threads)
-        return MultiprocExecutor(runner, channel, self.processes, self.world.timeout_s, cores=self.cores)
+        return MultiprocExecutor(runner, channel, self.processes, self.world.timeout_s, cores=self.cores,
+                                 process_mask=self.process_mask)
 
     def abort(self) -> None:
         self.processes.started()
         self.processes.stop(grace_s=0.0)
 
 
-def begin_tensor_parallel(config: ServeConfig, model_dir: str, log_level: str = "info") -> TensorParallelStart:
+@dataclass
+class RankZeroPin:
+    """Rank 0's cores and threads on this host, and the process's mask from before the pin."""
+
+    cores: list[int]
+    threads: int
+    process_mask: set[int]
+
+
+def pin_engine_thread(config: ServeConfig) -> RankZeroPin:
+    """Pin the calling thread to rank 0's cores before its first torch op (the engine thread
+    at the top of the build): the OpenMP team it starts later copies the pin, so rank 0's
+    threads stay off the other ranks' cores."""
+    process_mask = os.sched_getaffinity(0)
+    per_node = config.tensor_parallel_size // config.nnodes  # WorldSpec.per_node
+    cores, threads = cores_for(0, per_node, config.torch_threads)
+    bind_thread(cores)
+    return RankZeroPin(cores, threads, process_mask)
+
+
+def begin_tensor_parallel(config: ServeConfig, model_dir: str, pin: RankZeroPin,
+                          log_level: str = "info") -> TensorParallelStart:
+    """``pin``: what ``pin_engine_thread`` returned; the other ranks start under the process's
+    mask (a child inherits its parent thread's) and pick their own cores from it."""
     world = world_spec_of(config)
     specs = local_rank_specs(world, 0, model_dir, config.dtype, config.torch_threads, log_level, skip_rank_zero=True)
     processes = RankProcesses(specs)
-    processes.start()
+    processes.start(pin.process_mask)
     processes.guard_startup()
-    cores, threads = cores_for(0, world.per_node, config.torch_threads)
     import torch
 
-    torch.set_num_threads(threads)  # rank 0's share, for its load (kernel choices) as for its steps
-    return TensorParallelStart(world, processes, cores, threads)
+    torch.set_num_threads(pin.threads)  # rank 0's share, for its load (kernel choices) as for its steps
+    return TensorParallelStart(world, processes, pin.cores, pin.threads, pin.process_mask)
