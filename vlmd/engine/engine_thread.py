@@ -7,7 +7,7 @@ spin count, ~100 spins) and parks its threads in the kernel, so every op of ever
 pays futex wake-ups. Building the engine on the main thread and stepping it on another was
 enough: a small-LLaVA decode step took 18.5 ms in a process whose only team was the
 stepping thread's, and 25-26 ms once one other thread had run a single parallel op (AMD EPYC
-fam 25 model 17, 2 vCPUs; `docs/architecture.md`, "Threads").
+fam 25 model 17, 2 vCPUs; `docs/architecture.md`, "One OpenMP team per process").
 
 So the engine is built (weights, kernel choices, memory profile, warm-up) and stepped on this
 one thread, and every other thread that may touch torch (the media pool) runs its ops on
