@@ -45,6 +45,7 @@ def test_same_image_second_question_reuses_every_cache(server, tiny_llava_dir):
     after = server.metrics()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
     assert _delta(before, after, "vlmd_processor_cache_hits_total") == 1
+    assert _delta(before, after, "vlmd_decoded_image_hits_total") == 1  # the upload was not decoded again
     assert _delta(before, after, 'vlmd_media_preprocess_seconds_count{modality="image"}') == 0
     assert _delta(before, after, "vlmd_encoder_forwards_total") == 0
     assert _delta(before, after, "vlmd_prefix_cache_hits_total") >= IMAGE_TOKENS
@@ -74,6 +75,8 @@ def test_the_same_bytes_with_another_shape_are_another_image(server):
     before = server.metrics()
     second = _ask(server, "Shape?", tall)
     after = server.metrics()
+    assert _delta(before, after, "vlmd_decoded_image_queries_total") == 1
+    assert _delta(before, after, "vlmd_decoded_image_hits_total") == 0
     assert first["prompt_token_ids"] == second["prompt_token_ids"]  # identical placeholders...
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] < 16  # ...yet no shared block
     assert _delta(before, after, "vlmd_encoder_forwards_total") == 1

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from vlmd.media.decoded_images import DecodedImages
 from vlmd.processing.base import ProcessedItem
 
 
@@ -32,9 +33,19 @@ def _generic_size(value: Any) -> int:
     return 64
 
 
+# The decoded-image memo's share of the processor cache's budget: a sixteenth, at most
+# 64 MiB (~70 decoded 640x480 images), enough for the images of the chats in flight.
+DECODED_IMAGES_SHARE = 16
+DECODED_IMAGES_MAX_BYTES = 64 << 20
+
+
 class ProcessorCache:
     def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
+        memo_bytes = min(DECODED_IMAGES_MAX_BYTES, capacity_bytes // DECODED_IMAGES_SHARE)
+        # Decoded uploads by their encoded bytes (vlmd/media/decoded_images.py), inside this
+        # cache's budget: the memory plan counts --mm-processor-cache-gb once.
+        self.decoded_images = DecodedImages(memo_bytes)
+        self.capacity_bytes = capacity_bytes - memo_bytes
         self._items: OrderedDict[str, tuple[ProcessedItem, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()

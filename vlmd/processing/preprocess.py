@@ -18,7 +18,8 @@ from vlmd.config import check_mm_limits
 from vlmd.errors import BadRequestError
 from vlmd.media.audio import load_audio
 from vlmd.media.budget import MediaLease, decoded_nbytes, encoder_input_nbytes
-from vlmd.media.image import load_image
+from vlmd.media.fetch import fetch_bytes
+from vlmd.media.image import decode_image, load_image
 from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
 from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
@@ -75,6 +76,10 @@ class InputPreprocessor:
         if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
             rate = getattr(self.processor, "sampling_rate", 16000)
             load = functools.partial(load_audio, target_rate=rate)
+        cache = self.processor.cache
+        if ref.modality == "image" and cache is not None:  # an upload seen before is not decoded again
+            def load(url, policy):
+                return cache.decoded_images.decode(fetch_bytes(url, policy), lambda data: decode_image(data, policy))
         if ref.url.startswith("data:"):
             item = load(ref.url, self.policy)
         else:

@@ -82,6 +82,10 @@ class _EngineCollector:
             "vlmd_encoder_cache_hits": ("Encoder-cache lookups that found the output", stats.encoder_cache_hits),
             "vlmd_processor_cache_queries": ("Processor-cache lookups", cache.queries if cache else 0),
             "vlmd_processor_cache_hits": ("Processor-cache lookups that hit", cache.hits if cache else 0),
+            "vlmd_decoded_image_queries": ("Image uploads looked up by their encoded bytes",
+                                           cache.decoded_images.queries if cache else 0),
+            "vlmd_decoded_image_hits": ("Image uploads found decoded (no decode)",
+                                        cache.decoded_images.hits if cache else 0),
         }
         grammars = self.grammar_compiler
         if grammars is not None:
