@@ -7,12 +7,11 @@ is always the same work done before.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
+from vlmd.media.byte_lru import ByteLRU
 from vlmd.media.decoded_images import DecodedImages
 from vlmd.processing.base import ProcessedItem
 
@@ -39,43 +38,13 @@ DECODED_IMAGES_SHARE = 16
 DECODED_IMAGES_MAX_BYTES = 64 << 20
 
 
-class ProcessorCache:
+class ProcessorCache(ByteLRU[str, ProcessedItem]):
     def __init__(self, capacity_bytes: int):
         memo_bytes = min(DECODED_IMAGES_MAX_BYTES, capacity_bytes // DECODED_IMAGES_SHARE)
+        super().__init__(capacity_bytes - memo_bytes)
         # Decoded uploads by their encoded bytes (vlmd/media/decoded_images.py), inside this
         # cache's budget: the memory plan counts --mm-processor-cache-gb once.
         self.decoded_images = DecodedImages(memo_bytes)
-        self.capacity_bytes = capacity_bytes - memo_bytes
-        self._items: OrderedDict[str, tuple[ProcessedItem, int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.queries = 0
-        self.hits = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def get(self, identifier: str) -> ProcessedItem | None:
-        with self._lock:
-            self.queries += 1
-            entry = self._items.get(identifier)
-            if entry is None:
-                return None
-            self._items.move_to_end(identifier)
-            self.hits += 1
-            return entry[0]
 
     def put(self, identifier: str, item: ProcessedItem) -> None:
-        size = item_nbytes(item)
-        if size > self.capacity_bytes:
-            return  # larger than the whole cache: keeping it would evict everything
-        with self._lock:
-            previous = self._items.pop(identifier, None)
-            if previous is not None:
-                self._bytes -= previous[1]
-            self._items[identifier] = (item, size)
-            self._bytes += size
-            while self._bytes > self.capacity_bytes:
-                _, (_, evicted) = self._items.popitem(last=False)
-                self._bytes -= evicted
+        self.put_sized(identifier, item, item_nbytes(item))
