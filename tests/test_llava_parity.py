@@ -108,9 +108,11 @@ def test_parity_under_preemption(tiny_llava_dir, references, tmp_path):
     )
     try:
         # Preemption needs two long requests to overlap, which depends on arrival timing:
-        # run the batch again (every run is checked) until one preempted.
+        # every case twice at once (twice the demand for blocks; prefix caching is off, so
+        # the copies share nothing), and the batch again (every run is checked) until one
+        # preempted.
         for _ in range(3):
-            _check(_run_concurrently(server, cases), refs)
+            _check(_run_concurrently(server, cases + cases), refs + refs)
             metrics = server.metrics()
             if metrics["vlmd_num_preemptions_total"] > 0:
                 break
