@@ -212,7 +212,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
             torch_threads = default_engine_threads(weight_bytes, device)
     else:
         executor = tensor_parallel.executor(runner, num_blocks, config.block_size, config.seed)
-        torch_threads = tensor_parallel.threads
+        torch_threads = tensor_parallel.pin.threads
     log.info("memory plan", **{k: v for k, v in plan.fields().items()}, profile_method=profile.method,
              profile_seconds=round(profile.seconds, 2), dropped_encoders=dropped or None)
     policy = MediaPolicy(

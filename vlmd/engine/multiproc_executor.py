@@ -236,7 +236,7 @@ class MultiprocExecutor:
 
     def _bind_caller(self) -> None:
         """Pin whichever thread runs rank 0's steps to rank 0's cores (the server's engine
-        thread is pinned from the start, ``tp_startup.bind_engine_thread``; another caller,
+        thread is pinned from the start, ``tp_startup.pin_engine_thread``; another caller,
         e.g. a test's, is pinned here and the thread pinned before gets its mask back)."""
         tid = threading.get_native_id()
         if self._cores is None or tid == self._bound_thread:

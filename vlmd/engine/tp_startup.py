@@ -29,12 +29,19 @@ def world_spec_of(config: ServeConfig, device: str = "cpu") -> WorldSpec:
 
 
 @dataclass
+class RankZeroPin:
+    """Rank 0's cores and threads on this host, and the process's mask from before the pin."""
+
+    cores: list[int]
+    threads: int
+    process_mask: set[int]
+
+
+@dataclass
 class TensorParallelStart:
     world: WorldSpec
     processes: RankProcesses
-    cores: list[int]
-    threads: int
-    process_mask: set[int] | None = None  # the process's cores, from before rank 0's pin
+    pin: RankZeroPin
 
     @property
     def tp(self):
@@ -57,22 +64,13 @@ class TensorParallelStart:
         serving_timeouts(world, self.world.timeout_s)
         self.processes.started()
         log.info("tensor-parallel world ready", size=self.world.size, nnodes=self.world.nnodes,
-                 backend=world.backend, rank0_cores=self.cores, threads_per_rank=self.threads)
-        return MultiprocExecutor(runner, channel, self.processes, self.world.timeout_s, cores=self.cores,
-                                 process_mask=self.process_mask)
+                 backend=world.backend, rank0_cores=self.pin.cores, threads_per_rank=self.pin.threads)
+        return MultiprocExecutor(runner, channel, self.processes, self.world.timeout_s, cores=self.pin.cores,
+                                 process_mask=self.pin.process_mask)
 
     def abort(self) -> None:
         self.processes.started()
         self.processes.stop(grace_s=0.0)
-
-
-@dataclass
-class RankZeroPin:
-    """Rank 0's cores and threads on this host, and the process's mask from before the pin."""
-
-    cores: list[int]
-    threads: int
-    process_mask: set[int]
 
 
 def pin_engine_thread(config: ServeConfig) -> RankZeroPin:
@@ -98,4 +96,4 @@ def begin_tensor_parallel(config: ServeConfig, model_dir: str, pin: RankZeroPin,
     import torch
 
     torch.set_num_threads(pin.threads)  # rank 0's share, for its load (kernel choices) as for its steps
-    return TensorParallelStart(world, processes, pin.cores, pin.threads, pin.process_mask)
+    return TensorParallelStart(world, processes, pin)
