@@ -9,21 +9,28 @@ float64.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for, cpu_paged, decode_plan, paged_attention
 from vlmd.layers.attention.segments import GATHER_CHUNK_TOKENS, slot_ranges
+from vlmd.layers.native import paged_decode as native_decode
 
 HEAD_DIM = 8
+KERNELS = "torch"  # set per case by the decode_path fixture
 
 
-@pytest.fixture(params=["in_place", "batched"], autouse=True)
+@pytest.fixture(params=["native", "in_place", "batched"], autouse=True)
 def decode_path(request, monkeypatch):
-    """Small decode batches take the padded-gather path: run every case both ways."""
+    """Every case three ways: decodes through the native kernel, and through the torch
+    path read in place or (small decode batches) as one padded gather."""
+    if request.param == "native" and not native_decode.available():
+        pytest.skip("the native kernel did not build on this host (no C compiler?)")
     budget = 0 if request.param == "in_place" else 1 << 40
     monkeypatch.setattr(cpu_paged, "BATCHED_DECODE_BYTES", budget)
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", "auto" if request.param == "native" else "torch")
     return request.param
 
 
@@ -64,7 +71,8 @@ def _run_step(seqs, *, heads=4, kv_heads=2, block_size=16, table_order="random",
     q = torch.randn(total, heads, HEAD_DIM).to(dtype)
     k = torch.randn(total, kv_heads, HEAD_DIM).to(dtype)
     v = torch.randn(total, kv_heads, HEAD_DIM).to(dtype)
-    backend = attention_backend_for("cpu", block_size)
+    backend = attention_backend_for("cpu", block_size, KERNELS)
+    assert backend.native_decode is (KERNELS == "auto")
     num_decodes = sum(1 for start, count in seqs if count == 1 and start > 0)
     meta = backend.prepare_metadata(chunks, num_decodes)
     scale = HEAD_DIM**-0.5
@@ -179,7 +187,7 @@ def _run_shared_step(groups, *, heads=6, kv_heads=2, block_size=16, seed=0):
     q = torch.randn(len(chunks), heads, HEAD_DIM)
     k = torch.randn(len(chunks), kv_heads, HEAD_DIM)
     v = torch.randn(len(chunks), kv_heads, HEAD_DIM)
-    meta = attention_backend_for("cpu", block_size).prepare_metadata(chunks, len(chunks))
+    meta = attention_backend_for("cpu", block_size, KERNELS).prepare_metadata(chunks, len(chunks))
     scale = HEAD_DIM**-0.5
     got = paged_attention(q, k, v, cache, meta, scale)
     for row, (chunk, (k_ctx, v_ctx)) in enumerate(zip(chunks, contexts)):

@@ -212,7 +212,8 @@ def _serve_command(args: argparse.Namespace) -> None:
         from vlmd.engine.tp_startup import world_spec_of
 
         sys.exit(run_node(world_spec_of(config), config.node_rank, str(Path(config.model).expanduser()),
-                          config.dtype, config.torch_threads, args.log_level))
+                          config.dtype, config.torch_threads, args.log_level, config.linear_kernels,
+                          config.attention_kernels))
     sock = bind_socket(config.host, config.port)
     if args.model is None:
         # On a thread that ends: the tiny build's torch ops leave no OpenMP team (engine_thread.py).

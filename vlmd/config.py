@@ -42,6 +42,9 @@ class ServeConfig:
     linear_kernels: str = setting(
         "auto", "how linear layers pick their kernel: auto (timed per shape at start-up), plain (F.linear), "
         "packed (oneDNN pre-packed where available)", choices=("auto", "plain", "packed"))
+    attention_kernels: str = setting(
+        "auto", "how decode attention runs on the CPU: auto (a C kernel built for this host at start-up, "
+        "where a C compiler is found; else torch ops), torch (torch ops only)", choices=("auto", "torch"))
     chat_template: str | None = setting(
         None, "a Jinja chat template, as a file path or the template text, used instead of the checkpoint's",
         parse=lambda text: resolve_chat_template(text), metavar="FILE|TEMPLATE")

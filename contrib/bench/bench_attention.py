@@ -1,4 +1,4 @@
-"""Decode attention, old (gather every context per layer) vs the CPU paged backend.
+"""Decode attention: the CPU paged backend's native kernel vs its torch path (and the old gather).
 
 One decode step of the small LLaVA's decoder shape (12 heads, 4 K/V heads, head_dim 64,
 9 layers, block size 16) at context lengths 600, 4k and 16k, batch 1 and 8: metadata once,
@@ -6,7 +6,10 @@ then attention in every layer. Block tables as a fresh pool hands them out (asce
 ids), shuffled (every block scattered, the backend's worst case), "interleaved" (each
 prompt one run, the last 3 blocks of every decode interleaved with the others', as decode
 tails grow) and "shared" (the same, with one prompt's blocks shared by every decode, as
-the prefix cache hands out a repeated image). Prints one JSON line of milliseconds per
+the prefix cache hands out a repeated image). Each scenario is timed through the
+backend with the native kernel (``--attention-kernels auto``; skipped where it did not
+build) and with torch ops only (``torch``), alternated; ``old`` is the first
+implementation's gather, ascending tables only. Prints one JSON line of milliseconds per
 step (best of --repeats):
 
     python contrib/bench/bench_attention.py
@@ -70,7 +73,10 @@ def main() -> None:
     args = parser.parse_args()
     heads, kv_heads, head_dim, block_size = 12, 4, 64, 16
     scale = head_dim**-0.5
-    backend = attention_backend_for("cpu", block_size)
+    backends = {"torch": attention_backend_for("cpu", block_size, "torch")}
+    native = attention_backend_for("cpu", block_size, "auto")
+    if native.native_decode:
+        backends["native"] = native
     results = {}
     for batch in args.batches:
         for context in args.contexts:
@@ -93,17 +99,17 @@ def main() -> None:
             positions = [context] * batch
             q = torch.randn(batch, heads, head_dim)
             k, v = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
+            scenarios = {"ascending": ascending, "shuffled": shuffled, "interleaved": interleaved, "shared": shared}
             with torch.inference_mode():
-                row = {
-                    "old_ms": best_ms(lambda: old_decode_step(q, k, v, caches, ascending, positions, block_size, scale), args.repeats),
-                    "new_ms": best_ms(lambda: new_decode_step(q, k, v, caches, ascending, positions, backend, scale), args.repeats),
-                    "new_shuffled_ms": best_ms(lambda: new_decode_step(q, k, v, caches, shuffled, positions, backend, scale), args.repeats),
-                    "old_interleaved_ms": best_ms(lambda: old_decode_step(q, k, v, caches, interleaved, positions, block_size, scale), args.repeats),
-                    "new_interleaved_ms": best_ms(lambda: new_decode_step(q, k, v, caches, interleaved, positions, backend, scale), args.repeats),
-                    "old_shared_ms": best_ms(lambda: old_decode_step(q, k, v, caches, shared, positions, block_size, scale), args.repeats),
-                    "new_shared_ms": best_ms(lambda: new_decode_step(q, k, v, caches, shared, positions, backend, scale), args.repeats),
-                }
-            row["old_over_new"] = round(row["old_ms"] / row["new_ms"], 2)
+                row = {"old_ms": best_ms(lambda: old_decode_step(q, k, v, caches, ascending, positions, block_size,
+                                                                 scale), args.repeats)}
+                for scenario, tables in scenarios.items():
+                    for name, backend in backends.items():
+                        row[f"{name}_{scenario}_ms"] = best_ms(
+                            lambda: new_decode_step(q, k, v, caches, tables, positions, backend, scale), args.repeats)
+                    if "native" in backends:
+                        row[f"torch_over_native_{scenario}"] = round(
+                            row[f"torch_{scenario}_ms"] / row[f"native_{scenario}_ms"], 2)
             results[f"c{batch}_ctx{context}"] = row
             del caches
     print(json.dumps({"bench": "decode_attention", "layers": args.layers, "threads": torch.get_num_threads(),

@@ -196,7 +196,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
     if tensor_parallel is None:
         runs = worst_case_runs(processor, dummy, modalities, scheduler_config, filler, encoder_decoder)
-        profile = profile_peak(model, runs, scheduler_config, dtype, device)
+        profile = profile_peak(model, runs, scheduler_config, dtype, device, config.attention_kernels)
     else:  # a forward needs every rank's collectives: rank 0 cannot run one alone at start-up
         profile = unprofiled()
     hidden = int(text_config.hidden_size)
@@ -205,7 +205,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
                          encoder_cache_size * hidden * dtype.itemsize, max_model_len)
     num_blocks = plan.num_kv_blocks
     scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks)
-    runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device)
+    runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device,
+                         attention_kernels=config.attention_kernels)
     if tensor_parallel is None:
         executor, torch_threads = InProcessExecutor(runner), config.torch_threads
         if torch_threads is None:

@@ -92,13 +92,13 @@ def _filler(tokens: int, longest: int, filler_token: int, prefix: str) -> list[E
 
 @torch.inference_mode()
 def profile_peak(model, runs: list[ProfileRun], config: SchedulerConfig, dtype: torch.dtype,
-                 device: torch.device) -> ProfileResult:
+                 device: torch.device, attention_kernels: str = "auto") -> ProfileResult:
     started = time.perf_counter()
     block = config.block_size
     needed = max((sum(-(-(len(r.prompt_token_ids) + 1) // block) for r in run.requests) for run in runs), default=1)
     scratch = dataclasses.replace(config, num_kv_blocks=max(needed, -(-config.max_model_len // block)),
                                   enable_prefix_caching=False)
-    runner = ModelRunner(model, scratch.num_kv_blocks, block, dtype, device=device)
+    runner = ModelRunner(model, scratch.num_kv_blocks, block, dtype, device=device, attention_kernels=attention_kernels)
     for k_cache, v_cache in runner.kv_caches:  # resident now, so the baseline holds it
         k_cache.zero_()
         v_cache.zero_()

@@ -38,6 +38,9 @@ class RankSpec:
     dtype: str
     torch_threads: int | None
     log_level: str = "info"
+    # --linear-kernels and --attention-kernels, as rank 0 took them.
+    linear_kernels: str = "auto"
+    attention_kernels: str = "auto"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -131,19 +134,22 @@ class RankProcesses:
 
 
 def local_rank_specs(world: WorldSpec, node: int, model_dir: str, dtype: str, torch_threads: int | None,
-                     log_level: str, skip_rank_zero: bool) -> list[RankSpec]:
+                     log_level: str, skip_rank_zero: bool, linear_kernels: str = "auto",
+                     attention_kernels: str = "auto") -> list[RankSpec]:
     ranks = world.ranks_of_node(node)
     return [
-        RankSpec(world.to_dict(), rank, index, len(ranks), model_dir, dtype, torch_threads, log_level)
+        RankSpec(world.to_dict(), rank, index, len(ranks), model_dir, dtype, torch_threads, log_level,
+                 linear_kernels, attention_kernels)
         for index, rank in enumerate(ranks)
         if not (skip_rank_zero and rank == 0)
     ]
 
 
 def run_node(world: WorldSpec, node: int, model_dir: str, dtype: str, torch_threads: int | None,
-             log_level: str) -> int:
+             log_level: str, linear_kernels: str = "auto", attention_kernels: str = "auto") -> int:
     """A node other than 0: run its ranks, no HTTP; returns the exit code."""
-    processes = RankProcesses(local_rank_specs(world, node, model_dir, dtype, torch_threads, log_level, False))
+    processes = RankProcesses(local_rank_specs(world, node, model_dir, dtype, torch_threads, log_level, False,
+                                               linear_kernels, attention_kernels))
 
     def terminate(signum, frame):
         raise KeyboardInterrupt

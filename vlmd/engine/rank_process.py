@@ -48,7 +48,8 @@ def run(spec) -> int:
     torch.set_num_threads(threads)
     started = time.perf_counter()
     world = init_world(world_spec, spec.rank)
-    model = load_model(spec.model_dir, DTYPES[spec.dtype], TPGroup(world.size, world.rank))
+    model = load_model(spec.model_dir, DTYPES[spec.dtype], TPGroup(world.size, world.rank),
+                       linear_kernels=spec.linear_kernels)
     channel = StepChannel(world.control, world.rank)
     kind, plan = channel.recv()
     if kind is not Kind.STARTUP:
@@ -61,7 +62,8 @@ def run(spec) -> int:
     if channel.ack(failed=mismatch) or mismatch:
         return 1
     serving_timeouts(world, world_spec.timeout_s)
-    runner = ModelRunner(model, plan.num_blocks, plan.block_size, DTYPES[spec.dtype], seed=plan.seed, samples=False)
+    runner = ModelRunner(model, plan.num_blocks, plan.block_size, DTYPES[spec.dtype], seed=plan.seed, samples=False,
+                         attention_kernels=spec.attention_kernels)
     log.info("tensor-parallel rank ready", rank=world.rank, cores=cores, threads=threads,
              kv_blocks=plan.num_blocks, seconds=round(time.perf_counter() - started, 2))
     out = None  # the step being run (re-runs of a failed step reuse it)

@@ -89,7 +89,8 @@ def begin_tensor_parallel(config: ServeConfig, model_dir: str, pin: RankZeroPin,
     """``pin``: what ``pin_engine_thread`` returned; the other ranks start under the process's
     mask (a child inherits its parent thread's) and pick their own cores from it."""
     world = world_spec_of(config)
-    specs = local_rank_specs(world, 0, model_dir, config.dtype, config.torch_threads, log_level, skip_rank_zero=True)
+    specs = local_rank_specs(world, 0, model_dir, config.dtype, config.torch_threads, log_level, skip_rank_zero=True,
+                             linear_kernels=config.linear_kernels, attention_kernels=config.attention_kernels)
     processes = RankProcesses(specs)
     processes.start(pin.process_mask)
     processes.guard_startup()

@@ -24,7 +24,7 @@ from vlmd.types import MultiModalItem
 class ModelRunner:
     def __init__(
         self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
-        device: torch.device | None = None, samples: bool = True,
+        device: torch.device | None = None, samples: bool = True, attention_kernels: str = "auto",
     ):
         """``samples=False``: a tensor-parallel rank other than 0, which runs the forward
         (its collectives) but neither computes logits nor samples; it learns the tokens
@@ -36,7 +36,7 @@ class ModelRunner:
         self.device = device if device is not None else next(model.parameters()).device
         self.block_size = block_size
         # The backend for the runner's device reads the paged cache in place.
-        self.attention = attention_backend_for(self.device.type, block_size)
+        self.attention = attention_backend_for(self.device.type, block_size, attention_kernels)
         self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device)
         self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}

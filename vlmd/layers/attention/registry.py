@@ -1,5 +1,8 @@
 """Which attention backend serves a device: ``attention_backend_for("cpu", block_size)``.
 
+A factory takes ``(block_size, kernels)``: ``kernels`` is ``--attention-kernels`` (``auto``
+or ``torch``), which a backend without native kernels may ignore.
+
 Backends register by device type (the part of a device string before ``:``), so a CUDA
 backend is one ``register_attention_backend("cuda", ...)`` away and the runner does not
 change.
@@ -15,16 +18,16 @@ from vlmd.layers.attention.cpu_paged import CPUPagedBackend
 # The CPU paged backend is plain torch ops over tensors the runner has moved to its device,
 # so it also serves CUDA until a CUDA kernel backend registers here (unverified on a GPU:
 # none was lent to the issues that built this).
-_BACKENDS: dict[str, Callable[[int], AttentionBackend]] = {"cpu": CPUPagedBackend, "cuda": CPUPagedBackend}
+_BACKENDS: dict[str, Callable[[int, str], AttentionBackend]] = {"cpu": CPUPagedBackend, "cuda": CPUPagedBackend}
 
 
-def register_attention_backend(device_type: str, factory: Callable[[int], AttentionBackend]) -> None:
+def register_attention_backend(device_type: str, factory: Callable[[int, str], AttentionBackend]) -> None:
     _BACKENDS[device_type] = factory
 
 
-def attention_backend_for(device: str, block_size: int) -> AttentionBackend:
+def attention_backend_for(device: str, block_size: int, kernels: str = "auto") -> AttentionBackend:
     device_type = str(device).split(":", 1)[0]
     factory = _BACKENDS.get(device_type)
     if factory is None:
         raise ValueError(f"no attention backend for device {device!r} (have: {', '.join(sorted(_BACKENDS))})")
-    return factory(block_size)
+    return factory(block_size, kernels)

@@ -1,0 +1,159 @@
+"""The native paged decode kernel (vlmd/layers/native/) against a float64 reference, and
+how it is built: cached per source and host, one OpenMP runtime, a torch fallback where
+no compiler is found."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmd.layers.attention import SequenceChunk, attention_backend_for
+from vlmd.layers.native import build
+from vlmd.layers.native import paged_decode as native_decode
+from vlmd.layers.native.paged_decode import DecodeTables, paged_decode
+
+needs_kernel = pytest.mark.skipif(not native_decode.available(), reason="no C compiler: the kernel is not built")
+
+
+def _case(lengths, *, heads, kv_heads, dim, block_size, dtype=torch.float32, seed=0):
+    """Random scattered block tables over one cache; returns (q, caches, tables, reference)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    needed = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(needed) + 5
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype)
+    q = torch.randn(len(lengths), heads, dim).to(dtype)
+    tables, expected = [], []
+    scale = dim ** -0.5
+    for row, (length, count) in enumerate(zip(lengths, needed)):
+        table, pool = pool[:count], pool[count:]
+        tables.append(table)
+        positions = torch.arange(length)
+        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+        keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[row].double(), keys) * scale
+        expected.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    return q, k_cache, v_cache, DecodeTables.of(tables, list(lengths), block_size), torch.stack(expected), scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(12, 4), (8, 8), (6, 1), (14, 2)])
+@pytest.mark.parametrize("dim", [16, 40, 64, 128])
+def test_gqa_and_head_sizes_match_the_reference(heads, kv_heads, dim):
+    # 40 takes the generic (run-time head size) copy; the others their specialised ones.
+    q, k, v, tables, expected, scale = _case([1, 17, 600, 33, 250], heads=heads, kv_heads=kv_heads, dim=dim,
+                                             block_size=16, seed=dim + heads)
+    torch.testing.assert_close(paged_decode(q, k, v, tables, scale).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("part_tokens", [0, 16, 100])
+def test_block_sizes_and_split_contexts(block_size, part_tokens):
+    # Parts of a context merge exactly; a decode shorter than a part leaves empty parts.
+    q, k, v, tables, expected, scale = _case([3, 130, 64, 700], heads=4, kv_heads=2, dim=32, block_size=block_size,
+                                             seed=block_size)
+    got = paged_decode(q, k, v, tables, scale, part_tokens=part_tokens)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_contexts_up_to_16k_tokens(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, tables, expected, scale = _case([16384, 4095, 9], heads=8, kv_heads=2, dim=64, block_size=16, seed=5)
+        torch.testing.assert_close(paged_decode(q, k, v, tables, scale).double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_bfloat16_cache():
+    q, k, v, tables, expected, scale = _case([200, 31], heads=4, kv_heads=2, dim=64, block_size=16,
+                                             dtype=torch.bfloat16, seed=2)
+    torch.testing.assert_close(paged_decode(q, k, v, tables, scale).double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
+def test_tables_the_cache_cannot_serve_raise_instead_of_reading_out_of_bounds():
+    q, k, v, tables, _, scale = _case([40, 20], heads=4, kv_heads=2, dim=16, block_size=16)
+    beyond = DecodeTables(tables.block_tables.clone(), tables.context_lens, 16)
+    beyond.block_tables[1, 0] = k.shape[0] // 16  # one block past the cache
+    with pytest.raises(ValueError, match="block id outside the cache"):
+        paged_decode(q, k, v, beyond, scale)
+    longer = DecodeTables(tables.block_tables, torch.tensor([40, 20 + 16 * 9], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="context length outside its block table"):
+        paged_decode(q, k, v, longer, scale)
+
+
+@needs_kernel
+def test_the_backend_decodes_through_the_kernel_and_torch_mode_does_not(monkeypatch):
+    calls = []
+    real = native_decode.paged_decode
+    monkeypatch.setattr(native_decode, "paged_decode", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    k_cache, v_cache = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    chunks = [SequenceChunk([0, 1], 20, 1), SequenceChunk([3], 5, 1)]
+    outputs = {}
+    for mode in ("auto", "torch"):
+        backend = attention_backend_for("cpu", 16, mode)
+        outputs[mode] = backend.forward(q, k, v, (k_cache, v_cache), backend.prepare_metadata(chunks, 2), 0.25)
+    assert len(calls) == 1  # for "auto" only
+    torch.testing.assert_close(outputs["auto"], outputs["torch"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention kernels"):
+        attention_backend_for("cpu", 16, "fast")
+
+
+@needs_kernel
+def test_one_openmp_runtime_is_mapped_after_loading():
+    # The kernel's libgomp.so.1 must resolve to torch's: a second runtime would start a
+    # second team of threads (docs/architecture.md, "One OpenMP team per process").
+    code = (
+        "import torch\n"
+        "from vlmd.layers.native import paged_decode as n\n"
+        "assert n.available()\n"
+        "maps = open('/proc/self/maps').read().split()\n"
+        "print(sorted({p for p in maps if 'libgomp' in p}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(eval(done.stdout)) == 1, done.stdout
+
+
+def test_a_build_is_kept_per_source_and_host_and_reused(tmp_path, monkeypatch):
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("VLMD_CACHE_DIR", str(tmp_path))
+    first = build._build("paged_decode", build.compiler())
+    assert first.parent == tmp_path / "native" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert build._build("paged_decode", build.compiler()) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [first.name]  # no partial file left
+
+
+def test_no_compiler_means_torch_ops(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLMD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(build, "_LOADED", {})
+    monkeypatch.setattr(native_decode, "_function", None)
+    assert build.load_native("paged_decode") is None
+    assert not native_decode.available()
+    assert attention_backend_for("cpu", 16, "auto").native_decode is False
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho broken >&2; exit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setattr(build, "_LOADED", {})
+    assert build.load_native("paged_decode") is None
+    assert not list(Path(tmp_path / "native").glob("*.so"))

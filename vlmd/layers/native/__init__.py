@@ -1,0 +1,7 @@
+"""C kernels built for this host at start-up (``build.py``), called through ctypes.
+
+Each kernel is one C file in this package with a Python binding beside it
+(``paged_decode.c`` / ``paged_decode.py``). Where no compiler is found, or a build fails,
+the binding reports the kernel unavailable and its caller keeps its torch path: nothing
+depends on a kernel being built.
+"""

@@ -1,0 +1,99 @@
+"""Compile one of this package's C files for this host, once, and load it with ctypes.
+
+Why at run time and not at install: ``-march=native`` code must be built on the host
+that runs it (hosts of one machine kind differ: AVX-512 and bf16 on some, AVX2 only on
+others), a plain C file with no torch headers compiles in well under a second, and an
+install needs no build step. The shared object is kept in ``$VLMD_CACHE_DIR/native``
+(default ``~/.cache/vlmd/native``) under a name that hashes the source, the compiler's
+identity, the flags and the CPU's model and feature flags, so an edit, another compiler
+or another host builds afresh and nothing stale is loaded. A build writes a temporary
+file and renames it, so processes that build at once (tensor-parallel ranks) never load
+a partial file.
+
+OpenMP: the object is linked with ``-fopenmp`` and loaded after torch, so its
+``libgomp.so.1`` resolves to the runtime torch already holds (same soname): one runtime,
+and a calling thread reuses its own team (docs/architecture.md, "One OpenMP team per
+process"). ``tests/test_native_kernels.py`` checks that one libgomp is mapped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels bind to)
+from blake3 import blake3
+
+log = structlog.get_logger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+_SOURCES = Path(__file__).parent
+_LOADED: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd")) / "native"
+
+
+def compiler() -> str | None:
+    """``$CC`` if set, else the first of cc, gcc, clang on the PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+
+
+def _cpu_identity() -> bytes:
+    """The model and feature lines of /proc/cpuinfo's first CPU (what -march=native reads)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine.encode()
+    first = text.split("\n\n", 1)[0]
+    keep = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
+    return "\n".join(line for line in first.splitlines() if line.split(":", 1)[0].strip() in keep).encode()
+
+
+def _build(name: str, cc: str) -> Path:
+    source = _SOURCES / f"{name}.c"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = blake3(source.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_identity()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", partial, str(source), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    log.info("built a native kernel", kernel=name, path=str(target))
+    return target
+
+
+def load_native(name: str) -> ctypes.CDLL | None:
+    """The kernel library ``name`` (``<name>.c`` in this package), built on first use, or
+    None where it cannot be built here (logged once with the reason)."""
+    if name in _LOADED:
+        return _LOADED[name]
+    library = None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found: native kernels are off, torch ops serve instead", kernel=name)
+    else:
+        try:
+            library = ctypes.CDLL(str(_build(name, cc)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("a native kernel did not build: torch ops serve instead", kernel=name, reason=str(exc))
+    _LOADED[name] = library
+    return library

@@ -1,0 +1,385 @@
+/* Paged decode attention on the CPU: every decode's query heads against its whole cached
+ * context, read in place through the block table (no gathered copy of any context).
+ *
+ * Built at run time by vlmd/layers/native/build.py with this host's compiler and
+ * -march=native, loaded with ctypes. One work item is one decode's part of its context,
+ * all heads: a block's K (then V) rows for every KV head are one contiguous run of the
+ * cache, which the hardware prefetcher streams (an item per KV head read a quarter of each
+ * row and ran latency-bound: 4x slower at 16k tokens). GQA: the G query heads of a KV head
+ * share each key and value row read. Softmax is online, per chunk of a block. Few decodes
+ * with long contexts are split into parts, merged exactly by the log-sum-exp rule, so
+ * every thread has work.
+ *
+ * Parallel over items with OpenMP: loaded into a process that already holds torch's
+ * libgomp, the soname resolves to that runtime, and the calling thread reuses its team.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 16       /* tokens whose scores are held at once */
+#define MAX_HEADS 128  /* query heads of one decode */
+#define MAX_DIM 256
+#define MIN_PART 128   /* fewest tokens a part of a split context holds */
+
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1 };
+
+/* exp for x <= 0 (scores minus their running maximum), Cephes-style: ~1 ulp, vectorises. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return y * scale.f;
+}
+
+/* count * width values from the cache as float32 (bfloat16 widened: its bits are float32's top half). */
+static inline const float *rows_as_float(const void *cache, int64_t offset, int64_t count, int dtype, float *buffer) {
+    if (dtype == KV_FLOAT32) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) {
+        union { uint32_t u; float f; } v;
+        v.u = (uint32_t)src[i] << 16;
+        buffer[i] = v.f;
+    }
+    return buffer;
+}
+
+typedef struct {
+    int heads, kv_heads, group, dim, block_size, dtype;
+} Shape;
+
+/* One item: H queries (pre-scaled, [H, D]) against tokens [first, end) of one context.
+ * Leaves acc [H, D] (unnormalised), maxes [H], sums [H]. This is the generic copy, for a
+ * head size the vector copies below do not cover; they do the same, faster. */
+static void attend_part_generic(
+        const Shape *s, const float *queries, const void *k_cache, const void *v_cache,
+        const int32_t *table, int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
+    const int dim = s->dim, group = s->group, heads = s->heads, kv_heads = s->kv_heads;
+    const int64_t token_floats = (int64_t)kv_heads * dim;
+    float scores[MAX_HEADS][CHUNK];
+    for (int h = 0; h < heads; h++) {
+        maxes[h] = -INFINITY;
+        sums[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * heads * dim);
+    int token = first;
+    while (token < end) {
+        int block = token / s->block_size, offset = token % s->block_size;
+        int count = s->block_size - offset;
+        if (count > end - token) count = end - token;
+        if (count > CHUNK) count = CHUNK;
+        int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
+        const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
+        for (int t = 0; t < count; t++) {
+            for (int kv = 0; kv < kv_heads; kv++) {
+                const float *key = keys + t * token_floats + kv * dim;
+                for (int g = 0; g < group; g++) {
+                    const int h = kv * group + g;
+                    const float *q = queries + h * dim;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < dim; d++) dot += q[d] * key[d];
+                    scores[h][t] = dot;
+                }
+            }
+        }
+        for (int h = 0; h < heads; h++) {
+            float chunk_max = maxes[h];
+            for (int t = 0; t < count; t++) chunk_max = scores[h][t] > chunk_max ? scores[h][t] : chunk_max;
+            float correction = exp_nonpositive(maxes[h] - chunk_max);
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int t = 0; t < count; t++) {
+                float p = exp_nonpositive(scores[h][t] - chunk_max);
+                scores[h][t] = p;
+                total += p;
+            }
+            sums[h] = sums[h] * correction + total;
+            maxes[h] = chunk_max;
+            if (correction != 1.0f) {
+                float *a = acc + h * dim;
+#pragma omp simd
+                for (int d = 0; d < dim; d++) a[d] *= correction;
+            }
+        }
+        const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
+        for (int h = 0; h < heads; h++) {
+            const float *column = values + (h / group) * dim;
+            float *a = acc + h * dim;
+            for (int t = 0; t < count; t++) {
+                const float p = scores[h][t], *value = column + t * token_floats;
+#pragma omp simd
+                for (int d = 0; d < dim; d++) a[d] += p * value[d];
+            }
+        }
+        token += count;
+    }
+}
+
+/* The vector path: DIM a compile-time multiple of 8 (the copies below), GCC vector types of 8 floats
+ * (one AVX2 register; AVX-512 hosts run them as well). Eight tokens' dot products are
+ * summed across lanes at once (a transpose-reduce: 7 adds instead of 8 serial lane
+ * sums), softmax and exp run on vectors, and each head's accumulator stays in registers
+ * across the chunk. 1 thread, 2,000 tokens in cache, 12 heads over 4 KV heads of 64:
+ * 0.17 ms against 0.29 for the generic copy at D = 64 (AMD EPYC fam 25 model 17). */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
+
+static inline v8 pair_sum(v8 a, v8 b, v8i even, v8i odd) {
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+/* r[0..7] -> (sum of r[0]'s lanes, ..., sum of r[7]'s lanes). */
+static inline v8 transpose_sums(const v8 r[8]) {
+    const v8i e1 = {0, 8, 2, 10, 4, 12, 6, 14}, o1 = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8i e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 t0 = pair_sum(r[0], r[1], e1, o1), t1 = pair_sum(r[2], r[3], e1, o1);
+    v8 t2 = pair_sum(r[4], r[5], e1, o1), t3 = pair_sum(r[6], r[7], e1, o1);
+    v8 u0 = pair_sum(t0, t1, e2, o2), u1 = pair_sum(t2, t3, e2, o2);
+    return pair_sum(u0, u1, e3, o3);
+}
+
+/* exp_nonpositive on 8 lanes. */
+static inline v8 exp8(v8 x) {
+    const v8 floor_ = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    v8i low = x < floor_;
+    x = (v8)(((v8i)x & ~low) | ((v8i)floor_ & low));
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    v8 shifted = x * 1.44269504088896341f + magic;
+    v8 n = shifted - magic;
+    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v8 y = p * r * r + r + 1.0f;
+    v8i exponent = ((v8i)shifted - 0x4B400000 + 127) << 23;
+    return y * (v8)exponent;
+}
+
+static inline float lane_max(v8 v) {
+    float m = v[0];
+    for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+static inline float lane_sum(v8 v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+static inline __attribute__((always_inline)) void attend_part_vec(
+        const Shape *s, const int DIM, const float *queries, const void *k_cache, const void *v_cache,
+        const int32_t *table, int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
+    enum { LANES = 8 };
+    const int group = s->group, heads = s->heads, kv_heads = s->kv_heads;
+    const int64_t token_floats = (int64_t)kv_heads * DIM;
+    v8 scores[MAX_HEADS][CHUNK / LANES];
+    for (int h = 0; h < heads; h++) {
+        maxes[h] = -INFINITY;
+        sums[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * heads * DIM);
+    const v8 zero = {0};
+    int token = first;
+    while (token < end) {
+        int block = token / s->block_size, offset = token % s->block_size;
+        int count = s->block_size - offset;
+        if (count > end - token) count = end - token;
+        if (count > CHUNK) count = CHUNK;
+        const int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
+        const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
+        const int groups_of_8 = (count + LANES - 1) / LANES;
+        for (int kv = 0; kv < kv_heads; kv++) {
+            for (int g = 0; g < group; g++) {
+                const int h = kv * group + g;
+                const float *q = queries + h * DIM;
+                for (int c8 = 0; c8 < groups_of_8; c8++) {
+                    v8 partial[8];
+                    for (int i = 0; i < 8; i++) {
+                        const int t = c8 * LANES + i;
+                        v8 sum = zero;
+                        if (t < count) {  /* rows past the chunk may lie past the cache */
+                            const float *key = keys + t * token_floats + kv * DIM;
+                            for (int d = 0; d < DIM; d += LANES) sum += *(const v8u *)(q + d) * *(const v8u *)(key + d);
+                        }
+                        partial[i] = sum;
+                    }
+                    scores[h][c8] = transpose_sums(partial);
+                }
+            }
+        }
+        const v8 minus_inf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (int h = 0; h < heads; h++) {
+            float chunk_max = maxes[h];
+            for (int c8 = 0; c8 < groups_of_8; c8++) {
+                v8 v = scores[h][c8];
+                if ((c8 + 1) * LANES > count) {  /* the tail lanes: no token */
+                    for (int i = count - c8 * LANES; i < LANES; i++) v[i] = -INFINITY;
+                    scores[h][c8] = v;
+                }
+                float m = lane_max(v);
+                chunk_max = m > chunk_max ? m : chunk_max;
+            }
+            const float correction = exp_nonpositive(maxes[h] - chunk_max);
+            float total = 0.0f;
+            for (int c8 = 0; c8 < groups_of_8; c8++) {
+                v8 p = exp8(scores[h][c8] - chunk_max);
+                v8i padded = scores[h][c8] == minus_inf;
+                p = (v8)((v8i)p & ~padded);
+                scores[h][c8] = p;
+                total += lane_sum(p);
+            }
+            sums[h] = sums[h] * correction + total;
+            maxes[h] = chunk_max;
+            float *a = acc + h * DIM;
+            if (correction != 1.0f)
+                for (int d = 0; d < DIM; d++) a[d] *= correction;
+        }
+        const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
+        for (int h = 0; h < heads; h++) {
+            const float *column = values + (h / group) * DIM;
+            float *a = acc + h * DIM;
+            v8 local[DIM / LANES];
+            for (int c = 0; c < DIM / LANES; c++) local[c] = *(const v8u *)(a + c * LANES);
+            const float *p = (const float *)scores[h];
+            for (int t = 0; t < count; t++) {
+                const float weight = p[t];
+                const float *value = column + t * token_floats;
+                for (int c = 0; c < DIM / LANES; c++) local[c] += weight * *(const v8u *)(value + c * LANES);
+            }
+            for (int c = 0; c < DIM / LANES; c++) *(v8u *)(a + c * LANES) = local[c];
+        }
+        token += count;
+    }
+}
+
+#define SPECIALISE(D) \
+    static void attend_part_##D(const Shape *s, const float *q, const void *k, const void *v, const int32_t *table, \
+                                int first, int end, float *acc, float *maxes, float *sums, float *buffer) { \
+        attend_part_vec(s, D, q, k, v, table, first, end, acc, maxes, sums, buffer); \
+    }
+static void attend_part_0(const Shape *s, const float *q, const void *k, const void *v, const int32_t *table,
+                          int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
+    attend_part_generic(s, q, k, v, table, first, end, acc, maxes, sums, buffer);
+}
+SPECIALISE(16)
+SPECIALISE(32)
+SPECIALISE(64)
+SPECIALISE(80)
+SPECIALISE(96)
+SPECIALISE(128)
+
+typedef void (*AttendPart)(const Shape *, const float *, const void *, const void *, const int32_t *, int, int,
+                           float *, float *, float *, float *);
+
+static AttendPart attend_part_for(int dim) {
+    switch (dim) {
+        case 16: return attend_part_16;
+        case 32: return attend_part_32;
+        case 64: return attend_part_64;
+        case 80: return attend_part_80;
+        case 96: return attend_part_96;
+        case 128: return attend_part_128;
+        default: return attend_part_0;
+    }
+}
+
+/* q [B, H, D] float32; caches [slots, Hkv, D] (float32 or bfloat16, contiguous);
+ * block_tables [B, max_blocks] int32; context_lens [B] int32 (own token included);
+ * out [B, H, D] float32; num_slots: rows of each cache. part_tokens 0: split contexts only as far as the threads need.
+ * Returns 0, or a negative code for arguments it cannot serve. */
+int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
+                      const int32_t *block_tables, const int32_t *context_lens, float *out,
+                      int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,
+                      int64_t num_slots, float scale, int num_threads, int part_tokens) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS) return -1;
+    if (dim > MAX_DIM || dim <= 0 || block_size <= 0 || batch <= 0) return -2;
+    if (dtype != KV_FLOAT32 && dtype != KV_BFLOAT16) return -3;
+    int longest = 0;
+    for (int b = 0; b < batch; b++) {
+        if (context_lens[b] <= 0 || context_lens[b] > max_blocks * block_size) return -4;
+        if (context_lens[b] > longest) longest = context_lens[b];
+        const int32_t *table = block_tables + (int64_t)b * max_blocks;
+        for (int i = 0; i < (context_lens[b] + block_size - 1) / block_size; i++)
+            if (table[i] < 0 || ((int64_t)table[i] + 1) * block_size > num_slots) return -6;
+    }
+    if (part_tokens <= 0) {  /* enough items for two per thread, none shorter than MIN_PART */
+        int wanted = (2 * num_threads + batch - 1) / batch;
+        part_tokens = (longest + wanted - 1) / wanted;
+        if (part_tokens < MIN_PART) part_tokens = MIN_PART;
+    }
+    part_tokens = ((part_tokens + block_size - 1) / block_size) * block_size;
+    const int parts = (longest + part_tokens - 1) / part_tokens;
+    const int64_t items = (int64_t)batch * parts;
+    const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype};
+    const AttendPart attend = attend_part_for(dim);
+    const int64_t item_floats = (int64_t)heads * (dim + 2); /* acc [H, D], maxes [H], sums [H] */
+    float *scratch = (float *)malloc(sizeof(float) * item_floats * items);
+    if (scratch == NULL) return -5;
+    const int64_t buffer_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
+
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
+    {
+        float *buffer = (float *)malloc(sizeof(float) * buffer_floats);
+        float *queries = (float *)malloc(sizeof(float) * heads * dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const int b = (int)(item / parts), part = (int)(item % parts);
+            int first = part * part_tokens, end = first + part_tokens;
+            if (end > context_lens[b]) end = context_lens[b];
+            float *acc = scratch + item * item_floats, *maxes = acc + heads * dim, *sums = maxes + heads;
+            if (first >= end) {  /* a part past this decode's context: empty */
+                for (int h = 0; h < heads; h++) { maxes[h] = -INFINITY; sums[h] = 0.0f; }
+                continue;
+            }
+            const float *src = q + (int64_t)b * heads * dim;
+            for (int i = 0; i < heads * dim; i++) queries[i] = src[i] * scale;
+            attend(&shape, queries, k_cache, v_cache, block_tables + (int64_t)b * max_blocks,
+                        first, end, acc, maxes, sums, buffer);
+        }
+        free(queries);
+        free(buffer);
+        /* Merge each decode's parts (one part: just normalise). */
+#pragma omp for
+        for (int64_t pair = 0; pair < (int64_t)batch * heads; pair++) {
+            const int b = (int)(pair / heads), h = (int)(pair % heads);
+            const float *base = scratch + (int64_t)b * parts * item_floats;
+            float top = -INFINITY;
+            for (int p = 0; p < parts; p++) {
+                float m = base[p * item_floats + heads * dim + h];
+                top = m > top ? m : top;
+            }
+            float total = 0.0f;
+            float *o = out + ((int64_t)b * heads + h) * dim;
+            memset(o, 0, sizeof(float) * dim);
+            for (int p = 0; p < parts; p++) {
+                const float *part = base + p * item_floats;
+                float m = part[heads * dim + h];
+                if (m == -INFINITY) continue;
+                float w = expf(m - top);
+                total += part[heads * dim + heads + h] * w;
+#pragma omp simd
+                for (int d = 0; d < dim; d++) o[d] += part[h * dim + d] * w;
+            }
+            float inverse = 1.0f / total;
+#pragma omp simd
+            for (int d = 0; d < dim; d++) o[d] *= inverse;
+        }
+    }
+    free(scratch);
+    return 0;
+}
