@@ -196,3 +196,51 @@ def test_adopted_linears_of_a_borrowed_module_keep_names_parameters_and_results(
     with torch.inference_mode():
         torch.testing.assert_close(tower(x), expected, rtol=1e-5, atol=1e-5)
     assert adopt_linear_modules(tower) == 0  # already on the seam
+
+
+needs_packing = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="no oneDNN packing here")
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1, 80), (2, 80), (1, 1, 80)])
+def test_a_padded_product_keeps_its_own_rows(monkeypatch, shape):
+    from vlmd.layers.linear import kernels
+
+    seen = []
+    real = kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda x, packed, bias: seen.append(x.shape[0]) or real(x, packed, bias))
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 80), torch.randn(96), torch.randn(*shape)
+    kernel = SelectedKernel((PACKED,) * len(M_BUCKETS), None, kernels.pack_weight(weight))
+    kernel.pad_rows = 6
+    got = kernel(x, bias)
+    assert seen == [6] and got.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    kernel(torch.randn(7, 80), bias)  # as many rows as the padding, or more: as it is
+    assert seen[-1] == 7
+
+
+@needs_packing
+@pytest.mark.parametrize("fastest,expected", [(6, 6), (4, 4), (0, 0), (None, 0)])
+def test_padding_is_chosen_by_timing_the_model_s_products_in_order(fastest, expected):
+    from vlmd.layers.linear import selection
+
+    model = nn.Sequential(ReplicatedLinear(32, 64), ReplicatedLinear(64, 32))
+    select_linear_kernels(model, "packed")
+    layers = list(model)
+    # A clock on which each pass over the products takes what the current padding costs:
+    # the fastest one 1.0, the others 1.5; None: every padding within the margin of none.
+    now = [0.0]
+    calls = [0]
+
+    def clock():
+        calls[0] += 1
+        if calls[0] % 2 == 0:  # the end of a pass
+            pad = layers[0].kernel.pad_rows
+            now[0] += 1.0 if fastest is None or pad == fastest else 1.5
+            if fastest is None and pad:
+                now[0] += 0.01  # 1 % slower: within PAD_MARGIN, so no padding
+        return now[0]
+
+    assert selection.choose_padding(layers, clock=clock) == expected
+    assert all(layer.kernel.pad_rows == expected for layer in layers)

@@ -87,8 +87,43 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             # The packed copy replaces the plain one: holding both would double the
             # weights' memory. (A weight shared with an embedding stays.)
             layer.weight = None
+    if mode == "auto":
+        report["pad_rows"] = choose_padding([layer for layer in layers if layer.kernel is not None])
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
+
+
+PAD_CANDIDATES = (4, 6)
+PAD_MARGIN = 1.03  # padding is kept only when it beats no padding by more than this
+
+
+def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_counter) -> int:
+    """How many rows a 1-row packed product is computed on (``kernels.padded_rows``), for
+    every layer: measured on the model's own products in model order at M = 1, a decode
+    step's sequence, because that is where the effect shows (timed one shape at a time,
+    M = 1 streams as fast as M = 6). Candidates run interleaved round by round; 0 (no
+    padding) unless a candidate beats it by ``PAD_MARGIN``. Set on every kernel."""
+    sequence = [layer for layer in layers if layer.kernel.packed is not None and layer.kernel.choices[0].packed]
+    if not sequence:
+        return 0
+    inputs = [torch.randn(1, layer.kernel.packed.shape[-1], dtype=layer.kernel.packed.dtype) for layer in sequence]
+    best = {pad: float("inf") for pad in (0, *PAD_CANDIDATES)}
+    for round_index in range(rounds + 1):  # the first round warms every candidate up
+        for pad in best:
+            for layer in sequence:
+                layer.kernel.pad_rows = pad
+            started = clock()
+            for layer, x in zip(sequence, inputs):
+                layer.kernel(x, layer.bias)
+            elapsed = clock() - started
+            if round_index:
+                best[pad] = min(best[pad], elapsed)
+    chosen = min(PAD_CANDIDATES, key=lambda pad: best[pad])
+    if best[chosen] * PAD_MARGIN >= best[0]:
+        chosen = 0
+    for layer in layers:
+        layer.kernel.pad_rows = chosen
+    return chosen
 
 
 def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.Tensor) -> tuple[KernelChoice, ...]:
