@@ -219,7 +219,7 @@ def test_shared_groups_split_where_tables_diverge():
         [0] + list(range(100, 139)),
         [0, 1, 2],
     ]
-    groups = decode_plan._shared_groups(tables, full, list(range(5)), 0, 16)
+    groups = decode_plan.shared_groups(tables, full, list(range(5)), 0, 16)
     assert sorted(groups) == [([0, 1], 40), ([2, 3], 40)]
 
 

@@ -4,6 +4,7 @@ no compiler is found."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -88,11 +89,11 @@ def test_bfloat16_cache():
 @needs_kernel
 def test_tables_the_cache_cannot_serve_raise_instead_of_reading_out_of_bounds():
     q, k, v, tables, _, scale = _case([40, 20], heads=4, kv_heads=2, dim=16, block_size=16)
-    beyond = DecodeTables(tables.block_tables.clone(), tables.context_lens, 16)
+    beyond = dataclasses.replace(tables, block_tables=tables.block_tables.clone())
     beyond.block_tables[1, 0] = k.shape[0] // 16  # one block past the cache
     with pytest.raises(ValueError, match="block id outside the cache"):
         paged_decode(q, k, v, beyond, scale)
-    longer = DecodeTables(tables.block_tables, torch.tensor([40, 20 + 16 * 9], dtype=torch.int32), 16)
+    longer = dataclasses.replace(tables, context_lens=torch.tensor([40, 20 + 16 * 9], dtype=torch.int32))
     with pytest.raises(ValueError, match="context length outside its block table"):
         paged_decode(q, k, v, longer, scale)
 
@@ -157,3 +158,98 @@ def test_no_compiler_means_torch_ops(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "_LOADED", {})
     assert build.load_native("paged_decode") is None
     assert not list(Path(tmp_path / "native").glob("*.so"))
+
+
+def _shared_case(groups, *, heads, kv_heads, dim, block_size, seed=0):
+    """Decodes whose tables start with common blocks: ``groups`` is (shared blocks, [own
+    tokens after them per decode]); returns (q, caches, tables, reference, scale)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = list(range(2048))
+    rng.shuffle(pool)
+    k_cache, v_cache = torch.randn(2048 * block_size, kv_heads, dim), torch.randn(2048 * block_size, kv_heads, dim)
+    tables, lengths, shared = [], [], []
+    for shared_blocks, own in groups:
+        prefix, pool = pool[:shared_blocks], pool[shared_blocks:]
+        rows = []
+        for own_tokens in own:
+            count = -(-own_tokens // block_size)
+            table, pool = prefix + pool[:count], pool[count:]
+            rows.append(len(tables))
+            tables.append(table)
+            lengths.append(shared_blocks * block_size + own_tokens)
+        if len(rows) > 1 and shared_blocks:
+            shared.append((rows, shared_blocks))
+    q = torch.randn(len(tables), heads, dim)
+    scale = dim ** -0.5
+    expected = []
+    for row, (table, length) in enumerate(zip(tables, lengths)):
+        positions = torch.arange(length)
+        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+        keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[row].double(), keys) * scale
+        expected.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    return q, k_cache, v_cache, DecodeTables.of(tables, lengths, block_size, shared), torch.stack(expected), scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (4, 2, 40), (96, 8, 32)])
+@pytest.mark.parametrize("part_tokens", [0, 16, 50])
+def test_decodes_sharing_a_prefix_read_it_once_for_all(heads, kv_heads, dim, part_tokens):
+    # Two groups (one of 9: with 96 heads, two tiles of stacked queries), a decode of its
+    # own, and a group whose members' own parts are one token.
+    groups = [(38, [1, 5, 40, 17, 2, 9, 30, 16, 3]), (4, [1, 1]), (0, [300]), (20, [7, 12])]
+    q, k, v, tables, expected, scale = _shared_case(groups, heads=heads, kv_heads=kv_heads, dim=dim, block_size=16,
+                                                    seed=heads)
+    assert tables.group_tokens.tolist() == [38 * 16, 4 * 16, 20 * 16]
+    got = paged_decode(q, k, v, tables, scale, part_tokens=part_tokens)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bad_groups_raise():
+    q, k, v, tables, _, scale = _shared_case([(3, [5, 6])], heads=4, kv_heads=2, dim=16, block_size=16)
+    for change in ({"group_tokens": torch.tensor([50], dtype=torch.int32)},  # not whole blocks
+                   {"group_tokens": torch.tensor([16 * 9], dtype=torch.int32)},  # the whole context
+                   {"group_members": torch.tensor([0, 0], dtype=torch.int32)}):  # a decode twice
+        with pytest.raises(ValueError, match="shared-prefix group"):
+            paged_decode(q, k, v, dataclasses.replace(tables, **change), scale)
+
+
+@needs_kernel
+def test_the_backend_hands_the_kernel_its_shared_prefixes():
+    block_size = 16
+    k_cache, v_cache = torch.randn(64 * block_size, 2, 16), torch.randn(64 * block_size, 2, 16)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    prefix = list(range(10, 15))  # 80 tokens in common: above MIN_SHARED_TOKENS
+    chunks = [SequenceChunk(prefix + [40], 85, 1), SequenceChunk(prefix + [41, 42], 100, 1),
+              SequenceChunk([50, 51], 20, 1)]
+    outputs = {}
+    for mode in ("auto", "torch"):
+        backend = attention_backend_for("cpu", block_size, mode)
+        meta = backend.prepare_metadata(chunks, 3)
+        outputs[mode] = backend.forward(q, k, v, (k_cache, v_cache), meta, 0.25)
+    assert meta.decode_plan.shared and meta._decode_tables is None  # torch: the cascade plan
+    auto_meta = attention_backend_for("cpu", block_size, "auto").prepare_metadata(chunks, 3)
+    assert auto_meta.decode_tables.group_members.tolist() == [0, 1]
+    assert auto_meta.decode_tables.group_tokens.tolist() == [80]
+    torch.testing.assert_close(outputs["auto"], outputs["torch"], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threshold,kernel_calls", [(2048, 1), (80, 0)])
+def test_a_long_shared_prefix_keeps_the_torch_cascade(monkeypatch, threshold, kernel_calls):
+    from vlmd.layers.attention import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "NATIVE_SHARED_TOKENS", threshold)
+    calls = []
+    real = native_decode.paged_decode
+    monkeypatch.setattr(native_decode, "paged_decode", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    k_cache, v_cache = torch.randn(64 * 16, 2, 16), torch.randn(64 * 16, 2, 16)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    prefix = list(range(10, 15))  # 80 shared tokens
+    chunks = [SequenceChunk(prefix + [40], 85, 1), SequenceChunk(prefix + [41], 90, 1)]
+    backend = attention_backend_for("cpu", 16, "auto")
+    backend.forward(q, k, v, (k_cache, v_cache), backend.prepare_metadata(chunks, 2), 0.25)
+    assert len(calls) == kernel_calls

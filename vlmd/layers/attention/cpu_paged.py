@@ -1,12 +1,12 @@
 """CPU paged attention that reads K/V in place, through the block table.
 
-Decodes that share no prefix, where this host built the C kernel
-(``vlmd/layers/native/paged_decode.c``; the default, ``--attention-kernels auto``): one
-call per layer walks every decode's blocks in place, all heads at once, 1.4-2.3x faster
-than the torch paths below (``contrib/bench/bench_attention.py``; docs/architecture.md).
-Everything else is the torch path: prefill chunks always, decodes that share a prefix
-(cascade, below), and decodes where the kernel is off or cannot serve the cache (another
-dtype, another device).
+Decodes, where this host built the C kernel (``vlmd/layers/native/paged_decode.c``; the
+default, ``--attention-kernels auto``): one call per layer walks every decode's blocks in
+place, all heads at once, and the blocks decodes share once for all of them, 1.3-2.5x
+faster than the torch paths below (``contrib/bench/bench_attention.py``;
+docs/architecture.md). Everything else is the torch path: prefill chunks always, decodes
+sharing a prefix of ``NATIVE_SHARED_TOKENS`` or more (there torch's cascade is faster),
+and decodes where the kernel is off or cannot serve the cache (another dtype, device).
 
 The cached context is split into parts, each attended by torch's CPU flash-attention
 kernel (which also returns each query's log-sum-exp), and the partial results are merged
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from vlmd.host import last_level_cache_bytes
 from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
-from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes
+from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes, shared_groups
 from vlmd.layers.attention.segments import ContextSegments, context_segments
 from vlmd.layers.native import paged_decode as native_decode
 from vlmd.layers.native.paged_decode import DecodeTables
@@ -58,6 +58,11 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # step, c8 x 620 tokens (10 MB) 12.3 vs 15.3 ms, c8 x 300 (5 MB) 4.8 vs 8.7, c2 x 2048
 # (8.4 MB) 8.6 vs 10.8, but c8 x 1024 (16.8 MB) 85.6 vs 23.4 ms.
 BATCHED_DECODE_BYTES = last_level_cache_bytes() * 3 // 8
+# Decodes sharing a prefix at least this long keep the torch cascade: there many stacked
+# queries meet every key, where torch's flash kernel computes faster than the native one's
+# per-token dot products (bench_attention.py, c8, 9 layers, torch / native ms per step:
+# sharing 600 tokens 4.47 / 3.34, 4k 14.2 / 17.1, 16k 68.8 / 78.8).
+NATIVE_SHARED_TOKENS = 2048
 
 
 @dataclass
@@ -106,14 +111,24 @@ class CPUPagedMetadata(AttentionMetadata):
     _decode_tables: DecodeTables | None = None
 
     @property
+    def longest_shared_tokens(self) -> int:
+        """The longest prefix that several decodes share (0 when none do)."""
+        tables = self.decode_tables
+        return int(tables.group_tokens.max()) if tables.group_tokens.numel() else 0
+
+    @property
     def decode_tables(self) -> DecodeTables:
         """The decodes' block tables for the native kernel: built on first use, then shared
         by every layer."""
         if self._decode_tables is None:
             chunks = self.decode_chunks
-            self._decode_tables = DecodeTables.of(
-                [c.block_ids for c in chunks], [c.start + 1 for c in chunks], self.backend.block_size
-            )
+            tables, lengths = [c.block_ids for c in chunks], [c.start + 1 for c in chunks]
+            size = self.backend.block_size
+            # Leading full blocks that several decodes share: read once for all of them.
+            full = [(length - 1) // size for length in lengths]
+            shared = shared_groups(tables, full, list(range(len(tables))), 0, size) \
+                if len({table[0] for table in tables}) < len(tables) else []
+            self._decode_tables = DecodeTables.of(tables, lengths, size, shared)
         return self._decode_tables
 
     @property
@@ -208,10 +223,8 @@ class CPUPagedBackend(AttentionBackend):
         out = torch.empty_like(q)
         decodes = meta.num_decodes
         batch_bytes = meta.padded_decode_tokens * 2 * k_cache[0].numel() * k_cache.element_size()
-        # Decodes sharing a prefix keep the torch plan: it reads the shared blocks once for
-        # all of them, the kernel once per decode (c8 sharing a 4k prompt: 17.3 vs 26.5 ms).
         if decodes and self.native_decode and native_decode.supports(k_cache, heads) \
-                and not meta.decodes_share_a_prefix:
+                and meta.longest_shared_tokens < NATIVE_SHARED_TOKENS:
             out[:decodes] = native_decode.paged_decode(q[:decodes], k_cache, v_cache, meta.decode_tables, scale)
         elif decodes and batch_bytes <= BATCHED_DECODE_BYTES and not meta.decodes_share_a_prefix \
                 and not meta.lone_decode_in_one_view:

@@ -75,7 +75,7 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
     # Blocks before the last used one are full: only those can be shared or viewed.
     full = [(length - 1) // block_size for length in lengths]
     shared_blocks = [0] * len(tables)
-    for rows, count in _shared_groups(tables, full, list(range(len(tables))), 0, block_size):
+    for rows, count in shared_groups(tables, full, list(range(len(tables))), 0, block_size):
         plan.shared.append(SharedPrefix(rows, slot_ranges(tables[rows[0]][:count], count * block_size, block_size)))
         for row in rows:
             shared_blocks[row] = count
@@ -116,7 +116,7 @@ def plan_decodes(tables: list[list[int]], lengths: list[int], block_size: int) -
     return plan
 
 
-def _shared_groups(tables, full, rows, depth, block_size):
+def shared_groups(tables, full, rows, depth, block_size):
     """Groups of >= 2 decodes (among ``rows``, which agree on blocks [0, depth)) with at
     least ``MIN_SHARED_TOKENS`` of leading full blocks in common: (rows, shared blocks).
 
@@ -143,5 +143,5 @@ def _shared_groups(tables, full, rows, depth, block_size):
             by_block.setdefault(tables[row][common], []).append(row)
     groups = []
     for members in by_block.values():
-        groups.extend(_shared_groups(tables, full, members, common + 1, block_size))
+        groups.extend(shared_groups(tables, full, members, common + 1, block_size))
     return groups

@@ -20,6 +20,7 @@
 
 #define CHUNK 16       /* tokens whose scores are held at once */
 #define MAX_HEADS 128  /* query heads of one decode */
+#define MAX_QUERIES 256  /* queries of one work item (decodes sharing a prefix are stacked) */
 #define MAX_DIM 256
 #define MIN_PART 128   /* fewest tokens a part of a split context holds */
 
@@ -59,20 +60,21 @@ typedef struct {
     int heads, kv_heads, group, dim, block_size, dtype;
 } Shape;
 
-/* One item: H queries (pre-scaled, [H, D]) against tokens [first, end) of one context.
- * Leaves acc [H, D] (unnormalised), maxes [H], sums [H]. This is the generic copy, for a
+/* One item: Q queries (pre-scaled, [Q, D]: the heads of one decode, or of several decodes
+ * stacked, query j being head j % H) against tokens [first, end) of one block table.
+ * Leaves acc [Q, D] (unnormalised), maxes [Q], sums [Q]. This is the generic copy, for a
  * head size the vector copies below do not cover; they do the same, faster. */
 static void attend_part_generic(
-        const Shape *s, const float *queries, const void *k_cache, const void *v_cache,
+        const Shape *s, const float *queries, int num_queries, const void *k_cache, const void *v_cache,
         const int32_t *table, int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
     const int dim = s->dim, group = s->group, heads = s->heads, kv_heads = s->kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * dim;
-    float scores[MAX_HEADS][CHUNK];
-    for (int h = 0; h < heads; h++) {
+    float scores[MAX_QUERIES][CHUNK];
+    for (int h = 0; h < num_queries; h++) {
         maxes[h] = -INFINITY;
         sums[h] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * heads * dim);
+    memset(acc, 0, sizeof(float) * num_queries * dim);
     int token = first;
     while (token < end) {
         int block = token / s->block_size, offset = token % s->block_size;
@@ -82,10 +84,10 @@ static void attend_part_generic(
         int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         for (int t = 0; t < count; t++) {
-            for (int kv = 0; kv < kv_heads; kv++) {
-                const float *key = keys + t * token_floats + kv * dim;
-                for (int g = 0; g < group; g++) {
-                    const int h = kv * group + g;
+            for (int j = 0; j < num_queries; j++) {
+                const float *key = keys + t * token_floats + ((j % heads) / group) * dim;
+                {
+                    const int h = j;
                     const float *q = queries + h * dim;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -94,7 +96,7 @@ static void attend_part_generic(
                 }
             }
         }
-        for (int h = 0; h < heads; h++) {
+        for (int h = 0; h < num_queries; h++) {
             float chunk_max = maxes[h];
             for (int t = 0; t < count; t++) chunk_max = scores[h][t] > chunk_max ? scores[h][t] : chunk_max;
             float correction = exp_nonpositive(maxes[h] - chunk_max);
@@ -114,8 +116,8 @@ static void attend_part_generic(
             }
         }
         const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
-        for (int h = 0; h < heads; h++) {
-            const float *column = values + (h / group) * dim;
+        for (int h = 0; h < num_queries; h++) {
+            const float *column = values + ((h % heads) / group) * dim;
             float *a = acc + h * dim;
             for (int t = 0; t < count; t++) {
                 const float p = scores[h][t], *value = column + t * token_floats;
@@ -182,17 +184,18 @@ static inline float lane_sum(v8 v) {
 }
 
 static inline __attribute__((always_inline)) void attend_part_vec(
-        const Shape *s, const int DIM, const float *queries, const void *k_cache, const void *v_cache,
-        const int32_t *table, int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
+        const Shape *s, const int DIM, const float *queries, int num_queries, const void *k_cache,
+        const void *v_cache, const int32_t *table, int first, int end, float *acc, float *maxes, float *sums,
+        float *buffer) {
     enum { LANES = 8 };
     const int group = s->group, heads = s->heads, kv_heads = s->kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * DIM;
-    v8 scores[MAX_HEADS][CHUNK / LANES];
-    for (int h = 0; h < heads; h++) {
+    v8 scores[MAX_QUERIES][CHUNK / LANES];
+    for (int h = 0; h < num_queries; h++) {
         maxes[h] = -INFINITY;
         sums[h] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * heads * DIM);
+    memset(acc, 0, sizeof(float) * num_queries * DIM);
     const v8 zero = {0};
     int token = first;
     while (token < end) {
@@ -203,9 +206,9 @@ static inline __attribute__((always_inline)) void attend_part_vec(
         const int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         const int groups_of_8 = (count + LANES - 1) / LANES;
-        for (int kv = 0; kv < kv_heads; kv++) {
-            for (int g = 0; g < group; g++) {
-                const int h = kv * group + g;
+        for (int h = 0; h < num_queries; h++) {
+            const int kv = (h % heads) / group;
+            {
                 const float *q = queries + h * DIM;
                 for (int c8 = 0; c8 < groups_of_8; c8++) {
                     v8 partial[8];
@@ -223,7 +226,7 @@ static inline __attribute__((always_inline)) void attend_part_vec(
             }
         }
         const v8 minus_inf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-        for (int h = 0; h < heads; h++) {
+        for (int h = 0; h < num_queries; h++) {
             float chunk_max = maxes[h];
             for (int c8 = 0; c8 < groups_of_8; c8++) {
                 v8 v = scores[h][c8];
@@ -250,8 +253,8 @@ static inline __attribute__((always_inline)) void attend_part_vec(
                 for (int d = 0; d < DIM; d++) a[d] *= correction;
         }
         const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
-        for (int h = 0; h < heads; h++) {
-            const float *column = values + (h / group) * DIM;
+        for (int h = 0; h < num_queries; h++) {
+            const float *column = values + ((h % heads) / group) * DIM;
             float *a = acc + h * DIM;
             v8 local[DIM / LANES];
             for (int c = 0; c < DIM / LANES; c++) local[c] = *(const v8u *)(a + c * LANES);
@@ -268,13 +271,14 @@ static inline __attribute__((always_inline)) void attend_part_vec(
 }
 
 #define SPECIALISE(D) \
-    static void attend_part_##D(const Shape *s, const float *q, const void *k, const void *v, const int32_t *table, \
-                                int first, int end, float *acc, float *maxes, float *sums, float *buffer) { \
-        attend_part_vec(s, D, q, k, v, table, first, end, acc, maxes, sums, buffer); \
+    static void attend_part_##D(const Shape *s, const float *q, int nq, const void *k, const void *v, \
+                                const int32_t *table, int first, int end, float *acc, float *maxes, float *sums, \
+                                float *buffer) { \
+        attend_part_vec(s, D, q, nq, k, v, table, first, end, acc, maxes, sums, buffer); \
     }
-static void attend_part_0(const Shape *s, const float *q, const void *k, const void *v, const int32_t *table,
+static void attend_part_0(const Shape *s, const float *q, int nq, const void *k, const void *v, const int32_t *table,
                           int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
-    attend_part_generic(s, q, k, v, table, first, end, acc, maxes, sums, buffer);
+    attend_part_generic(s, q, nq, k, v, table, first, end, acc, maxes, sums, buffer);
 }
 SPECIALISE(16)
 SPECIALISE(32)
@@ -283,7 +287,7 @@ SPECIALISE(80)
 SPECIALISE(96)
 SPECIALISE(128)
 
-typedef void (*AttendPart)(const Shape *, const float *, const void *, const void *, const int32_t *, int, int,
+typedef void (*AttendPart)(const Shape *, const float *, int, const void *, const void *, const int32_t *, int, int,
                            float *, float *, float *, float *);
 
 static AttendPart attend_part_for(int dim) {
@@ -298,14 +302,26 @@ static AttendPart attend_part_for(int dim) {
     }
 }
 
+typedef struct {
+    int32_t table_row;  /* the decode whose block table the item reads */
+    int32_t first, end;  /* tokens of that table */
+    int32_t rows_at, num_rows;  /* its decodes: item_rows[rows_at .. rows_at + num_rows) */
+    int64_t scratch_at;  /* its acc [Q, D], maxes [Q], sums [Q], Q = num_rows * heads */
+} Item;
+
 /* q [B, H, D] float32; caches [slots, Hkv, D] (float32 or bfloat16, contiguous);
  * block_tables [B, max_blocks] int32; context_lens [B] int32 (own token included);
- * out [B, H, D] float32; num_slots: rows of each cache. part_tokens 0: split contexts only as far as the threads need.
- * Returns 0, or a negative code for arguments it cannot serve. */
+ * out [B, H, D] float32; num_slots: rows of each cache. Decodes sharing a prefix
+ * (cascade): group g's members are group_members[group_offsets[g] .. group_offsets[g + 1]),
+ * whose tables agree on their first group_tokens[g] tokens (whole blocks); those are read
+ * once for all members, their queries stacked. part_tokens 0: split contexts only as far
+ * as the threads need. Returns 0, or a negative code for arguments it cannot serve. */
 int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                       const int32_t *block_tables, const int32_t *context_lens, float *out,
                       int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,
-                      int64_t num_slots, float scale, int num_threads, int part_tokens) {
+                      int64_t num_slots, int num_groups, const int32_t *group_offsets,
+                      const int32_t *group_members, const int32_t *group_tokens,
+                      float scale, int num_threads, int part_tokens) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS) return -1;
     if (dim > MAX_DIM || dim <= 0 || block_size <= 0 || batch <= 0) return -2;
     if (dtype != KV_FLOAT32 && dtype != KV_BFLOAT16) return -3;
@@ -317,69 +333,165 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
         for (int i = 0; i < (context_lens[b] + block_size - 1) / block_size; i++)
             if (table[i] < 0 || ((int64_t)table[i] + 1) * block_size > num_slots) return -6;
     }
+    /* Where each decode's own part starts: after its group's shared tokens. */
+    int32_t *own_first = (int32_t *)calloc(batch, sizeof(int32_t));
+    if (own_first == NULL) return -5;
+    for (int g = 0; g < num_groups; g++) {
+        const int32_t shared = group_tokens[g];
+        if (shared <= 0 || shared % block_size != 0 || group_offsets[g + 1] <= group_offsets[g]) {
+            free(own_first);
+            return -7;
+        }
+        for (int i = group_offsets[g]; i < group_offsets[g + 1]; i++) {
+            const int b = group_members[i];
+            if (b < 0 || b >= batch || own_first[b] != 0 || shared >= context_lens[b]) {
+                free(own_first);
+                return -7;
+            }
+            own_first[b] = shared;
+        }
+    }
+    const int part_tokens_given = part_tokens;
     if (part_tokens <= 0) {  /* enough items for two per thread, none shorter than MIN_PART */
         int wanted = (2 * num_threads + batch - 1) / batch;
         part_tokens = (longest + wanted - 1) / wanted;
         if (part_tokens < MIN_PART) part_tokens = MIN_PART;
     }
     part_tokens = ((part_tokens + block_size - 1) / block_size) * block_size;
-    const int parts = (longest + part_tokens - 1) / part_tokens;
-    const int64_t items = (int64_t)batch * parts;
+    const int tile = MAX_QUERIES / heads;  /* decodes stacked in one shared item */
+    /* A shared prefix is most of the step's work (every member's queries against it):
+     * split it so every thread takes a share, however few decodes there are. */
+    int shared_part = part_tokens;
+    if (part_tokens_given <= 0) {
+        int longest_shared = 0;
+        for (int g = 0; g < num_groups; g++) longest_shared = group_tokens[g] > longest_shared ? group_tokens[g] : longest_shared;
+        shared_part = (longest_shared + 2 * num_threads - 1) / (2 * num_threads);
+        if (shared_part < MIN_PART) shared_part = MIN_PART;
+        shared_part = ((shared_part + block_size - 1) / block_size) * block_size;
+    }
+
+    /* The items: every decode's own tokens in parts, every group's shared tokens in parts
+     * for each tile of its members. item_rows lists each item's decodes. */
+    int64_t num_items = 0, num_item_rows = 0;
+    for (int b = 0; b < batch; b++) {
+        const int64_t parts = (context_lens[b] - own_first[b] + part_tokens - 1) / part_tokens;
+        num_items += parts;
+        num_item_rows += parts;
+    }
+    for (int g = 0; g < num_groups; g++) {
+        const int members = group_offsets[g + 1] - group_offsets[g];
+        const int64_t parts = (group_tokens[g] + shared_part - 1) / shared_part;
+        num_items += parts * ((members + tile - 1) / tile);
+        num_item_rows += parts * members;
+    }
+    Item *items = (Item *)malloc(sizeof(Item) * num_items);
+    int32_t *item_rows = (int32_t *)malloc(sizeof(int32_t) * num_item_rows);
+    /* Per decode, the items holding it and its position there (CSR by decode). */
+    int32_t *entry_offsets = (int32_t *)calloc(batch + 1, sizeof(int32_t));
+    int64_t *entries = (int64_t *)malloc(sizeof(int64_t) * num_item_rows);
+    if (!items || !item_rows || !entry_offsets || !entries) {
+        free(items); free(item_rows); free(entry_offsets); free(entries); free(own_first);
+        return -5;
+    }
+    int64_t n = 0, r = 0, scratch_floats = 0;
+    for (int b = 0; b < batch; b++) {
+        for (int first = own_first[b]; first < context_lens[b]; first += part_tokens) {
+            const int end = first + part_tokens < context_lens[b] ? first + part_tokens : context_lens[b];
+            items[n] = (Item){b, first, end, (int32_t)r, 1, scratch_floats};
+            item_rows[r++] = b;
+            scratch_floats += (int64_t)heads * (dim + 2);
+            n++;
+        }
+    }
+    for (int g = 0; g < num_groups; g++) {
+        for (int at = group_offsets[g]; at < group_offsets[g + 1]; at += tile) {
+            const int rows = group_offsets[g + 1] - at < tile ? group_offsets[g + 1] - at : tile;
+            for (int first = 0; first < group_tokens[g]; first += shared_part) {
+                const int end = first + shared_part < group_tokens[g] ? first + shared_part : group_tokens[g];
+                items[n] = (Item){group_members[at], first, end, (int32_t)r, rows, scratch_floats};
+                for (int i = 0; i < rows; i++) item_rows[r++] = group_members[at + i];
+                scratch_floats += (int64_t)rows * heads * (dim + 2);
+                n++;
+            }
+        }
+    }
+    for (int64_t i = 0; i < num_items; i++)
+        for (int j = 0; j < items[i].num_rows; j++) entry_offsets[item_rows[items[i].rows_at + j] + 1]++;
+    for (int b = 0; b < batch; b++) entry_offsets[b + 1] += entry_offsets[b];
+    {
+        int32_t *fill = (int32_t *)malloc(sizeof(int32_t) * batch);
+        if (fill == NULL) {
+            free(items); free(item_rows); free(entry_offsets); free(entries); free(own_first);
+            return -5;
+        }
+        memcpy(fill, entry_offsets, sizeof(int32_t) * batch);
+        for (int64_t i = 0; i < num_items; i++)
+            for (int j = 0; j < items[i].num_rows; j++) entries[fill[item_rows[items[i].rows_at + j]]++] = i * MAX_QUERIES + j;
+        free(fill);
+    }
+    float *scratch = (float *)malloc(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));
+    if (scratch == NULL) {
+        free(items); free(item_rows); free(entry_offsets); free(entries); free(own_first);
+        return -5;
+    }
     const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype};
     const AttendPart attend = attend_part_for(dim);
-    const int64_t item_floats = (int64_t)heads * (dim + 2); /* acc [H, D], maxes [H], sums [H] */
-    float *scratch = (float *)malloc(sizeof(float) * item_floats * items);
-    if (scratch == NULL) return -5;
     const int64_t buffer_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
 
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         float *buffer = (float *)malloc(sizeof(float) * buffer_floats);
-        float *queries = (float *)malloc(sizeof(float) * heads * dim);
+        float *queries = (float *)malloc(sizeof(float) * MAX_QUERIES * dim);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            const int b = (int)(item / parts), part = (int)(item % parts);
-            int first = part * part_tokens, end = first + part_tokens;
-            if (end > context_lens[b]) end = context_lens[b];
-            float *acc = scratch + item * item_floats, *maxes = acc + heads * dim, *sums = maxes + heads;
-            if (first >= end) {  /* a part past this decode's context: empty */
-                for (int h = 0; h < heads; h++) { maxes[h] = -INFINITY; sums[h] = 0.0f; }
-                continue;
+        for (int64_t i = 0; i < num_items; i++) {
+            const Item *item = &items[i];
+            const int count = item->num_rows * heads;
+            for (int j = 0; j < item->num_rows; j++) {
+                const float *src = q + (int64_t)item_rows[item->rows_at + j] * heads * dim;
+                for (int e = 0; e < heads * dim; e++) queries[j * heads * dim + e] = src[e] * scale;
             }
-            const float *src = q + (int64_t)b * heads * dim;
-            for (int i = 0; i < heads * dim; i++) queries[i] = src[i] * scale;
-            attend(&shape, queries, k_cache, v_cache, block_tables + (int64_t)b * max_blocks,
-                        first, end, acc, maxes, sums, buffer);
+            float *acc = scratch + item->scratch_at, *maxes = acc + (int64_t)count * dim, *sums = maxes + count;
+            attend(&shape, queries, count, k_cache, v_cache, block_tables + (int64_t)item->table_row * max_blocks,
+                   item->first, item->end, acc, maxes, sums, buffer);
         }
         free(queries);
         free(buffer);
-        /* Merge each decode's parts (one part: just normalise). */
+        /* Each decode's heads: merge its parts (own and shared) by log-sum-exp. */
 #pragma omp for
         for (int64_t pair = 0; pair < (int64_t)batch * heads; pair++) {
             const int b = (int)(pair / heads), h = (int)(pair % heads);
-            const float *base = scratch + (int64_t)b * parts * item_floats;
             float top = -INFINITY;
-            for (int p = 0; p < parts; p++) {
-                float m = base[p * item_floats + heads * dim + h];
+            for (int e = entry_offsets[b]; e < entry_offsets[b + 1]; e++) {
+                const Item *item = &items[entries[e] / MAX_QUERIES];
+                const int row = (int)(entries[e] % MAX_QUERIES), count = item->num_rows * heads;
+                const float m = scratch[item->scratch_at + (int64_t)count * dim + row * heads + h];
                 top = m > top ? m : top;
             }
             float total = 0.0f;
             float *o = out + ((int64_t)b * heads + h) * dim;
             memset(o, 0, sizeof(float) * dim);
-            for (int p = 0; p < parts; p++) {
-                const float *part = base + p * item_floats;
-                float m = part[heads * dim + h];
+            for (int e = entry_offsets[b]; e < entry_offsets[b + 1]; e++) {
+                const Item *item = &items[entries[e] / MAX_QUERIES];
+                const int row = (int)(entries[e] % MAX_QUERIES), count = item->num_rows * heads;
+                const float *base = scratch + item->scratch_at;
+                const int j = row * heads + h;
+                const float m = base[(int64_t)count * dim + j];
                 if (m == -INFINITY) continue;
-                float w = expf(m - top);
-                total += part[heads * dim + heads + h] * w;
+                const float w = expf(m - top);
+                total += base[(int64_t)count * dim + count + j] * w;
 #pragma omp simd
-                for (int d = 0; d < dim; d++) o[d] += part[h * dim + d] * w;
+                for (int d = 0; d < dim; d++) o[d] += base[(int64_t)j * dim + d] * w;
             }
-            float inverse = 1.0f / total;
+            const float inverse = 1.0f / total;
 #pragma omp simd
             for (int d = 0; d < dim; d++) o[d] *= inverse;
         }
     }
     free(scratch);
+    free(items);
+    free(item_rows);
+    free(entry_offsets);
+    free(entries);
+    free(own_first);
     return 0;
 }

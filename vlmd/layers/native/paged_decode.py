@@ -1,8 +1,9 @@
 """The binding of ``paged_decode.c``: every decode of a step against its paged context.
 
 ``paged_decode(q, k_cache, v_cache, tables, scale)`` reads each decode's K/V in place
-through its block table; the caller builds ``DecodeTables`` once per step and every layer
-reuses them. ``available()`` says whether the kernel was built on this host (else the
+through its block table, and the blocks that several decodes share at the start of their
+tables once for all of them (cascade); the caller builds ``DecodeTables`` once per step
+and every layer reuses them. ``available()`` says whether the kernel was built on this host (else the
 caller keeps its torch path).
 """
 
@@ -18,7 +19,8 @@ from vlmd.layers.native.build import load_native
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "heads not a multiple of KV heads, or over 128", -2: "head size over 256", -3: "KV dtype",
            -4: "a context length outside its block table", -5: "out of memory",
-           -6: "a block id outside the cache"}
+           -6: "a block id outside the cache",
+           -7: "a shared-prefix group that is empty, not whole blocks, overlapping or as long as a context"}
 _function = None
 
 
@@ -32,8 +34,8 @@ def _kernel():
             function = library.vlmd_paged_decode
             pointer, integer = ctypes.c_void_p, ctypes.c_int
             function.argtypes = [pointer, pointer, pointer, integer, pointer, pointer, pointer,
-                                 integer, integer, integer, integer, integer, integer, ctypes.c_int64, ctypes.c_float,
-                                 integer, integer]
+                                 integer, integer, integer, integer, integer, integer, ctypes.c_int64,
+                                 integer, pointer, pointer, pointer, ctypes.c_float, integer, integer]
             function.restype = integer
             _function = function
     return _function or None
@@ -57,12 +59,28 @@ class DecodeTables:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
     context_lens: torch.Tensor  # [B] int32, each decode's own token included
     block_size: int
+    # Decodes sharing a prefix (cascade): group g is rows group_members[group_offsets[g]:
+    # group_offsets[g + 1]], whose tables agree on their first group_tokens[g] tokens.
+    group_offsets: torch.Tensor  # [G + 1] int32
+    group_members: torch.Tensor  # [sum of members] int32
+    group_tokens: torch.Tensor  # [G] int32, whole blocks
 
     @classmethod
-    def of(cls, block_ids: list[list[int]], context_lens: list[int], block_size: int) -> "DecodeTables":
+    def of(cls, block_ids: list[list[int]], context_lens: list[int], block_size: int,
+           shared: list[tuple[list[int], int]] = ()) -> "DecodeTables":
+        """``shared``: (decode rows, blocks they have in common at the start), each row in
+        at most one group, fewer blocks than its context holds."""
         widest = max(-(-length // block_size) for length in context_lens)
         rows = [ids[:widest] + [0] * (widest - len(ids[:widest])) for ids in block_ids]
-        return cls(torch.tensor(rows, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32), block_size)
+        offsets, members = [0], []
+        for group, _ in shared:
+            members.extend(group)
+            offsets.append(len(members))
+        return cls(
+            torch.tensor(rows, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32), block_size,
+            torch.tensor(offsets, dtype=torch.int32), torch.tensor(members, dtype=torch.int32),
+            torch.tensor([blocks * block_size for _, blocks in shared], dtype=torch.int32),
+        )
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: DecodeTables,
@@ -80,7 +98,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         queries.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KV_DTYPES[k_cache.dtype],
         tables.block_tables.data_ptr(), tables.context_lens.data_ptr(), out.data_ptr(),
         batch, heads, k_cache.shape[1], dim, tables.block_size, tables.block_tables.shape[1],
-        k_cache.shape[0], scale,
+        k_cache.shape[0], tables.group_tokens.shape[0], tables.group_offsets.data_ptr(),
+        tables.group_members.data_ptr(), tables.group_tokens.data_ptr(), scale,
         torch.get_num_threads(), part_tokens,
     )
     if code != 0:
