@@ -8,7 +8,9 @@
  * row and ran latency-bound: 4x slower at 16k tokens). GQA: the G query heads of a KV head
  * share each key and value row read. Softmax is online, per chunk of a block. Few decodes
  * with long contexts are split into parts, merged exactly by the log-sum-exp rule, so
- * every thread has work.
+ * every thread has work. Decodes whose tables start with the same blocks (the prefix
+ * cache's shared prompt) read those once for all of them (cascade): an item then stacks
+ * the queries of several decodes, and each decode merges its shared and own parts.
  *
  * Parallel over items with OpenMP: loaded into a process that already holds torch's
  * libgomp, the soname resolves to that runtime, and the calling thread reuses its team.
@@ -43,7 +45,7 @@ static inline float exp_nonpositive(float x) {
     return y * scale.f;
 }
 
-/* count * width values from the cache as float32 (bfloat16 widened: its bits are float32's top half). */
+/* count values from the cache as float32 (bfloat16 widened: its bits are float32's top half). */
 static inline const float *rows_as_float(const void *cache, int64_t offset, int64_t count, int dtype, float *buffer) {
     if (dtype == KV_FLOAT32) return (const float *)cache + offset;
     const uint16_t *src = (const uint16_t *)cache + offset;
