@@ -25,6 +25,9 @@
 #define MAX_QUERIES 256  /* queries of one work item (decodes sharing a prefix are stacked) */
 #define MAX_DIM 256
 #define MIN_PART 128   /* fewest tokens a part of a split context holds */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1  /* chunks ahead that the kernel prefetches */
+#endif
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1 };
 
@@ -185,6 +188,28 @@ static inline float lane_sum(v8 v) {
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+/* The K and V rows of the chunk ``ahead`` chunks after the one starting at ``token``, asked
+ * for while this one computes: blocks are scattered, so the hardware prefetcher, which
+ * follows one run, cannot cross into the next block. */
+static inline void prefetch_chunk_at(const Shape *s, const void *k_cache, const void *v_cache, const int32_t *table,
+                                     int token, int end, int64_t token_floats, int ahead) {
+    for (int skip = 1; skip < ahead && token < end; skip++) {
+        int count = s->block_size - token % s->block_size;
+        token += count > CHUNK ? CHUNK : count;
+    }
+    if (token >= end) return;
+    int offset = token % s->block_size, count = s->block_size - offset;
+    if (count > end - token) count = end - token;
+    if (count > CHUNK) count = CHUNK;
+    const int element = s->dtype == KV_FLOAT32 ? 4 : 2;
+    const int64_t at = ((int64_t)table[token / s->block_size] * s->block_size + offset) * token_floats * element;
+    const int64_t bytes = count * token_floats * element;
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch((const char *)k_cache + at + line, 0, 3);
+        __builtin_prefetch((const char *)v_cache + at + line, 0, 3);
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_part_vec(
         const Shape *s, const int DIM, const float *queries, int num_queries, const void *k_cache,
         const void *v_cache, const int32_t *table, int first, int end, float *acc, float *maxes, float *sums,
@@ -206,6 +231,7 @@ static inline __attribute__((always_inline)) void attend_part_vec(
         if (count > end - token) count = end - token;
         if (count > CHUNK) count = CHUNK;
         const int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
+        prefetch_chunk_at(s, k_cache, v_cache, table, token + count, end, token_floats, PREFETCH_AHEAD);
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         const int groups_of_8 = (count + LANES - 1) / LANES;
         for (int h = 0; h < num_queries; h++) {
