@@ -37,13 +37,19 @@ def _case(lengths, *, heads, kv_heads, dim, block_size, dtype=torch.float32, see
     for row, (length, count) in enumerate(zip(lengths, needed)):
         table, pool = pool[:count], pool[count:]
         tables.append(table)
-        positions = torch.arange(length)
-        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
-        keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        values = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[row].double(), keys) * scale
-        expected.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+        expected.append(_reference(q[row], k_cache, v_cache, table, length, block_size, scale))
     return q, k_cache, v_cache, DecodeTables.of(tables, list(lengths), block_size), torch.stack(expected), scale
+
+
+def _reference(query, k_cache, v_cache, table, length, block_size, scale):
+    """One decode's [H, D] attention to its first ``length`` cached tokens, in float64."""
+    heads, kv_heads = query.shape[0], k_cache.shape[1]
+    positions = torch.arange(length)
+    slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+    keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+    values = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("hd,lhd->hl", query.double(), keys) * scale
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
 
 
 @needs_kernel
@@ -182,14 +188,8 @@ def _shared_case(groups, *, heads, kv_heads, dim, block_size, seed=0):
             shared.append((rows, shared_blocks))
     q = torch.randn(len(tables), heads, dim)
     scale = dim ** -0.5
-    expected = []
-    for row, (table, length) in enumerate(zip(tables, lengths)):
-        positions = torch.arange(length)
-        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
-        keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        values = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[row].double(), keys) * scale
-        expected.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    expected = [_reference(q[row], k_cache, v_cache, table, length, block_size, scale)
+                for row, (table, length) in enumerate(zip(tables, lengths))]
     return q, k_cache, v_cache, DecodeTables.of(tables, lengths, block_size, shared), torch.stack(expected), scale
 
 

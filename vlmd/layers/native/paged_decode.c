@@ -65,6 +65,28 @@ typedef struct {
     int heads, kv_heads, group, dim, block_size, dtype;
 } Shape;
 
+/* Tokens of the chunk that starts at ``token``: to the end of its block, of the part, or
+ * CHUNK, whichever comes first. */
+static inline int chunk_tokens(const Shape *s, int token, int end) {
+    int count = s->block_size - token % s->block_size;
+    if (count > end - token) count = end - token;
+    return count > CHUNK ? CHUNK : count;
+}
+
+/* Offset (in elements) of the chunk's first row: its block's slot times a row's width. */
+static inline int64_t chunk_offset(const Shape *s, const int32_t *table, int token, int64_t token_floats) {
+    return ((int64_t)table[token / s->block_size] * s->block_size + token % s->block_size) * token_floats;
+}
+
+/* An item's running softmax state, empty: no key seen. */
+static inline void start_part(float *acc, float *maxes, float *sums, int num_queries, int dim) {
+    for (int h = 0; h < num_queries; h++) {
+        maxes[h] = -INFINITY;
+        sums[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * num_queries * dim);
+}
+
 /* One item: Q queries (pre-scaled, [Q, D]: the heads of one decode, or of several decodes
  * stacked, query j being head j % H) against tokens [first, end) of one block table.
  * Leaves acc [Q, D] (unnormalised), maxes [Q], sums [Q]. This is the generic copy, for a
@@ -75,18 +97,11 @@ static void attend_part_generic(
     const int dim = s->dim, group = s->group, heads = s->heads, kv_heads = s->kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * dim;
     float scores[MAX_QUERIES][CHUNK];
-    for (int h = 0; h < num_queries; h++) {
-        maxes[h] = -INFINITY;
-        sums[h] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * num_queries * dim);
+    start_part(acc, maxes, sums, num_queries, dim);
     int token = first;
     while (token < end) {
-        int block = token / s->block_size, offset = token % s->block_size;
-        int count = s->block_size - offset;
-        if (count > end - token) count = end - token;
-        if (count > CHUNK) count = CHUNK;
-        int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
+        const int count = chunk_tokens(s, token, end);
+        const int64_t at = chunk_offset(s, table, token, token_floats);
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         for (int t = 0; t < count; t++) {
             for (int j = 0; j < num_queries; j++) {
@@ -193,17 +208,11 @@ static inline float lane_sum(v8 v) {
  * follows one run, cannot cross into the next block. */
 static inline void prefetch_chunk_at(const Shape *s, const void *k_cache, const void *v_cache, const int32_t *table,
                                      int token, int end, int64_t token_floats, int ahead) {
-    for (int skip = 1; skip < ahead && token < end; skip++) {
-        int count = s->block_size - token % s->block_size;
-        token += count > CHUNK ? CHUNK : count;
-    }
+    for (int skip = 1; skip < ahead && token < end; skip++) token += chunk_tokens(s, token, end);
     if (token >= end) return;
-    int offset = token % s->block_size, count = s->block_size - offset;
-    if (count > end - token) count = end - token;
-    if (count > CHUNK) count = CHUNK;
     const int element = s->dtype == KV_FLOAT32 ? 4 : 2;
-    const int64_t at = ((int64_t)table[token / s->block_size] * s->block_size + offset) * token_floats * element;
-    const int64_t bytes = count * token_floats * element;
+    const int64_t at = chunk_offset(s, table, token, token_floats) * element;
+    const int64_t bytes = chunk_tokens(s, token, end) * token_floats * element;
     for (int64_t line = 0; line < bytes; line += 64) {
         __builtin_prefetch((const char *)k_cache + at + line, 0, 3);
         __builtin_prefetch((const char *)v_cache + at + line, 0, 3);
@@ -218,19 +227,12 @@ static inline __attribute__((always_inline)) void attend_part_vec(
     const int group = s->group, heads = s->heads, kv_heads = s->kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * DIM;
     v8 scores[MAX_QUERIES][CHUNK / LANES];
-    for (int h = 0; h < num_queries; h++) {
-        maxes[h] = -INFINITY;
-        sums[h] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * num_queries * DIM);
+    start_part(acc, maxes, sums, num_queries, DIM);
     const v8 zero = {0};
     int token = first;
     while (token < end) {
-        int block = token / s->block_size, offset = token % s->block_size;
-        int count = s->block_size - offset;
-        if (count > end - token) count = end - token;
-        if (count > CHUNK) count = CHUNK;
-        const int64_t at = ((int64_t)table[block] * s->block_size + offset) * token_floats;
+        const int count = chunk_tokens(s, token, end);
+        const int64_t at = chunk_offset(s, table, token, token_floats);
         prefetch_chunk_at(s, k_cache, v_cache, table, token + count, end, token_floats, PREFETCH_AHEAD);
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         const int groups_of_8 = (count + LANES - 1) / LANES;
