@@ -220,27 +220,41 @@ def test_a_padded_product_keeps_its_own_rows(monkeypatch, shape):
     assert seen[-1] == 7
 
 
-@needs_packing
+class _TimedKernel:
+    """Stands in for a layer's kernel: each call advances a fake clock by what the current
+    padding costs (the fastest padding 1.0 per pass, the others 1.5)."""
+
+    def __init__(self, now, costs, layers):
+        self.now, self.costs, self.layers = now, costs, layers
+        self.packed = torch.zeros(4, 8)
+        self.choices = (PACKED,) * len(M_BUCKETS)
+        self.pad_rows = 0
+
+    def __call__(self, x, bias):
+        self.now[0] += self.costs(self.pad_rows) / self.layers
+
+
 @pytest.mark.parametrize("fastest,expected", [(6, 6), (4, 4), (0, 0), (None, 0)])
 def test_padding_is_chosen_by_timing_the_model_s_products_in_order(fastest, expected):
     from vlmd.layers.linear import selection
 
-    model = nn.Sequential(ReplicatedLinear(32, 64), ReplicatedLinear(64, 32))
-    select_linear_kernels(model, "packed")
-    layers = list(model)
-    # A clock on which each pass over the products takes what the current padding costs:
-    # the fastest one 1.0, the others 1.5; None: every padding within the margin of none.
     now = [0.0]
-    calls = [0]
-
-    def clock():
-        calls[0] += 1
-        if calls[0] % 2 == 0:  # the end of a pass
-            pad = layers[0].kernel.pad_rows
-            now[0] += 1.0 if fastest is None or pad == fastest else 1.5
-            if fastest is None and pad:
-                now[0] += 0.01  # 1 % slower: within PAD_MARGIN, so no padding
-        return now[0]
-
-    assert selection.choose_padding(layers, clock=clock) == expected
+    # None: every padding 1 % slower than none, within PAD_MARGIN, so no padding.
+    costs = (lambda pad: 1.0 if pad == fastest else 1.5) if fastest is not None else (lambda pad: 1.01 if pad else 1.0)
+    layers = [ReplicatedLinear(8, 4), ReplicatedLinear(8, 4)]
+    for layer in layers:
+        layer.kernel = _TimedKernel(now, costs, len(layers))
+    assert selection.choose_padding(layers, clock=lambda: now[0], budget_s=100.0) == expected
     assert all(layer.kernel.pad_rows == expected for layer in layers)
+
+
+def test_padding_is_not_timed_past_its_budget():
+    from vlmd.layers.linear import selection
+
+    now = [0.0]
+    layers = [ReplicatedLinear(8, 4)]
+    layers[0].kernel = _TimedKernel(now, lambda pad: 1.0 if pad == 6 else 1.5, 1)
+    # The warm-up round alone (3 passes, 4.0 s) outlasts a 1 s budget: nothing timed, no padding.
+    assert selection.choose_padding(layers, clock=lambda: now[0], budget_s=1.0) == 0
+    assert selection.choose_padding(layers, clock=lambda: now[0], budget_s=0.0) == 0
+    assert selection.choose_padding(layers, clock=lambda: now[0], budget_s=100.0) == 6

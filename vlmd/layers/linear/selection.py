@@ -88,7 +88,8 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             # weights' memory. (A weight shared with an embedding stays.)
             layer.weight = None
     if mode == "auto":
-        report["pad_rows"] = choose_padding([layer for layer in layers if layer.kernel is not None])
+        remaining = budget_s - (time.perf_counter() - started)
+        report["pad_rows"] = choose_padding([layer for layer in layers if layer.kernel is not None], budget_s=remaining)
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
 
@@ -97,18 +98,23 @@ PAD_CANDIDATES = (4, 6)
 PAD_MARGIN = 1.03  # padding is kept only when it beats no padding by more than this
 
 
-def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_counter) -> int:
-    """How many rows a 1-row packed product is computed on (``kernels.padded_rows``), for
-    every layer: measured on the model's own products in model order at M = 1, a decode
+def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_counter, budget_s: float = 2.0) -> int:
+    """How many rows a packed product of fewer rows is computed on (``kernels.padded_rows``),
+    for every layer: measured on the model's own products in model order at M = 1, a decode
     step's sequence, because that is where the effect shows (timed one shape at a time,
     M = 1 streams as fast as M = 6). Candidates run interleaved round by round; 0 (no
-    padding) unless a candidate beats it by ``PAD_MARGIN``. Set on every kernel."""
+    padding) unless a candidate beats it by ``PAD_MARGIN``, or when not even one round
+    after the warm-up fits in ``budget_s`` (a large model's pass over its weights is long).
+    Set on every kernel."""
     sequence = [layer for layer in layers if layer.kernel.packed is not None and layer.kernel.choices[0].packed]
-    if not sequence:
+    if not sequence or budget_s <= 0:
         return 0
+    deadline = clock() + budget_s
     inputs = [torch.randn(1, layer.kernel.packed.shape[-1], dtype=layer.kernel.packed.dtype) for layer in sequence]
     best = {pad: float("inf") for pad in (0, *PAD_CANDIDATES)}
     for round_index in range(rounds + 1):  # the first round warms every candidate up
+        if round_index > 1 and clock() > deadline:
+            break
         for pad in best:
             for layer in sequence:
                 layer.kernel.pad_rows = pad
@@ -118,8 +124,10 @@ def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_co
             elapsed = clock() - started
             if round_index:
                 best[pad] = min(best[pad], elapsed)
+        if round_index == 0 and clock() > deadline:
+            break
     chosen = min(PAD_CANDIDATES, key=lambda pad: best[pad])
-    if best[chosen] * PAD_MARGIN >= best[0]:
+    if best[chosen] * PAD_MARGIN >= best[0]:  # also when nothing was timed (all infinite)
         chosen = 0
     for layer in layers:
         layer.kernel.pad_rows = chosen
