@@ -9,6 +9,7 @@ bucket so far, or pre-packed weights where nothing was measured yet.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -98,11 +99,13 @@ PAD_CANDIDATES = (4, 6)
 PAD_MARGIN = 1.03  # padding is kept only when it beats no padding by more than this
 
 
-def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_counter, budget_s: float = 2.0) -> int:
+def choose_padding(layers: list[LinearBase], rounds: int = 9, clock=time.perf_counter, budget_s: float = 2.0) -> int:
     """How many rows a packed product of fewer rows is computed on (``kernels.padded_rows``),
     for every layer: measured on the model's own products in model order at M = 1, a decode
     step's sequence, because that is where the effect shows (timed one shape at a time,
-    M = 1 streams as fast as M = 6). Candidates run interleaved round by round; 0 (no
+    M = 1 streams as fast as M = 6). Candidates run interleaved round by round and the
+    median of each is compared (the minimum of 3-5 rounds flipped between runs on a noisy
+    host: 14.0 vs 13.0 ms is within its noise, medians 15.4 vs 14.1 were not); 0 (no
     padding) unless a candidate beats it by ``PAD_MARGIN``, or when not even one round
     after the warm-up fits in ``budget_s`` (a large model's pass over its weights is long).
     Set on every kernel."""
@@ -111,11 +114,11 @@ def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_co
         return 0
     deadline = clock() + budget_s
     inputs = [torch.randn(1, layer.kernel.packed.shape[-1], dtype=layer.kernel.packed.dtype) for layer in sequence]
-    best = {pad: float("inf") for pad in (0, *PAD_CANDIDATES)}
+    times: dict[int, list[float]] = {pad: [] for pad in (0, *PAD_CANDIDATES)}
     for round_index in range(rounds + 1):  # the first round warms every candidate up
         if round_index > 1 and clock() > deadline:
             break
-        for pad in best:
+        for pad in times:
             for layer in sequence:
                 layer.kernel.pad_rows = pad
             started = clock()
@@ -123,11 +126,12 @@ def choose_padding(layers: list[LinearBase], rounds: int = 3, clock=time.perf_co
                 layer.kernel(x, layer.bias)
             elapsed = clock() - started
             if round_index:
-                best[pad] = min(best[pad], elapsed)
+                times[pad].append(elapsed)
         if round_index == 0 and clock() > deadline:
             break
-    chosen = min(PAD_CANDIDATES, key=lambda pad: best[pad])
-    if best[chosen] * PAD_MARGIN >= best[0]:  # also when nothing was timed (all infinite)
+    typical = {pad: statistics.median(values) if values else float("inf") for pad, values in times.items()}
+    chosen = min(PAD_CANDIDATES, key=lambda pad: typical[pad])
+    if typical[chosen] * PAD_MARGIN >= typical[0]:  # also when nothing was timed (all infinite)
         chosen = 0
     for layer in layers:
         layer.kernel.pad_rows = chosen
