@@ -253,3 +253,8 @@ def test_a_long_shared_prefix_keeps_the_torch_cascade(monkeypatch, threshold, ke
     backend = attention_backend_for("cpu", 16, "auto")
     backend.forward(q, k, v, (k_cache, v_cache), backend.prepare_metadata(chunks, 2), 0.25)
     assert len(calls) == kernel_calls
+
+
+def test_a_cuda_runner_never_builds_the_host_kernel(monkeypatch):
+    monkeypatch.setattr(native_decode, "available", lambda: pytest.fail("the kernel was looked up for CUDA"))
+    assert attention_backend_for("cuda:0", 16, "auto").native_decode is False

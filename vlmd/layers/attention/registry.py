@@ -15,10 +15,14 @@ from collections.abc import Callable
 from vlmd.layers.attention.backend import AttentionBackend
 from vlmd.layers.attention.cpu_paged import CPUPagedBackend
 
-# The CPU paged backend is plain torch ops over tensors the runner has moved to its device,
-# so it also serves CUDA until a CUDA kernel backend registers here (unverified on a GPU:
-# none was lent to the issues that built this).
-_BACKENDS: dict[str, Callable[[int, str], AttentionBackend]] = {"cpu": CPUPagedBackend, "cuda": CPUPagedBackend}
+# The CPU paged backend's torch path is plain torch ops over tensors the runner has moved to
+# its device, so it also serves CUDA until a CUDA kernel backend registers here (unverified
+# on a GPU: none was lent to the issues that built this); its native kernel reads host
+# memory only, so on CUDA it is not built at all.
+_BACKENDS: dict[str, Callable[[int, str], AttentionBackend]] = {
+    "cpu": CPUPagedBackend,
+    "cuda": lambda block_size, kernels: CPUPagedBackend(block_size, "torch"),
+}
 
 
 def register_attention_backend(device_type: str, factory: Callable[[int, str], AttentionBackend]) -> None:
