@@ -258,3 +258,12 @@ def test_a_long_shared_prefix_keeps_the_torch_cascade(monkeypatch, threshold, ke
 def test_a_cuda_runner_never_builds_the_host_kernel(monkeypatch):
     monkeypatch.setattr(native_decode, "available", lambda: pytest.fail("the kernel was looked up for CUDA"))
     assert attention_backend_for("cuda:0", 16, "auto").native_decode is False
+
+
+@needs_kernel
+def test_what_the_kernel_serves_follows_its_own_limits():
+    assert native_decode.supports(torch.zeros(32, 2, 256), heads=128)
+    assert not native_decode.supports(torch.zeros(32, 2, 264), heads=8)  # head size over the kernel's 256
+    assert not native_decode.supports(torch.zeros(32, 2, 64), heads=130)  # more heads than its 128
+    assert not native_decode.supports(torch.zeros(32, 2, 64, dtype=torch.float16), heads=8)
+    assert not native_decode.supports(torch.zeros(32, 2, 64)[:, :, :32], heads=8)  # not contiguous

@@ -363,20 +363,29 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
         for (int i = 0; i < (context_lens[b] + block_size - 1) / block_size; i++)
             if (table[i] < 0 || ((int64_t)table[i] + 1) * block_size > num_slots) return -6;
     }
+    /* Every allocation below is freed at ``done``, whatever the outcome. */
+    int code = 0;
+    Item *items = NULL;
+    int32_t *item_rows = NULL, *entry_offsets = NULL, *fill = NULL;
+    int64_t *entries = NULL;
+    float *scratch = NULL;
     /* Where each decode's own part starts: after its group's shared tokens. */
     int32_t *own_first = (int32_t *)calloc(batch, sizeof(int32_t));
-    if (own_first == NULL) return -5;
+    if (own_first == NULL) {
+        code = -5;
+        goto done;
+    }
     for (int g = 0; g < num_groups; g++) {
         const int32_t shared = group_tokens[g];
         if (shared <= 0 || shared % block_size != 0 || group_offsets[g + 1] <= group_offsets[g]) {
-            free(own_first);
-            return -7;
+            code = -7;
+            goto done;
         }
         for (int i = group_offsets[g]; i < group_offsets[g + 1]; i++) {
             const int b = group_members[i];
             if (b < 0 || b >= batch || own_first[b] != 0 || shared >= context_lens[b]) {
-                free(own_first);
-                return -7;
+                code = -7;
+                goto done;
             }
             own_first[b] = shared;
         }
@@ -414,14 +423,15 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
         num_items += parts * ((members + tile - 1) / tile);
         num_item_rows += parts * members;
     }
-    Item *items = (Item *)malloc(sizeof(Item) * num_items);
-    int32_t *item_rows = (int32_t *)malloc(sizeof(int32_t) * num_item_rows);
+    items = (Item *)malloc(sizeof(Item) * num_items);
+    item_rows = (int32_t *)malloc(sizeof(int32_t) * num_item_rows);
     /* Per decode, the items holding it and its position there (CSR by decode). */
-    int32_t *entry_offsets = (int32_t *)calloc(batch + 1, sizeof(int32_t));
-    int64_t *entries = (int64_t *)malloc(sizeof(int64_t) * num_item_rows);
-    if (!items || !item_rows || !entry_offsets || !entries) {
-        free(items); free(item_rows); free(entry_offsets); free(entries); free(own_first);
-        return -5;
+    entry_offsets = (int32_t *)calloc(batch + 1, sizeof(int32_t));
+    entries = (int64_t *)malloc(sizeof(int64_t) * num_item_rows);
+    fill = (int32_t *)malloc(sizeof(int32_t) * batch);
+    if (!items || !item_rows || !entry_offsets || !entries || !fill) {
+        code = -5;
+        goto done;
     }
     int64_t n = 0, r = 0, scratch_floats = 0;
     for (int b = 0; b < batch; b++) {
@@ -448,22 +458,15 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
     for (int64_t i = 0; i < num_items; i++)
         for (int j = 0; j < items[i].num_rows; j++) entry_offsets[item_rows[items[i].rows_at + j] + 1]++;
     for (int b = 0; b < batch; b++) entry_offsets[b + 1] += entry_offsets[b];
-    {
-        int32_t *fill = (int32_t *)malloc(sizeof(int32_t) * batch);
-        if (fill == NULL) {
-            free(items); free(item_rows); free(entry_offsets); free(entries); free(own_first);
-            return -5;
-        }
-        memcpy(fill, entry_offsets, sizeof(int32_t) * batch);
-        for (int64_t i = 0; i < num_items; i++)
-            for (int j = 0; j < items[i].num_rows; j++) entries[fill[item_rows[items[i].rows_at + j]]++] = i * MAX_QUERIES + j;
-        free(fill);
-    }
-    float *scratch = (float *)malloc(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));
+    memcpy(fill, entry_offsets, sizeof(int32_t) * batch);
+    for (int64_t i = 0; i < num_items; i++)
+        for (int j = 0; j < items[i].num_rows; j++) entries[fill[item_rows[items[i].rows_at + j]]++] = i * MAX_QUERIES + j;
+    scratch = (float *)malloc(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));
     if (scratch == NULL) {
-        free(items); free(item_rows); free(entry_offsets); free(entries); free(own_first);
-        return -5;
+        code = -5;
+        goto done;
     }
+    int out_of_memory = 0;
     const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype};
     const AttendPart attend = attend_part_for(dim);
     const int64_t buffer_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
@@ -472,8 +475,13 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
     {
         float *buffer = (float *)malloc(sizeof(float) * buffer_floats);
         float *queries = (float *)malloc(sizeof(float) * MAX_QUERIES * dim);
+        if (buffer == NULL || queries == NULL) {
+#pragma omp atomic write
+            out_of_memory = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
+            if (buffer == NULL || queries == NULL) continue;  /* every thread still meets the loop */
             const Item *item = &items[i];
             const int count = item->num_rows * heads;
             for (int j = 0; j < item->num_rows; j++) {
@@ -517,11 +525,20 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
             for (int d = 0; d < dim; d++) o[d] *= inverse;
         }
     }
+    if (out_of_memory) code = -5;
+done:
     free(scratch);
     free(items);
     free(item_rows);
     free(entry_offsets);
     free(entries);
+    free(fill);
     free(own_first);
-    return 0;
+    return code;
+}
+
+/* The kernel's fixed limits, so its binding checks the same ones: 0 most query heads of a
+ * decode, 1 largest head size. */
+int vlmd_paged_decode_limit(int which) {
+    return which == 0 ? MAX_HEADS : which == 1 ? MAX_DIM : -1;
 }

@@ -17,11 +17,12 @@ import torch
 from vlmd.layers.native.build import load_native
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_ERRORS = {-1: "heads not a multiple of KV heads, or over 128", -2: "head size over 256", -3: "KV dtype",
+_ERRORS = {-1: "heads not a multiple of KV heads, or too many", -2: "head size too large", -3: "KV dtype",
            -4: "a context length outside its block table", -5: "out of memory",
            -6: "a block id outside the cache",
            -7: "a shared-prefix group that is empty, not whole blocks, overlapping or as long as a context"}
 _function = None
+_LIMITS: dict[str, int] = {}  # the kernel's own (vlmd_paged_decode_limit), read when it loads
 
 
 def _kernel():
@@ -38,6 +39,9 @@ def _kernel():
                                  integer, pointer, pointer, pointer, ctypes.c_float, integer, integer]
             function.restype = integer
             _function = function
+            limit = library.vlmd_paged_decode_limit
+            limit.argtypes, limit.restype = [integer], integer
+            _LIMITS.update(heads=limit(0), dim=limit(1))
     return _function or None
 
 
@@ -48,8 +52,10 @@ def available() -> bool:
 def supports(k_cache: torch.Tensor, heads: int) -> bool:
     """Whether the kernel serves this layer's cache: on the CPU, float32 or bfloat16,
     contiguous, a head size and head count the kernel's fixed buffers hold."""
+    if _kernel() is None:
+        return False
     return (k_cache.device.type == "cpu" and k_cache.dtype in _KV_DTYPES and k_cache.is_contiguous()
-            and k_cache.shape[-1] <= 256 and heads <= 128 and heads % k_cache.shape[1] == 0)
+            and k_cache.shape[-1] <= _LIMITS["dim"] and heads <= _LIMITS["heads"] and heads % k_cache.shape[1] == 0)
 
 
 @dataclass
