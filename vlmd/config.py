@@ -40,8 +40,9 @@ class ServeConfig:
     port: int = setting(8000, "TCP port to listen on (bound before the model loads)", minimum=0)
     dtype: str = setting("float32", "weights and activations dtype", choices=("float32", "bfloat16", "float16"))
     linear_kernels: str = setting(
-        "auto", "how linear layers pick their kernel: auto (timed per shape at start-up), plain (F.linear), "
-        "packed (oneDNN pre-packed where available)", choices=("auto", "plain", "packed"))
+        "auto", "how linear layers pick their kernel: auto (timed at start-up), plain (F.linear), "
+        "packed (oneDNN pre-packed where available), native (pre-packed, and a C kernel built for this host "
+        "for products of up to 32 rows where it reads the packed weight)", choices=("auto", "plain", "packed", "native"))
     attention_kernels: str = setting(
         "auto", "how decode attention runs on the CPU: auto (a C kernel built for this host at start-up, "
         "where a C compiler is found; else torch ops), torch (torch ops only)", choices=("auto", "torch"))

@@ -6,6 +6,10 @@ Candidates for a product ``x @ W.T + b`` on CPU:
   (``mkldnn._reorder_linear_weight``) and multiplied by ``mkldnn._linear_pointwise``. At
   small M (decode) the plain path re-packs W on every call and streams it at a fraction of
   memory bandwidth; pre-packed weights skip that;
+- ``native``: the same packed weight read by vlmd's own kernel
+  (``vlmd/layers/native/packed_linear.c``), for the small buckets (a decode step's 1-32
+  rows), where it streams the weights closer to memory bandwidth than oneDNN does. Only
+  offered where the packed layout was verified on the layer's own weight (float32);
 - each at the process's intra-op thread count, or at one thread (at small M the fork/join
   of a second thread can cost more than it saves).
 
@@ -24,6 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmd.layers.native.packed_linear import PackedPanels
+from vlmd.layers.native.packed_linear import packed_linear as native_packed_linear
+
 # (largest M of the bucket, M the bucket is measured at); the last bucket is open-ended.
 M_BUCKETS: tuple[tuple[int, int], ...] = ((4, 1), (32, 8), (1 << 62, 64))
 # Keeping the plain weight beside a packed one doubles the layer's memory: plain is only
@@ -35,14 +42,17 @@ PLAIN_MARGIN = 1.15
 class KernelChoice:
     packed: bool
     threads: int | None  # None: leave the process's intra-op thread count as it is
+    native: bool = False  # the packed weight read by vlmd's kernel rather than oneDNN's
 
     @property
     def name(self) -> str:
-        return ("packed" if self.packed else "plain") + ("" if self.threads is None else f"@{self.threads}t")
+        kind = "native" if self.native else "packed" if self.packed else "plain"
+        return kind + ("" if self.threads is None else f"@{self.threads}t")
 
 
 PLAIN = KernelChoice(packed=False, threads=None)
 PACKED = KernelChoice(packed=True, threads=None)
+NATIVE = KernelChoice(packed=True, threads=None, native=True)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -66,32 +76,45 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class SelectedKernel:
     """A layer's product after selection: one choice per M bucket."""
 
-    def __init__(self, choices: tuple[KernelChoice, ...], weight: torch.Tensor | None, packed: torch.Tensor | None):
-        if len(choices) != len(M_BUCKETS):
-            raise ValueError(f"need one kernel choice per M bucket ({len(M_BUCKETS)}), got {len(choices)}")
-        if any(c.packed for c in choices) and packed is None:
-            raise ValueError("a packed choice needs the packed weight")
-        if any(not c.packed for c in choices) and weight is None:
-            raise ValueError("a plain choice needs the plain weight")
-        self.choices = choices
+    def __init__(self, choices: tuple[KernelChoice, ...], weight: torch.Tensor | None, packed: torch.Tensor | None,
+                 panels: PackedPanels | None = None):
         self.weight = weight
         self.packed = packed
+        # The packed weight as vlmd's kernel reads it (verified on this layer's values), or None.
+        self.panels = panels
+        self.choices = choices
         # A packed product of fewer rows is computed on this many (zeros below): see
         # ``padded_rows``; 0 = never. Set for the whole model by the selection.
         self.pad_rows = 0
 
+    @property
+    def choices(self) -> tuple[KernelChoice, ...]:
+        return self._choices
+
+    @choices.setter
+    def choices(self, choices: tuple[KernelChoice, ...]) -> None:
+        if len(choices) != len(M_BUCKETS):
+            raise ValueError(f"need one kernel choice per M bucket ({len(M_BUCKETS)}), got {len(choices)}")
+        if any(c.packed for c in choices) and self.packed is None:
+            raise ValueError("a packed choice needs the packed weight")
+        if any(c.native for c in choices) and self.panels is None:
+            raise ValueError("a native choice needs the packed weight's verified panel layout")
+        if any(not c.packed for c in choices) and self.weight is None:
+            raise ValueError("a plain choice needs the plain weight")
+        self._choices = choices
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows < self.pad_rows and self.packed is not None and self.choices[0].packed:
-            return padded_rows(x, rows, self.pad_rows, lambda wide: self._call(wide, rows=self.pad_rows, bias=bias))
-        return self._call(x, rows, bias)
-
-    def _call(self, x: torch.Tensor, rows: int, bias: torch.Tensor | None) -> torch.Tensor:
         choice = self.choices[-1]
         for (largest, _), candidate in zip(M_BUCKETS, self.choices):
             if rows <= largest:
                 choice = candidate
                 break
+        if 0 < rows < self.pad_rows and choice.packed and not choice.native:
+            return padded_rows(x, rows, self.pad_rows, lambda wide: self._run(choice, wide, bias))
+        return self._run(choice, x, bias)
+
+    def _run(self, choice: KernelChoice, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if choice.threads is None:
             return self._product(choice, x, bias)
         previous = torch.get_num_threads()
@@ -102,6 +125,8 @@ class SelectedKernel:
             torch.set_num_threads(previous)
 
     def _product(self, choice: KernelChoice, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if choice.native:
+            return native_packed_linear(x, self.panels, bias)
         if choice.packed:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

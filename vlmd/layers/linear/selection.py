@@ -18,6 +18,7 @@ from torch import nn
 from vlmd.host import last_level_cache_bytes
 from vlmd.layers.linear.kernels import (
     M_BUCKETS,
+    NATIVE,
     PACKED,
     PLAIN,
     KernelChoice,
@@ -28,6 +29,7 @@ from vlmd.layers.linear.kernels import (
     packing_available,
 )
 from vlmd.layers.linear.layers import LinearBase
+from vlmd.layers.native.packed_linear import PackedPanels
 
 _DECISIONS: dict[tuple, tuple[KernelChoice, ...]] = {}
 
@@ -48,11 +50,13 @@ def _weights_outgrow_cache(layers: list[LinearBase]) -> bool:
 def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float = 2.0) -> dict:
     """Give every ``LinearBase`` in ``model`` its kernel; returns what was chosen and timed.
 
-    ``mode``: ``auto`` (measure), ``plain`` (``F.linear`` everywhere) or ``packed``
-    (pre-packed oneDNN where available; for tests and comparisons).
+    ``mode``: ``auto`` (measure), ``plain`` (``F.linear`` everywhere), ``packed``
+    (pre-packed oneDNN where available) or ``native`` (pre-packed, and vlmd's kernel for
+    products of up to 32 rows wherever it reads the packed weight); the last two for tests
+    and comparisons.
     """
-    if mode not in ("auto", "plain", "packed"):
-        raise ValueError(f"linear kernel mode {mode!r} is not one of auto, plain, packed")
+    if mode not in LINEAR_KERNEL_MODES:
+        raise ValueError(f"linear kernel mode {mode!r} is not one of {', '.join(LINEAR_KERNEL_MODES)}")
     started = time.perf_counter()
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None]
     shared = _shared_weights(model)
@@ -65,7 +69,7 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         if mode == "plain" or weight.device.type != "cpu":
             layer.kernel = None
             continue
-        if mode == "packed":
+        if mode in ("packed", "native"):
             choices = (PACKED if packing_available(weight) else PLAIN,) * len(M_BUCKETS)
         else:
             key = _signature(layer, streamed)
@@ -82,60 +86,123 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             else:
                 choices = _DECISIONS[key]
         packed = pack_weight(weight) if any(c.packed for c in choices) else None
+        # Verified now, while the plain weight is here to compare against.
+        panels = PackedPanels.of(weight, packed) if packed is not None and mode in ("auto", "native") else None
         keep_plain = any(not c.packed for c in choices) or id(weight) in shared
-        layer.kernel = SelectedKernel(choices, weight if keep_plain else None, packed)
+        layer.kernel = SelectedKernel(choices, weight if keep_plain else None, packed, panels)
+        if mode == "native" and panels is not None:
+            layer.kernel.choices = _with_small(choices, NATIVE)
         if not keep_plain:
             # The packed copy replaces the plain one: holding both would double the
             # weights' memory. (A weight shared with an embedding stays.)
             layer.weight = None
     if mode == "auto":
         remaining = budget_s - (time.perf_counter() - started)
-        report["pad_rows"] = choose_padding([layer for layer in layers if layer.kernel is not None], budget_s=remaining)
+        report.update(choose_small_products([layer for layer in layers if layer.kernel is not None], budget_s=remaining))
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
 
 
+LINEAR_KERNEL_MODES = ("auto", "plain", "packed", "native")
 PAD_CANDIDATES = (4, 6)
 PAD_MARGIN = 1.03  # padding is kept only when it beats no padding by more than this
+NATIVE_MARGIN = 1.03  # vlmd's kernel is kept only when it beats oneDNN's best by more than this
+SMALL_BUCKETS = tuple(range(len(M_BUCKETS) - 1))  # the buckets vlmd's kernel may take
 
 
-def choose_padding(layers: list[LinearBase], rounds: int = 9, clock=time.perf_counter, budget_s: float = 2.0) -> int:
-    """How many rows a packed product of fewer rows is computed on (``kernels.padded_rows``),
-    for every layer: measured on the model's own products in model order at M = 1, a decode
-    step's sequence, because that is where the effect shows (timed one shape at a time,
-    M = 1 streams as fast as M = 6). Candidates run interleaved round by round and the
-    median of each is compared (the minimum of 3-5 rounds flipped between runs on a noisy
-    host: 14.0 vs 13.0 ms is within its noise, medians 15.4 vs 14.1 were not); 0 (no
-    padding) unless a candidate beats it by ``PAD_MARGIN``, or when not even one round
+def _with_small(choices: tuple[KernelChoice, ...], choice: KernelChoice, buckets=SMALL_BUCKETS) -> tuple:
+    return tuple(choice if index in buckets else old for index, old in enumerate(choices))
+
+
+def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.perf_counter,
+                          budget_s: float = 2.0) -> dict:
+    """How a decode step's products are computed, for every layer, measured on the model's
+    own products in model order: a decode step's sequence, because that is where the
+    differences show (timed one shape at a time, oneDNN streams M = 1 as fast as M = 6).
+
+    - Each small bucket, at the M it is measured at (1, then 8): oneDNN's packed kernel as
+      per-shape selection left it, against vlmd's kernel on the same packed weights
+      (layers whose panel layout was verified). vlmd's is kept where it beats the other by
+      ``NATIVE_MARGIN``.
+    - At M = 1 also: oneDNN's product of fewer rows computed on 4 or 6 rows
+      (``kernels.padded_rows``), kept where it beats no padding by ``PAD_MARGIN``; it
+      applies to every layer left on oneDNN.
+
+    Candidates run interleaved round by round and the median of each is compared (the
+    minimum of 3-5 rounds flipped between runs on a noisy host: 14.0 vs 13.0 ms is within
+    its noise, medians 15.4 vs 14.1 were not). Nothing changes where not even one round
     after the warm-up fits in ``budget_s`` (a large model's pass over its weights is long).
-    Set on every kernel."""
-    sequence = [layer for layer in layers if layer.kernel.packed is not None and layer.kernel.choices[0].packed]
-    if not sequence or budget_s <= 0:
-        return 0
+    Returns what was chosen and the medians (ms)."""
+    decided: dict = {"pad_rows": 0, "native_buckets": [], "sequence_ms": {}}
+    if budget_s <= 0:
+        return decided
     deadline = clock() + budget_s
-    inputs = [torch.randn(1, layer.kernel.packed.shape[-1], dtype=layer.kernel.packed.dtype) for layer in sequence]
-    times: dict[int, list[float]] = {pad: [] for pad in (0, *PAD_CANDIDATES)}
+    native = [layer for layer in layers if layer.kernel.panels is not None]
+    for bucket in SMALL_BUCKETS:
+        rows = M_BUCKETS[bucket][1]
+        baseline = {id(layer): layer.kernel.choices for layer in layers}
+        padded = [layer for layer in layers if layer.kernel.packed is not None and layer.kernel.choices[bucket].packed
+                  and not layer.kernel.choices[bucket].native]
+
+        def configure(variant, bucket=bucket):
+            kind, pad = variant
+            for layer in layers:
+                layer.kernel.pad_rows = pad
+                layer.kernel.choices = baseline[id(layer)]
+            if kind == "native":
+                for layer in native:
+                    layer.kernel.choices = _with_small(layer.kernel.choices, NATIVE, (bucket,))
+
+        variants = [("onednn", 0)]
+        if padded and rows < max(PAD_CANDIDATES):
+            variants += [("onednn", pad) for pad in PAD_CANDIDATES if pad > rows]
+        if native:
+            variants.append(("native", 0))
+        typical = _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadline)
+        decided["sequence_ms"][f"M{rows}"] = {f"{kind}" + (f"+pad{pad}" if pad else ""): round(ms * 1e3, 3)
+                                               for (kind, pad), ms in typical.items() if ms != float("inf")}
+        onednn = [v for v in variants if v[0] == "onednn"]
+        best_pad = min(onednn, key=lambda v: typical[v])
+        if typical[best_pad] * PAD_MARGIN >= typical[("onednn", 0)]:  # also when nothing was timed
+            best_pad = ("onednn", 0)
+        use_native = native and typical[("native", 0)] * NATIVE_MARGIN < typical[best_pad]
+        configure(("native" if use_native else "onednn", 0))
+        if bucket == 0:
+            decided["pad_rows"] = best_pad[1]
+        if use_native:
+            decided["native_buckets"].append(f"M<={M_BUCKETS[bucket][0]}")
+    for layer in layers:
+        layer.kernel.pad_rows = decided["pad_rows"]
+    return decided
+
+
+def _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadline) -> dict:
+    """Median seconds of one pass over every layer's product at ``rows`` rows, per variant
+    (infinite where no round after the warm-up fitted before ``deadline``)."""
+    times: dict = {variant: [] for variant in variants}
+    if len(variants) < 2:
+        return {variant: float("inf") for variant in variants}
+    dtype = layers[0].kernel.packed.dtype if layers[0].kernel.packed is not None else layers[0].kernel.weight.dtype
+    inputs = [torch.randn(rows, _in_features(layer), dtype=dtype) for layer in layers]
     for round_index in range(rounds + 1):  # the first round warms every candidate up
         if round_index > 1 and clock() > deadline:
             break
-        for pad in times:
-            for layer in sequence:
-                layer.kernel.pad_rows = pad
+        for variant in variants:
+            configure(variant)
             started = clock()
-            for layer, x in zip(sequence, inputs):
+            for layer, x in zip(layers, inputs):
                 layer.kernel(x, layer.bias)
             elapsed = clock() - started
             if round_index:
-                times[pad].append(elapsed)
+                times[variant].append(elapsed)
         if round_index == 0 and clock() > deadline:
             break
-    typical = {pad: statistics.median(values) if values else float("inf") for pad, values in times.items()}
-    chosen = min(PAD_CANDIDATES, key=lambda pad: typical[pad])
-    if typical[chosen] * PAD_MARGIN >= typical[0]:  # also when nothing was timed (all infinite)
-        chosen = 0
-    for layer in layers:
-        layer.kernel.pad_rows = chosen
-    return chosen
+    return {variant: statistics.median(values) if values else float("inf") for variant, values in times.items()}
+
+
+def _in_features(layer: LinearBase) -> int:
+    kernel = layer.kernel
+    return (kernel.weight if kernel.weight is not None else kernel.packed).shape[-1]
 
 
 def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.Tensor) -> tuple[KernelChoice, ...]:

@@ -1,0 +1,195 @@
+"""vlmd's small-M product on oneDNN's packed weights (vlmd/layers/native/packed_linear.c):
+against a float64 reference, its layout check, and how the linear seam offers it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlmd.layers.linear import kernels, selection
+from vlmd.layers.linear.kernels import M_BUCKETS, NATIVE, PACKED, SelectedKernel, pack_weight, packing_available
+from vlmd.layers.linear.layers import ReplicatedLinear
+from vlmd.layers.native import build
+from vlmd.layers.native import packed_linear as native_linear
+from vlmd.layers.native.packed_linear import PackedPanels, packed_linear
+
+needs_kernel = pytest.mark.skipif(
+    not (packing_available(torch.zeros(1)) and native_linear.available()),
+    reason="no oneDNN packing or no C compiler here")
+
+
+def _panels(weight):
+    packed = pack_weight(weight)
+    panels = PackedPanels.of(weight, packed)
+    if panels is None:
+        pytest.skip("oneDNN packs this weight in a layout the kernel does not read on this host")
+    return packed, panels
+
+
+def _reference(x, weight, bias):
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(4096, 768), (1000, 100), (33, 17), (130, 1000), (64, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_products_match_the_reference(out_features, in_features, threads):
+    torch.manual_seed(out_features + in_features)
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    packed, panels = _panels(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 5, 6, 7, 13, 40):
+            x = torch.randn(rows, in_features)
+            for with_bias in (None, bias):
+                got = packed_linear(x, panels, with_bias)
+                assert got.shape == (rows, out_features)
+                torch.testing.assert_close(got.double(), _reference(x, weight, with_bias), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_strided_three_dimensional_and_empty_inputs():
+    torch.manual_seed(1)
+    weight = torch.randn(96, 80)
+    packed, panels = _panels(weight)
+    wide = torch.randn(5, 160)[:, :80]  # rows 160 floats apart
+    close = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed_linear(wide, panels, None).double(), _reference(wide, weight, None), **close)
+    batched = torch.randn(2, 3, 80)
+    assert packed_linear(batched, panels, None).shape == (2, 3, 96)
+    torch.testing.assert_close(packed_linear(batched, panels, None).double(), _reference(batched, weight, None),
+                               **close)
+    assert packed_linear(torch.randn(0, 80), panels, None).shape == (0, 96)
+    with pytest.raises(ValueError, match="features"):
+        packed_linear(torch.randn(1, 79), panels, None)
+
+
+@needs_kernel
+def test_the_layout_is_checked_on_the_layer_s_own_values():
+    torch.manual_seed(2)
+    weight = torch.randn(128, 64)
+    packed, panels = _panels(weight)
+    assert panels.out_features == 128 and panels.in_features == 64 and panels.panel_width % 16 == 0
+    # One value changed in the packed copy: the layout no longer holds this weight.
+    corrupted = pack_weight(weight)
+    address = torch.ops.mkldnn.data_ptr(corrupted)
+    ctypes.c_float.from_address(address + 4 * 77).value += 1.0
+    assert PackedPanels.of(weight, corrupted) is None
+    assert PackedPanels.of(weight.t().contiguous(), pack_weight(weight.t().contiguous())) is not None
+    assert PackedPanels.of(weight, weight) is None  # not a packed tensor
+    assert PackedPanels.of(weight.bfloat16(), pack_weight(weight.bfloat16())) is None
+
+
+def test_a_native_choice_needs_verified_panels():
+    weight = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="panel layout"):
+        SelectedKernel((NATIVE,) * len(M_BUCKETS), weight, weight)
+
+
+@needs_kernel
+def test_native_mode_takes_the_small_buckets_and_leaves_prefill_to_onednn(monkeypatch):
+    torch.manual_seed(3)
+    layer = ReplicatedLinear(80, 96, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    model = torch.nn.Sequential(layer)
+    selection._DECISIONS.clear()
+    selection.select_linear_kernels(model, "native")
+    assert [c.name for c in layer.kernel.choices] == ["native", "native", "packed"]
+    assert layer.weight is None  # the packed copy is the only one kept
+    calls = []
+    real = native_linear.packed_linear
+    monkeypatch.setattr(kernels, "native_packed_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 8, 32, 33, 200):
+        x = torch.randn(rows, 80)
+        torch.testing.assert_close(layer(x).double(), _reference(x, weight, bias), rtol=1e-4, atol=1e-4)
+    assert calls == [1, 8, 32]
+
+
+def test_without_a_compiler_native_mode_keeps_onednn(tmp_path, monkeypatch):
+    if not packing_available(torch.zeros(1)):
+        pytest.skip("no oneDNN packing here")
+    monkeypatch.setenv("VLMD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(build, "_LOADED", {})
+    monkeypatch.setattr(native_linear, "_functions", None)
+    layer = ReplicatedLinear(16, 32, bias=False)
+    selection._DECISIONS.clear()
+    selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
+    assert layer.kernel.panels is None and [c.name for c in layer.kernel.choices] == ["packed"] * 3
+    assert layer(torch.randn(1, 16)).shape == (1, 32)
+
+
+class _TimedKernel:
+    """Stands in for a layer's kernel: each call advances a fake clock by what the current
+    configuration costs at that many rows (``costs(rows, pad_rows, native)``)."""
+
+    def __init__(self, now, costs, layers, panels=True):
+        self.now, self.costs, self.layers = now, costs, layers
+        self.packed = torch.zeros(4, 8)
+        self.weight = None
+        self.panels = object() if panels else None
+        self.choices = (PACKED,) * len(M_BUCKETS)
+        self.pad_rows = 0
+
+    def __call__(self, x, bias):
+        rows = x.shape[0]
+        bucket = next(index for index, (largest, _) in enumerate(M_BUCKETS) if rows <= largest)
+        self.now[0] += self.costs(rows, self.pad_rows, self.choices[bucket].native) / self.layers
+
+
+def _layers(now, costs, panels=True, count=2):
+    layers = [ReplicatedLinear(8, 4) for _ in range(count)]
+    for layer in layers:
+        layer.kernel = _TimedKernel(now, costs, count, panels)
+    return layers
+
+
+@pytest.mark.parametrize("fastest,expected", [(6, 6), (4, 4), (0, 0), (None, 0)])
+def test_padding_is_chosen_by_timing_the_model_s_products_in_order(fastest, expected):
+    now = [0.0]
+    # None: every padding 1 % slower than none, within PAD_MARGIN, so no padding.
+    if fastest is None:
+        costs = lambda rows, pad, native: 1.01 if pad else 1.0  # noqa: E731
+    else:
+        costs = lambda rows, pad, native: 1.0 if pad == fastest else 1.5  # noqa: E731
+    layers = _layers(now, costs, panels=False)
+    decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=100.0)
+    assert decided["pad_rows"] == expected and decided["native_buckets"] == []
+    assert all(layer.kernel.pad_rows == expected for layer in layers)
+    assert all(not c.native for layer in layers for c in layer.kernel.choices)
+
+
+@pytest.mark.parametrize("native_cost,expected", [
+    ({1: 0.5, 8: 0.5}, ["native", "native", "packed"]),
+    ({1: 0.5, 8: 2.0}, ["native", "packed", "packed"]),
+    ({1: 2.0, 8: 0.5}, ["packed", "native", "packed"]),
+    ({1: 0.99, 8: 0.99}, ["packed", "packed", "packed"]),  # 1 % faster: within NATIVE_MARGIN
+])
+def test_the_native_kernel_is_kept_per_bucket_where_it_is_faster(native_cost, expected):
+    now = [0.0]
+    costs = lambda rows, pad, native: native_cost[rows] if native else (0.9 if pad == 6 else 1.0)  # noqa: E731
+    layers = _layers(now, costs)
+    decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=100.0)
+    assert [c.name for c in layers[0].kernel.choices] == expected
+    # Padding is still chosen for the products left on oneDNN (6 is 10 % faster than none).
+    assert decided["pad_rows"] == 6
+
+
+def test_the_decode_products_are_not_timed_past_their_budget():
+    now = [0.0]
+    costs = lambda rows, pad, native: 0.5 if native else 1.0  # noqa: E731
+    layers = _layers(now, costs, count=1)
+    # The warm-up round alone (four passes at M = 1) outlasts a 1 s budget: nothing changes.
+    assert selection.choose_small_products(layers, clock=lambda: now[0], budget_s=1.0)["native_buckets"] == []
+    assert selection.choose_small_products(layers, clock=lambda: now[0], budget_s=0.0)["native_buckets"] == []
+    assert [c.name for c in layers[0].kernel.choices] == ["packed"] * 3
+    decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=100.0)
+    assert decided["native_buckets"] == ["M<=4", "M<=32"]

@@ -1,0 +1,133 @@
+/* A few rows times a weight that oneDNN has packed: out = x @ W.T + bias, float32.
+ *
+ * oneDNN's packed weight (mkldnn._reorder_linear_weight) stores W [N, K] as panels of B
+ * output columns, each panel K-major: element (n, k) at ((n / B) * Kp + k) * B + n % B,
+ * with K padded to Kp and the last panel padded to B columns. The Python side checks that
+ * layout on each layer's own weight before this kernel may read it
+ * (vlmd_packed_layout_matches), so a different layout is never misread.
+ *
+ * Why: a decode step multiplies 1-32 rows by every weight, and there the product only has
+ * to stream the weights once at memory bandwidth. oneDNN's kernel streams them at 18-25
+ * GB/s at M = 1-8 on an AMD EPYC (family 25, model 17); this one at 27-32 (the host reads
+ * at ~33). It walks each panel once per block of rows: every K step loads the panel's 64
+ * contiguous floats (4 AVX-512 vectors), broadcasts one x value per row and adds into
+ * rows x 4 accumulators. No software prefetch: the hardware follows the sequential panel
+ * better (measured 22-26 GB/s with a prefetch 8-32 rows ahead).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#define VEC 16
+#define ROW_BLOCK 6 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast of 32 registers */
+#else
+#define VEC 8
+#define ROW_BLOCK 2 /* 16 registers */
+#endif
+#define CHUNK_VECTORS 4
+#define CHUNK (CHUNK_VECTORS * VEC) /* columns one tile computes */
+
+typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
+
+int omp_get_thread_num(void);
+int omp_get_num_threads(void);
+
+#define TILE(ROWS)                                                                                            \
+    static void tile_##ROWS(const float *x, int64_t x_stride, const float *panel, int64_t panel_stride,       \
+                            int64_t k_len, vf acc[ROW_BLOCK][CHUNK_VECTORS]) {                                \
+        vf a[ROWS][CHUNK_VECTORS];                                                                            \
+        for (int m = 0; m < ROWS; m++)                                                                        \
+            for (int j = 0; j < CHUNK_VECTORS; j++) a[m][j] = (vf){0};                                        \
+        for (int64_t k = 0; k < k_len; k++) {                                                                 \
+            const float *row = panel + k * panel_stride;                                                      \
+            vf w0 = *(const vf *)row, w1 = *(const vf *)(row + VEC), w2 = *(const vf *)(row + 2 * VEC),       \
+               w3 = *(const vf *)(row + 3 * VEC);                                                             \
+            for (int m = 0; m < ROWS; m++) {                                                                  \
+                float s = x[m * x_stride + k];                                                                \
+                a[m][0] += s * w0;                                                                            \
+                a[m][1] += s * w1;                                                                            \
+                a[m][2] += s * w2;                                                                            \
+                a[m][3] += s * w3;                                                                            \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int m = 0; m < ROWS; m++)                                                                        \
+            for (int j = 0; j < CHUNK_VECTORS; j++) acc[m][j] = a[m][j];                                      \
+    }
+
+typedef void (*Tile)(const float *, int64_t, const float *, int64_t, int64_t, vf[ROW_BLOCK][CHUNK_VECTORS]);
+TILE(1)
+TILE(2)
+#if ROW_BLOCK > 2
+TILE(3)
+TILE(4)
+TILE(5)
+TILE(6)
+static const Tile TILES[ROW_BLOCK + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+#else
+static const Tile TILES[ROW_BLOCK + 1] = {0, tile_1, tile_2};
+#endif
+
+/* Columns [chunk * CHUNK, +CHUNK) of every row. Later row blocks re-read the chunk's
+ * weights from L2 (K x CHUNK floats: 192 KiB at K = 768). */
+static void chunk_rows(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
+                       const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
+                       int64_t k_len, int64_t chunk) {
+    int64_t n0 = chunk * CHUNK;
+    const float *panel = w + (n0 / panel_width) * padded_k * panel_width + n0 % panel_width;
+    int64_t width = n_len - n0 < CHUNK ? n_len - n0 : CHUNK;
+    for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+        int block = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
+        vf acc[ROW_BLOCK][CHUNK_VECTORS];
+        TILES[block](x + m0 * x_stride, x_stride, panel, panel_width, k_len, acc);
+        for (int m = 0; m < block; m++) {
+            float sums[CHUNK], *target = out + (m0 + m) * out_stride + n0;
+            for (int j = 0; j < CHUNK_VECTORS; j++) *(vf *)(sums + j * VEC) = acc[m][j];
+            if (bias)
+                for (int64_t i = 0; i < width; i++) target[i] = sums[i] + bias[n0 + i];
+            else
+                memcpy(target, sums, (size_t)width * sizeof(float));
+        }
+    }
+}
+
+/* The columns one tile computes: the Python side only offers panels that are a multiple. */
+int vlmd_packed_linear_chunk(void) { return CHUNK; }
+
+/* 0, or -1: a panel width that is not a positive multiple of CHUNK, -2: padded_k < k_len,
+ * -3: a size or stride out of range. */
+int vlmd_packed_linear(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
+                       const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
+                       int64_t k_len, int threads) {
+    if (panel_width <= 0 || panel_width % CHUNK != 0) return -1;
+    if (padded_k < k_len) return -2;
+    if (rows < 1 || n_len < 1 || k_len < 1 || x_stride < k_len || out_stride < n_len) return -3;
+    int64_t chunks = (n_len + CHUNK - 1) / CHUNK;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t share = (chunks + team - 1) / team, first = me * share;
+        int64_t last = first + share > chunks ? chunks : first + share;
+        for (int64_t chunk = first; chunk < last; chunk++)
+            chunk_rows(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+    }
+    return 0;
+}
+
+/* 1 if `packed` holds `plain` [N, K] in the panel layout above (bit for bit, so NaNs and
+ * signed zeros count), else 0. Padding is not read: the kernel never uses it. */
+int vlmd_packed_layout_matches(const float *plain, const float *packed, int64_t n_len, int64_t k_len,
+                               int64_t panel_width, int64_t padded_k, int threads) {
+    if (panel_width <= 0 || padded_k < k_len) return 0;
+    int mismatches = 0;
+#pragma omp parallel for num_threads(threads) if (threads > 1) reduction(+ : mismatches) schedule(static)
+    for (int64_t n = 0; n < n_len; n++) {
+        const uint32_t *source = (const uint32_t *)(plain + n * k_len);
+        const uint32_t *target = (const uint32_t *)(packed + (n / panel_width) * padded_k * panel_width + n % panel_width);
+        for (int64_t k = 0; k < k_len; k++)
+            if (source[k] != target[k * panel_width]) {
+                mismatches++;
+                break;
+            }
+    }
+    return mismatches == 0;
+}
