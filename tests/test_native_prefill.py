@@ -1,0 +1,120 @@
+"""The native prefill attention kernel (vlmd/layers/native/paged_prefill.c) against a
+float64 reference, its checks, and when the CPU backend hands it a chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlmd.layers.attention import SequenceChunk
+from vlmd.layers.attention.cpu_paged import CPUPagedBackend
+from vlmd.layers.native import paged_prefill as native_prefill
+from vlmd.layers.native.paged_prefill import paged_prefill
+
+needs_kernel = pytest.mark.skipif(not native_prefill.available(), reason="no C compiler: the kernel is not built")
+
+
+def _case(heads, kv_heads, n, dim, start, block_size, seed=0):
+    """Scattered blocks holding start + n tokens; returns (q, k_cache, v_cache, table, keys, values)."""
+    torch.manual_seed(seed)
+    total = start + n
+    needed = -(-total // block_size)
+    num_blocks = needed + 4
+    table = torch.randperm(num_blocks)[:needed].to(torch.int32)
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim)
+    slots = (table.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:total]
+    keys = k_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+    values = v_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+    return torch.randn(n, heads, dim), k_cache, v_cache, table, keys, values
+
+
+def _reference(q, keys, values, start, causal):
+    n, total = q.shape[0], keys.shape[1]
+    mask = torch.ones(n, total, dtype=torch.bool)
+    if causal:
+        mask = mask.tril(start)
+    scale = q.shape[-1] ** -0.5
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), keys.double(), values.double(),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,n,dim,start,block_size", [
+    (12, 4, 600, 64, 0, 16),   # the small LLaVA's prompt
+    (12, 4, 37, 64, 600, 16),  # a chunk after a cached image
+    (6, 1, 50, 32, 13, 5),     # GQA 6:1, blocks of 5, a context ending mid-block
+    (8, 8, 33, 64, 0, 16),
+    (4, 2, 9, 16, 100, 1),     # one-token blocks
+    (14, 2, 70, 32, 3, 64),
+    (12, 4, 1, 64, 0, 16),     # a one-token prompt
+    (4, 4, 5, 16, 3000, 16),   # a few queries against a long context
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunks_match_the_reference(heads, kv_heads, n, dim, start, block_size, causal):
+    q, k_cache, v_cache, table, keys, values = _case(heads, kv_heads, n, dim, start, block_size)
+    out = torch.empty_like(q)
+    paged_prefill(q, k_cache, v_cache, table, block_size, start, dim ** -0.5, out, causal)
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, start, causal), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_strided_queries_and_thread_counts(threads):
+    q, k_cache, v_cache, table, keys, values = _case(12, 4, 100, 64, 20, 16)
+    fused = torch.randn(100, 12 + 8, 64)  # q as a view of a fused qkv output: tokens 20 heads apart
+    fused[:, :12] = q
+    out = torch.empty(100, 12, 64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        paged_prefill(fused[:, :12], k_cache, v_cache, table, 16, 20, 0.125, out)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, 20, True), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_what_it_cannot_serve_raises_instead_of_reading_out_of_bounds():
+    q, k_cache, v_cache, table, _, _ = _case(4, 2, 10, 16, 0, 16)
+    out = torch.empty_like(q)
+    outside = table.clone()
+    outside[0] = k_cache.shape[0] // 16  # one past the last block
+    with pytest.raises(ValueError, match="block id outside"):
+        paged_prefill(q, k_cache, v_cache, outside, 16, 0, 0.25, out)
+    with pytest.raises(ValueError, match="size"):  # a table too short for its tokens
+        paged_prefill(q, k_cache, v_cache, table[:0], 16, 0, 0.25, out)
+    with pytest.raises(ValueError, match="int32"):
+        paged_prefill(q, k_cache, v_cache, table.long(), 16, 0, 0.25, out)
+    assert native_prefill.supports(k_cache, q)
+    assert not native_prefill.supports(k_cache.bfloat16(), q)
+    assert not native_prefill.supports(torch.zeros(32, 2, 128), torch.zeros(1, 4, 128))  # no copy for 128
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernels,expected_calls", [("auto", 2), ("torch", 0)])
+def test_the_backend_hands_prefill_chunks_to_the_kernel(monkeypatch, kernels, expected_calls):
+    calls = []
+    real = native_prefill.paged_prefill
+    monkeypatch.setattr(native_prefill, "paged_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 16
+    k_cache = torch.zeros(64 * block_size, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    backend = CPUPagedBackend(block_size, kernels)
+    # A fresh 7-token prompt and a 3-token chunk after 5 cached tokens.
+    chunks = [SequenceChunk([0, 1], 0, 7), SequenceChunk([2, 3], 5, 3)]
+    cached = torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    k_cache[8:13], v_cache[8:13] = cached
+    meta = backend.prepare_metadata(chunks, 0)
+    q, k, v = torch.randn(10, heads, dim), torch.randn(10, kv_heads, dim), torch.randn(10, kv_heads, dim)
+    out = backend.forward(q, k, v, (k_cache, v_cache), meta, dim ** -0.5)
+    assert calls == ([7, 3] if expected_calls else [])
+    keys = torch.cat([k[:7], cached[0], k[7:]]), torch.cat([v[:7], cached[1], v[7:]])
+    for rows, key_rows, start in (((0, 7), (0, 7), 0), ((7, 10), (7, 15), 5)):
+        ks = keys[0][key_rows[0]:key_rows[1]].transpose(0, 1).repeat_interleave(2, 0)
+        vs = keys[1][key_rows[0]:key_rows[1]].transpose(0, 1).repeat_interleave(2, 0)
+        expected = _reference(q[rows[0]:rows[1]], ks, vs, start, True)
+        torch.testing.assert_close(out[rows[0]:rows[1]].double(), expected, rtol=1e-5, atol=1e-5)
