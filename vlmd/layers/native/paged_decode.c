@@ -25,9 +25,6 @@
 #define MAX_QUERIES 256  /* queries of one work item (decodes sharing a prefix are stacked) */
 #define MAX_DIM 256
 #define MIN_PART 128   /* fewest tokens a part of a split context holds */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1  /* chunks ahead that the kernel prefetches */
-#endif
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1 };
 
@@ -203,20 +200,38 @@ static inline float lane_sum(v8 v) {
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-/* The K and V rows of the chunk ``ahead`` chunks after the one starting at ``token``, asked
- * for while this one computes: blocks are scattered, so the hardware prefetcher, which
- * follows one run, cannot cross into the next block. */
-static inline void prefetch_chunk_at(const Shape *s, const void *k_cache, const void *v_cache, const int32_t *table,
-                                     int token, int end, int64_t token_floats, int ahead) {
-    for (int skip = 1; skip < ahead && token < end; skip++) token += chunk_tokens(s, token, end);
-    if (token >= end) return;
+/* The K and V rows of the chunk two after the current one, asked for a share at a time:
+ * blocks are scattered, and the hardware prefetcher, which follows one run within a 4 KiB
+ * page, cannot cross into the next block. Each query's pass over the current chunk asks
+ * for its share of the lines (1/queries of them), so the requests go out spread over the
+ * chunk's work: all at once (a 32 KiB burst at the start of the chunk) they filled the
+ * miss queues and stalled it. Cold caches, 9 layers' shape, alternated in one process:
+ * c1 640 tokens 125-140 -> 108-119 us per layer, c1 4k 534-637 -> 474-537, c8 640
+ * 693-855 -> 572-670 (one chunk ahead: 110-118, 497-539, 601-723). */
+typedef struct {
+    const char *keys, *values;
+    int64_t lines, per_query;
+} Upcoming;
+
+static inline Upcoming upcoming_chunk(const Shape *s, const void *k_cache, const void *v_cache, const int32_t *table,
+                                      int token, int end, int64_t token_floats, int num_queries) {
+    Upcoming up = {NULL, NULL, 0, 0};
+    for (int skip = 0; skip < 2 && token < end; skip++) token += chunk_tokens(s, token, end);
+    if (token >= end) return up;
     const int element = s->dtype == KV_FLOAT32 ? 4 : 2;
     const int64_t at = chunk_offset(s, table, token, token_floats) * element;
-    const int64_t bytes = chunk_tokens(s, token, end) * token_floats * element;
-    for (int64_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch((const char *)k_cache + at + line, 0, 3);
-        __builtin_prefetch((const char *)v_cache + at + line, 0, 3);
-    }
+    up.keys = (const char *)k_cache + at;
+    up.values = (const char *)v_cache + at;
+    up.lines = (chunk_tokens(s, token, end) * token_floats * element + 63) / 64;
+    up.per_query = (up.lines + num_queries - 1) / num_queries;
+    return up;
+}
+
+/* Query h's share of the upcoming chunk's lines of ``base`` (its keys or its values). */
+static inline void prefetch_share(const Upcoming *up, const char *base, int h) {
+    if (base == NULL) return;
+    const int64_t last = (h + 1) * up->per_query < up->lines ? (h + 1) * up->per_query : up->lines;
+    for (int64_t line = h * up->per_query; line < last; line++) __builtin_prefetch(base + line * 64, 0, 3);
 }
 
 static inline __attribute__((always_inline)) void attend_part_vec(
@@ -233,11 +248,12 @@ static inline __attribute__((always_inline)) void attend_part_vec(
     while (token < end) {
         const int count = chunk_tokens(s, token, end);
         const int64_t at = chunk_offset(s, table, token, token_floats);
-        prefetch_chunk_at(s, k_cache, v_cache, table, token + count, end, token_floats, PREFETCH_AHEAD);
+        const Upcoming upcoming = upcoming_chunk(s, k_cache, v_cache, table, token, end, token_floats, num_queries);
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         const int groups_of_8 = (count + LANES - 1) / LANES;
         for (int h = 0; h < num_queries; h++) {
             const int kv = (h % heads) / group;
+            prefetch_share(&upcoming, upcoming.keys, h);
             {
                 const float *q = queries + h * DIM;
                 for (int c8 = 0; c8 < groups_of_8; c8++) {
@@ -284,6 +300,7 @@ static inline __attribute__((always_inline)) void attend_part_vec(
         }
         const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
         for (int h = 0; h < num_queries; h++) {
+            prefetch_share(&upcoming, upcoming.values, h);
             const float *column = values + ((h % heads) / group) * DIM;
             float *a = acc + h * DIM;
             v8 local[DIM / LANES];
