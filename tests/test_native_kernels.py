@@ -153,7 +153,7 @@ def test_no_compiler_means_torch_ops(tmp_path, monkeypatch):
     monkeypatch.setenv("VLMD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(build, "_LOADED", {})
-    monkeypatch.setattr(native_decode, "_function", None)
+    monkeypatch.setattr(build, "_BOUND", {})
     assert build.load_native("paged_decode") is None
     assert not native_decode.available()
     assert attention_backend_for("cpu", 16, "auto").native_decode is False

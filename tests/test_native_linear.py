@@ -119,7 +119,7 @@ def test_without_a_compiler_native_mode_keeps_onednn(tmp_path, monkeypatch):
     monkeypatch.setenv("VLMD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(build, "_LOADED", {})
-    monkeypatch.setattr(native_linear, "_functions", None)
+    monkeypatch.setattr(build, "_BOUND", {})
     layer = ReplicatedLinear(16, 32, bias=False)
     selection._DECISIONS.clear()
     selection.select_linear_kernels(torch.nn.Sequential(layer), "native")

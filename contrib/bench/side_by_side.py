@@ -122,14 +122,22 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(30)
 
 
-def group_rss_gib(pgid: int) -> float:
-    total = 0
+def group_processes(pgid: int):
+    """/proc entries of the live processes in process group ``pgid``."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
+            if os.getpgid(int(entry.name)) == pgid:
+                yield entry
+        except OSError:  # gone meanwhile
+            continue
+
+
+def group_rss_gib(pgid: int) -> float:
+    total = 0
+    for entry in group_processes(pgid):
+        try:
             for line in (entry / "status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
@@ -140,19 +148,14 @@ def group_rss_gib(pgid: int) -> float:
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in the group."""
-    ticks = os.sysconf("SC_CLK_TCK")
     total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in group_processes(pgid):
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])
         except (OSError, ValueError, IndexError):
             continue
-    return total / ticks
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def run_workload(url: str, workload: tuple, images: list, args) -> dict:
@@ -244,7 +247,8 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--port", type=int, default=8313)
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
-                        help="both servers up at once, workloads alternated between them ROUNDS times (0: one after the other)")
+                        help="both servers up at once, workloads alternated between them ROUNDS times "
+                             "(0: one after the other)")
     args = parser.parse_args()
 
     model_dir = args.model_dir
@@ -298,8 +302,8 @@ def main() -> None:
                 w = results[server]["workloads"][workload]
                 row.append(f"{server} {w['req_per_s']:.3f} req/s ttft {w['ttft_p50_s']:.3f} tpot {w['itl_p50_s']}")
         if workload in ratios:
-            row.append(f"vlmd/vllm req/s {ratios[workload]['req_per_s']:.2f}"
-                       + (f" (rounds {ratios[workload]['req_per_s_rounds']})" if "req_per_s_rounds" in ratios[workload] else ""))
+            rounds = ratios[workload].get("req_per_s_rounds")
+            row.append(f"vlmd/vllm req/s {ratios[workload]['req_per_s']:.2f}" + (f" (rounds {rounds})" if rounds else ""))
         print(" | ".join(row), file=sys.stderr)
 
 

@@ -98,7 +98,8 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             layer.weight = None
     if mode == "auto":
         remaining = budget_s - (time.perf_counter() - started)
-        report.update(choose_small_products([layer for layer in layers if layer.kernel is not None], budget_s=remaining))
+        selected = [layer for layer in layers if layer.kernel is not None]
+        report.update(choose_small_products(selected, budget_s=remaining))
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
 

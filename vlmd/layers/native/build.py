@@ -4,9 +4,9 @@ Why at run time and not at install: ``-march=native`` code must be built on the 
 that runs it (hosts of one machine kind differ: AVX-512 and bf16 on some, AVX2 only on
 others), a plain C file with no torch headers compiles in well under a second, and an
 install needs no build step. The shared object is kept in ``$VLMD_CACHE_DIR/native``
-(default ``~/.cache/vlmd/native``) under a name that hashes the source, the compiler's
-identity, the flags and the CPU's model and feature flags, so an edit, another compiler
-or another host builds afresh and nothing stale is loaded. A build writes a temporary
+(default ``~/.cache/vlmd/native``) under a name that hashes the source, the package's
+headers, the compiler's identity, the flags and the CPU's model and feature flags, so an
+edit, another compiler or another host builds afresh and nothing stale is loaded. A build writes a temporary
 file and renames it, so processes that build at once (tensor-parallel ranks) never load
 a partial file.
 
@@ -34,6 +34,7 @@ log = structlog.get_logger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SOURCES = Path(__file__).parent
 _LOADED: dict[str, ctypes.CDLL | None] = {}
+_BOUND: dict[str, dict | None] = {}
 
 
 def cache_dir() -> Path:
@@ -61,7 +62,10 @@ def _cpu_identity() -> bytes:
 def _build(name: str, cc: str) -> Path:
     source = _SOURCES / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = blake3(source.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_identity()).hexdigest()[:16]
+    # The package's headers too: a kernel may include any of them (vector_exp.h).
+    headers = b"".join(path.read_bytes() for path in sorted(_SOURCES.glob("*.h")))
+    key = blake3(source.read_bytes() + headers + version.encode() + " ".join(FLAGS).encode()
+                 + _cpu_identity()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
@@ -97,3 +101,20 @@ def load_native(name: str) -> ctypes.CDLL | None:
             log.warning("a native kernel did not build: torch ops serve instead", kernel=name, reason=str(exc))
     _LOADED[name] = library
     return library
+
+
+def load_functions(name: str, signatures: dict[str, tuple[list, type]]) -> dict | None:
+    """The functions of kernel ``name``, symbol -> ctypes function with its C signature
+    (``signatures``: symbol -> (argument types, result type)) set: built and bound on
+    first use, then kept; None where the kernel cannot be built here."""
+    if name not in _BOUND:
+        library = load_native(name)
+        functions = None
+        if library is not None:
+            functions = {}
+            for symbol, (arguments, result) in signatures.items():
+                function = getattr(library, symbol)
+                function.argtypes, function.restype = arguments, result
+                functions[symbol] = function
+        _BOUND[name] = functions
+    return _BOUND[name]

@@ -15,34 +15,32 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native.build import load_native
+from vlmd.layers.native.build import load_functions
 
 PANEL_WIDTHS = (64, 32, 128, 16)  # tried in this order; the kernel takes multiples of its chunk
 _ERRORS = {-1: "a panel width the kernel cannot tile", -2: "padded K shorter than K", -3: "a size or stride"}
-_functions: dict | None = None
+_POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {
+    "vlmd_packed_linear": ([_POINTER, _WIDE, _POINTER, _WIDE, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE,
+                            _INT], _INT),
+    "vlmd_packed_layout_matches": ([_POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE, _INT], _INT),
+    "vlmd_packed_linear_chunk": ([], _INT),  # columns one tile computes
+}
 
 
-def _kernel() -> dict:
-    global _functions
-    if _functions is None:
-        library = load_native("packed_linear")
-        if library is None or not hasattr(torch.ops.mkldnn, "data_ptr") or not hasattr(torch.ops.mkldnn, "_nbytes"):
-            _functions = {}
-        else:
-            pointer, integer, wide = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            product = library.vlmd_packed_linear
-            product.argtypes = [pointer, wide, pointer, wide, wide, pointer, pointer, wide, wide, wide, wide, integer]
-            product.restype = integer
-            matches = library.vlmd_packed_layout_matches
-            matches.argtypes = [pointer, pointer, wide, wide, wide, wide, integer]
-            matches.restype = integer
-            library.vlmd_packed_linear_chunk.restype = integer
-            _functions = {"product": product, "matches": matches, "chunk": library.vlmd_packed_linear_chunk()}
-    return _functions
+# Whether this torch hands out a packed tensor's memory (read once: a per-call lookup on
+# torch.ops costs about a microsecond).
+_TORCH_EXPOSES_PACKED = hasattr(torch.ops.mkldnn, "data_ptr") and hasattr(torch.ops.mkldnn, "_nbytes")
+
+
+def _kernel() -> dict | None:
+    """The bound functions, or None where the kernel did not build or torch cannot hand it
+    a packed tensor's memory."""
+    return load_functions("packed_linear", _SIGNATURES) if _TORCH_EXPOSES_PACKED else None
 
 
 def available() -> bool:
-    return bool(_kernel())
+    return _kernel() is not None
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ class PackedPanels:
         """The layout ``packed`` holds ``weight`` in, verified on its values, or None (not
         float32, not on the CPU, no kernel here, or a layout the kernel cannot read)."""
         kernel = _kernel()
-        if not kernel or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             return None
         if not getattr(packed, "is_mkldnn", False) or packed.dtype != torch.float32:
             return None
@@ -71,13 +69,13 @@ class PackedPanels:
         floats = torch.ops.mkldnn._nbytes(packed) // 4
         address = torch.ops.mkldnn.data_ptr(packed)
         for width in PANEL_WIDTHS:
-            if width % kernel["chunk"]:
+            if width % kernel["vlmd_packed_linear_chunk"]():
                 continue
             padded_n = -(-n_len // width) * width
             if floats % padded_n or floats // padded_n < k_len:
                 continue
             panels = cls(address, n_len, k_len, width, floats // padded_n)
-            if kernel["matches"](plain.data_ptr(), address, n_len, k_len, width, panels.padded_k,
+            if kernel["vlmd_packed_layout_matches"](plain.data_ptr(), address, n_len, k_len, width, panels.padded_k,
                                  torch.get_num_threads()):
                 return panels
         return None
@@ -86,7 +84,7 @@ class PackedPanels:
 def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for float32 ``x`` [..., K]."""
     kernel = _kernel()
-    if not kernel:
+    if kernel is None:
         raise RuntimeError("the native packed-linear kernel is not built on this host")
     k_len, n_len = panels.in_features, panels.out_features
     if x.shape[-1] != k_len:
@@ -98,9 +96,11 @@ def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | No
     if rows.shape[0]:
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
-        code = kernel["product"](rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else k_len, panels.address,
-                                 panels.panel_width, panels.padded_k, None if bias is None else bias.data_ptr(),
-                                 out.data_ptr(), n_len, rows.shape[0], n_len, k_len, torch.get_num_threads())
+        row_stride = rows.stride(0) if rows.shape[0] > 1 else k_len
+        code = kernel["vlmd_packed_linear"](
+            rows.data_ptr(), row_stride, panels.address, panels.panel_width, panels.padded_k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), n_len, rows.shape[0], n_len, k_len,
+            torch.get_num_threads())
         if code != 0:
             raise ValueError(f"native packed linear cannot serve this product: {_ERRORS.get(code, code)}")
     return out.reshape(*x.shape[:-1], n_len)

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_exp.h"
+
 #define CHUNK 16       /* tokens whose scores are held at once */
 #define MAX_HEADS 128  /* query heads of one decode */
 #define MAX_QUERIES 256  /* queries of one work item (decodes sharing a prefix are stacked) */
@@ -172,23 +174,7 @@ static inline v8 transpose_sums(const v8 r[8]) {
 }
 
 /* exp_nonpositive on 8 lanes. */
-static inline v8 exp8(v8 x) {
-    const v8 floor_ = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    v8i low = x < floor_;
-    x = (v8)(((v8i)x & ~low) | ((v8i)floor_ & low));
-    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
-    v8 shifted = x * 1.44269504088896341f + magic;
-    v8 n = shifted - magic;
-    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    v8 y = p * r * r + r + 1.0f;
-    v8i exponent = ((v8i)shifted - 0x4B400000 + 127) << 23;
-    return y * (v8)exponent;
-}
+VECTOR_EXP_NONPOSITIVE(exp8, v8, v8i)
 
 static inline float lane_max(v8 v) {
     float m = v[0];

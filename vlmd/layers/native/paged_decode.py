@@ -14,35 +14,29 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native.build import load_native
+from vlmd.layers.native.build import load_functions
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "heads not a multiple of KV heads, or too many", -2: "head size too large", -3: "KV dtype",
            -4: "a context length outside its block table", -5: "out of memory",
            -6: "a block id outside the cache",
            -7: "a shared-prefix group that is empty, not whole blocks, overlapping or as long as a context"}
-_function = None
-_LIMITS: dict[str, int] = {}  # the kernel's own (vlmd_paged_decode_limit), read when it loads
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "vlmd_paged_decode": ([_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
+                           _INT, _INT, ctypes.c_int64, _INT, _POINTER, _POINTER, _POINTER, ctypes.c_float, _INT, _INT],
+                          _INT),
+    "vlmd_paged_decode_limit": ([_INT], _INT),  # the kernel's own limits: 0 heads, 1 head size
+}
 
 
 def _kernel():
-    global _function
-    if _function is None:
-        library = load_native("paged_decode")
-        if library is None:
-            _function = False
-        else:
-            function = library.vlmd_paged_decode
-            pointer, integer = ctypes.c_void_p, ctypes.c_int
-            function.argtypes = [pointer, pointer, pointer, integer, pointer, pointer, pointer,
-                                 integer, integer, integer, integer, integer, integer, ctypes.c_int64,
-                                 integer, pointer, pointer, pointer, ctypes.c_float, integer, integer]
-            function.restype = integer
-            _function = function
-            limit = library.vlmd_paged_decode_limit
-            limit.argtypes, limit.restype = [integer], integer
-            _LIMITS.update(heads=limit(0), dim=limit(1))
-    return _function or None
+    functions = load_functions("paged_decode", _SIGNATURES)
+    return None if functions is None else functions["vlmd_paged_decode"]
+
+
+def _limit(which: int) -> int:
+    return load_functions("paged_decode", _SIGNATURES)["vlmd_paged_decode_limit"](which)
 
 
 def available() -> bool:
@@ -55,7 +49,7 @@ def supports(k_cache: torch.Tensor, heads: int) -> bool:
     if _kernel() is None:
         return False
     return (k_cache.device.type == "cpu" and k_cache.dtype in _KV_DTYPES and k_cache.is_contiguous()
-            and k_cache.shape[-1] <= _LIMITS["dim"] and heads <= _LIMITS["heads"] and heads % k_cache.shape[1] == 0)
+            and k_cache.shape[-1] <= _limit(1) and heads <= _limit(0) and heads % k_cache.shape[1] == 0)
 
 
 @dataclass

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_exp.h"
+
 #define W 16                 /* floats per vector (one AVX-512 register; two AVX2 ones) */
 #define KEY_VECTORS 2
 #define KEYS (W * KEY_VECTORS) /* keys per chunk */
@@ -31,24 +33,7 @@ typedef float vf __attribute__((vector_size(W * 4)));
 typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 
-/* exp for x <= 0, Cephes-style (as paged_decode.c's exp8), 16 lanes. */
-static inline vf exp16(vf x) {
-    const vf floor_ = x * 0.0f - 87.0f;
-    vi low = x < floor_;
-    x = (vf)(((vi)x & ~low) | ((vi)floor_ & low));
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    vf shifted = x * 1.44269504088896341f + magic;
-    vf n = shifted - magic;
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    vf y = p * r * r + r + 1.0f;
-    vi exponent = ((vi)shifted - 0x4B400000 + 127) << 23;
-    return y * (vf)exponent;
-}
+VECTOR_EXP_NONPOSITIVE(exp16, vf, vi)
 
 static inline float lanes_max(vf v) {
     float m = v[0];

@@ -13,35 +13,29 @@ import ctypes
 
 import torch
 
-from vlmd.layers.native.build import load_native
+from vlmd.layers.native.build import load_functions
 
 _ERRORS = {-1: "heads not a multiple of KV heads", -2: "a head size without a copy", -3: "a size or stride",
            -5: "out of memory", -6: "a block id outside the cache"}
-_function = None
-_SERVED_DIMS: set[int] = set()
+_POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {
+    "vlmd_paged_prefill": ([_POINTER, _WIDE, _POINTER, _POINTER, _POINTER, _INT, _WIDE, _INT, _INT, _INT, _INT, _INT,
+                            _INT, ctypes.c_float, _INT, _POINTER, _WIDE, _INT], _INT),
+    "vlmd_paged_prefill_serves": ([_INT], _INT),  # 1 if a head size has a copy
+}
 
 
 def _kernel():
-    global _function
-    if _function is None:
-        library = load_native("paged_prefill")
-        if library is None:
-            _function = False
-        else:
-            function = library.vlmd_paged_prefill
-            pointer, integer, wide = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            function.argtypes = [pointer, wide, pointer, pointer, pointer, integer, wide, integer, integer,
-                                 integer, integer, integer, integer, ctypes.c_float, integer, pointer, wide, integer]
-            function.restype = integer
-            serves = library.vlmd_paged_prefill_serves
-            serves.argtypes, serves.restype = [integer], integer
-            _SERVED_DIMS.update(dim for dim in range(1, 257) if serves(dim))
-            _function = function
-    return _function or None
+    functions = load_functions("paged_prefill", _SIGNATURES)
+    return None if functions is None else functions["vlmd_paged_prefill"]
 
 
 def available() -> bool:
     return _kernel() is not None
+
+
+def _serves(dim: int) -> bool:
+    return bool(load_functions("paged_prefill", _SIGNATURES)["vlmd_paged_prefill_serves"](dim))
 
 
 def supports(k_cache: torch.Tensor, q: torch.Tensor) -> bool:
@@ -49,7 +43,7 @@ def supports(k_cache: torch.Tensor, q: torch.Tensor) -> bool:
     if _kernel() is None:
         return False
     return (k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and q.dtype == torch.float32
-            and k_cache.is_contiguous() and k_cache.shape[-1] in _SERVED_DIMS and q.stride(-1) == 1
+            and k_cache.is_contiguous() and _serves(k_cache.shape[-1]) and q.stride(-1) == 1
             and q.stride(1) == q.shape[-1])
 
 
