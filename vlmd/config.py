@@ -31,6 +31,12 @@ def _comma_list(text: str) -> tuple[str, ...] | None:
     return items or None
 
 
+# The values of --linear-kernels and --attention-kernels, defined once: the layers that
+# take them validate against these.
+LINEAR_KERNEL_MODES = ("auto", "plain", "packed", "native")
+ATTENTION_KERNEL_MODES = ("auto", "torch")
+
+
 @dataclass
 class ServeConfig:
     model: str = field(metadata={"help": "checkpoint directory (default: a built-in tiny LLaVA, built on first start)",
@@ -42,10 +48,11 @@ class ServeConfig:
     linear_kernels: str = setting(
         "auto", "how linear layers pick their kernel: auto (timed at start-up), plain (F.linear), "
         "packed (oneDNN pre-packed where available), native (pre-packed, and a C kernel built for this host "
-        "for products of up to 32 rows where it reads the packed weight)", choices=("auto", "plain", "packed", "native"))
+        "for products of up to 32 rows where it reads the packed weight)", choices=LINEAR_KERNEL_MODES)
     attention_kernels: str = setting(
-        "auto", "how decode attention runs on the CPU: auto (a C kernel built for this host at start-up, "
-        "where a C compiler is found; else torch ops), torch (torch ops only)", choices=("auto", "torch"))
+        "auto", "how attention runs on the CPU: auto (C kernels built for this host at start-up, where a C "
+        "compiler is found, for decodes and float32 prefill chunks; else torch ops), torch (torch ops only)",
+        choices=ATTENTION_KERNEL_MODES)
     chat_template: str | None = setting(
         None, "a Jinja chat template, as a file path or the template text, used instead of the checkpoint's",
         parse=lambda text: resolve_chat_template(text), metavar="FILE|TEMPLATE")

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmd.config import ATTENTION_KERNEL_MODES
 from vlmd.host import last_level_cache_bytes
 from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
 from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes, shared_groups
@@ -194,18 +195,15 @@ class CPUPagedMetadata(AttentionMetadata):
         return self._decode_plan
 
 
-KERNEL_MODES = ("auto", "torch")
-
-
 class CPUPagedBackend(AttentionBackend):
     name = "cpu_paged"
 
     def __init__(self, block_size: int, kernels: str = "auto"):
-        """``kernels``: ``auto`` (decodes through the native kernel where it built here) or
-        ``torch`` (torch ops only)."""
+        """``kernels``: ``auto`` (decodes and float32 prefill chunks through the native
+        kernels where they built here) or ``torch`` (torch ops only)."""
         super().__init__(block_size)
-        if kernels not in KERNEL_MODES:
-            raise ValueError(f"attention kernels {kernels!r} is not one of {', '.join(KERNEL_MODES)}")
+        if kernels not in ATTENTION_KERNEL_MODES:
+            raise ValueError(f"attention kernels {kernels!r} is not one of {', '.join(ATTENTION_KERNEL_MODES)}")
         self.native_decode = kernels == "auto" and native_decode.available()
         self.native_prefill = kernels == "auto" and native_prefill.available()
 

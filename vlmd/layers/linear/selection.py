@@ -15,6 +15,7 @@ import time
 import torch
 from torch import nn
 
+from vlmd.config import LINEAR_KERNEL_MODES
 from vlmd.host import last_level_cache_bytes
 from vlmd.layers.linear.kernels import (
     M_BUCKETS,
@@ -104,7 +105,6 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     return report
 
 
-LINEAR_KERNEL_MODES = ("auto", "plain", "packed", "native")
 PAD_CANDIDATES = (4, 6)
 PAD_MARGIN = 1.03  # padding is kept only when it beats no padding by more than this
 NATIVE_MARGIN = 1.03  # vlmd's kernel is kept only when it beats oneDNN's best by more than this

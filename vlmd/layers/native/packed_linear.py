@@ -75,8 +75,8 @@ class PackedPanels:
             if floats % padded_n or floats // padded_n < k_len:
                 continue
             panels = cls(address, n_len, k_len, width, floats // padded_n)
-            if kernel["vlmd_packed_layout_matches"](plain.data_ptr(), address, n_len, k_len, width, panels.padded_k,
-                                 torch.get_num_threads()):
+            matches = kernel["vlmd_packed_layout_matches"]
+            if matches(plain.data_ptr(), address, n_len, k_len, width, panels.padded_k, torch.get_num_threads()):
                 return panels
         return None
 
