@@ -6,7 +6,10 @@ LLaVA checkpoint's config, then serves the checkpoint with vlmd and reports
 ``floor / measured`` (1.0 = at the floor):
 
 - prefill: FLOPs of one 640x480-image request (vision tower up to the feature layer,
-  projector, decoder over the whole prompt) / GEMM peak  vs  TTFT p50 at c1, new images;
+  projector, decoder over the whole prompt) / GEMM peak  vs  TTFT p50 at c1, new images.
+  ``prefill_ttft_s`` counts the arithmetic the prompt needs: the decoder's last layer only
+  computes K/V for every token and the rest for the last token alone (its other outputs
+  feed nothing); ``prefill_ttft_full_model_s`` runs every layer over every token;
 - decode c1 / c8: bytes one step must read (every decoder weight once, plus the batch's
   K/V) / bandwidth  vs  time per output token at c1 / c8, one repeated image.
 
@@ -61,9 +64,16 @@ def prefill_flops(config, prompt_tokens: int) -> dict[str, float]:
     t, d = prompt_tokens, text.hidden_size
     head_dim = getattr(text, "head_dim", None) or d // text.num_attention_heads
     q, kv = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
-    per_layer = 2 * t * (d * (q + 2 * kv) + q * d + 3 * d * text.intermediate_size) + 2 * t * t * q  # causal: half of 4
-    lm = text.num_hidden_layers * per_layer + 2 * d * text.vocab_size  # logits of the last token only
-    return {"vision": vision_flops + projector, "lm": lm, "total": vision_flops + projector + lm}
+    per_token = d * (q + 2 * kv) + q * d + 3 * d * text.intermediate_size
+    per_layer = 2 * t * per_token + 2 * t * t * q  # causal: half of 4
+    logits = 2 * d * text.vocab_size  # of the last token only
+    lm = text.num_hidden_layers * per_layer + logits
+    # What the prompt needs: the last layer's output is used at the last token alone, so
+    # there only the K/V products cover every token (later tokens attend to them).
+    last_layer_needed = 2 * t * d * 2 * kv + 2 * (per_token - d * 2 * kv) + 4 * t * q
+    lm_needed = (text.num_hidden_layers - 1) * per_layer + last_layer_needed + logits
+    encoder = vision_flops + projector
+    return {"vision": encoder, "lm": lm, "total": encoder + lm, "lm_needed": lm_needed, "needed": encoder + lm_needed}
 
 
 def decode_bytes(config, batch: int, context: int, element: int) -> float:
@@ -129,12 +139,16 @@ def main() -> None:
     flops = prefill_flops(config, prompt)
     mean_context = prompt + args.output_tokens // 2
     floors = {
-        "prefill_ttft_s": flops["total"] / peak,
+        # The arithmetic the prompt needs (the last layer's non-K/V work for its last token
+        # only, as vlmd runs it), and every layer over every token (the floor).
+        "prefill_ttft_s": flops["needed"] / peak,
+        "prefill_ttft_full_model_s": flops["total"] / peak,
         "decode_c1_s": decode_bytes(config, 1, mean_context, element) / (host["read_gb_s"] * 1e9),
         "decode_c8_s": decode_bytes(config, 8, mean_context, element) / (host["read_gb_s"] * 1e9),
     }
     figures = {
         "prefill_ttft_s": measured["c1_new"]["ttft_p50_s"],
+        "prefill_ttft_full_model_s": measured["c1_new"]["ttft_p50_s"],
         "decode_c1_s": measured["c1_repeated"]["itl_p50_s"],
         "decode_c8_s": measured["c8_repeated"]["itl_p50_s"],
     }

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vlmd.layers.attention import AttentionMetadata
+from vlmd.layers.attention import AttentionMetadata, OutputRows
 from vlmd.types import KVSpec  # torch-free, so `vlmd cost` sizes caches without models
 
 __all__ = ["KVSpec", "MultimodalModel"]
@@ -19,7 +19,9 @@ class MultimodalModel(Protocol):
     - ``embed_input_ids``: token embeddings, placeholders included;
     - ``embed_multimodal``: encoder + projector for a batch of items of one modality,
       one ``[item.num_encoder_tokens, hidden]`` tensor per item;
-    - ``forward``: the decoder over the paged cache, returning final hidden states;
+    - ``forward``: the decoder over the paged cache, returning final hidden states: of
+      every row, or given ``outputs`` (``OutputRows``, the rows the step samples) of those
+      rows alone, in their order (a decoder may then run its last layer for them only);
     - ``compute_logits``: hidden states to vocabulary logits.
 
     Optional, for encoder-decoder models (Whisper), whose items have no placeholders:
@@ -45,6 +47,7 @@ class MultimodalModel(Protocol):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmd.layers.attention import AttentionMetadata, paged_attention
+from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from vlmd.layers.linear import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -52,12 +52,23 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
 
-    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata, outputs: OutputRows | None = None):
+        """[T, hidden] -> [T, hidden], or with ``outputs`` -> [R, hidden] for its rows alone."""
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if outputs is not None:
+            # Every row's K/V go to the cache (later tokens attend to them); only the used
+            # rows' queries attend. The q columns of the other rows are still computed: a
+            # separate K/V product would need a second copy of the fused weight.
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            rows = outputs.rows
+            if outputs.meta is None:  # no row of this step is used (chunks that sample nothing)
+                return hidden.new_empty(0, hidden.shape[1])
+            q, k, v, cos, sin, meta = q[rows], k[rows], v[rows], cos[rows], sin[rows], outputs.meta
+            tokens = rows.shape[0]
+        q = apply_rotary(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)
         attended = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(attended.reshape(tokens, self.q_size))
 
@@ -86,8 +97,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+    def forward(self, hidden, cos, sin, kv_cache, meta, outputs: OutputRows | None = None) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta, outputs)
+        if outputs is not None:
+            hidden = hidden[outputs.rows]
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -133,11 +147,17 @@ class LlamaForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, outputs: OutputRows | None = None
+    ) -> torch.Tensor:
+        """Final hidden states of every row, or with ``outputs`` of its rows alone: then the
+        last layer runs only those rows (in a prefill of n tokens, 1/n of its work but the
+        K/V product; the small LLaVA's last layer is ~1/9 of its decoder)."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         hidden = inputs_embeds
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, outputs if index == last else None)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.attention import AttentionBackend, AttentionMetadata, SequenceChunk
+from vlmd.layers.attention import AttentionBackend, AttentionMetadata, OutputRows, SequenceChunk
 from vlmd.runner.request_state import RunnerRequestState
 
 
@@ -34,6 +34,8 @@ class StepBatch:
     slices: list[ScheduledSlice]
     sample_rows: list[int]
     sample_states: list[RunnerRequestState]
+    # The sampled rows, for a decoder to run its last layer on them alone (None: all rows).
+    outputs: OutputRows | None = None
 
 
 def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: AttentionBackend) -> StepBatch:
@@ -55,7 +57,8 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
         chunks.append(SequenceChunk(state.block_ids, start, count))
         row += count
     meta = attention.prepare_metadata(chunks, num_decodes=len(decodes))
-    sampled = [piece for piece in slices if piece.samples]
+    sampled = [(piece, chunk) for piece, chunk in zip(slices, chunks) if piece.samples]
+    used = [(piece.row + piece.count - 1, chunk) for piece, chunk in sampled]
     if any(piece.state.mrope_positions is not None for piece in slices):
         position_tensor = torch.cat([mrope_positions(piece) for piece in slices], dim=1)
     else:
@@ -65,8 +68,9 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
         positions=position_tensor,
         meta=meta,
         slices=slices,
-        sample_rows=[piece.row + piece.count - 1 for piece in sampled],
-        sample_states=[piece.state for piece in sampled],
+        sample_rows=[row for row, _ in used],
+        sample_states=[piece.state for piece, _ in sampled],
+        outputs=attention.prepare_output_rows(used, row),
     )
 
 

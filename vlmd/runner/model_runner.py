@@ -75,8 +75,10 @@ class ModelRunner:
 
         scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
         batch = build_batch(scheduled, self.attention)
-        input_ids, positions, meta = self.staging.to_device((batch.input_ids, batch.positions, batch.meta))
-        batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta)
+        input_ids, positions, meta, outputs = self.staging.to_device(
+            (batch.input_ids, batch.positions, batch.meta, batch.outputs)
+        )
+        batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta, outputs=outputs)
         embeds = self.model.embed_input_ids(batch.input_ids)
         for piece in batch.slices:
             if piece.state.mm_items:
@@ -84,11 +86,13 @@ class ModelRunner:
         extra = {}
         if getattr(self.model, "is_encoder_decoder", False):
             extra["cross_states"] = self._cross_states(batch)
-        hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches, **extra)
+        # Given the sampled rows, the model returns only theirs (its last layer runs them alone).
+        hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches, outputs=batch.outputs, **extra)
 
         result = RunnerOutput(encoder_seconds=encoder_seconds)
         if batch.sample_rows and self.samples:
-            logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
+            sampled = hidden if batch.outputs is not None else hidden[batch.sample_rows]
+            logits = self.model.compute_logits(sampled).float()
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
             result.grammar_completed = advance_grammars(batch.sample_states, tokens)

@@ -127,8 +127,8 @@ class LlavaModel(nn.Module):
         projected = self.multi_modal_projector(hidden)
         return list(projected.unbind(0))
 
-    def forward(self, inputs_embeds, positions, meta, kv_caches) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, meta, kv_caches)
+    def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

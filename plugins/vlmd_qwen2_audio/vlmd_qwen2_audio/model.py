@@ -114,8 +114,8 @@ class Qwen2AudioModel(nn.Module):
         pooled = tower.avg_pooler(hidden.permute(0, 2, 1)).permute(0, 2, 1)
         return self.multi_modal_projector(tower.layer_norm(pooled))[0, : num_audio_tokens(num_frames)]
 
-    def forward(self, inputs_embeds, positions, meta, kv_caches) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, meta, kv_caches)
+    def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -119,8 +119,8 @@ class Qwen2VLModel(nn.Module):
         sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
         return list(merged.split(sizes))
 
-    def forward(self, inputs_embeds, positions, meta, kv_caches) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, meta, kv_caches)
+    def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmd.layers.attention import AttentionMetadata, paged_attention
+from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention
 from vlmd.layers.linear import (
     SINGLE,
     ColumnParallelLinear,
@@ -131,11 +131,17 @@ class WhisperDecoder(nn.Module):
     def cross_attention_state(self, encoder_output: torch.Tensor) -> CrossState:
         return [layer.encoder_attn.memory(encoder_output) for layer in self.layers]
 
-    def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, cross_states) -> torch.Tensor:
+    def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, cross_states,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """Every row's final hidden states, or with ``outputs`` its rows'. Every layer runs
+        every row: a transcription's prompt is a few tokens, so pruning the last layer to
+        the used rows (and its cross-attention spans with them) would save next to nothing."""
         hidden = inputs_embeds + self.embed_positions(positions)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             spans = [(start, end, state[index]) for start, end, state in cross_states]
             hidden = layer(hidden, kv_cache, meta, spans)
+        if outputs is not None:
+            hidden = hidden[outputs.rows]
         return self.layer_norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

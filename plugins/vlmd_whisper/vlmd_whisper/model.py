@@ -97,8 +97,8 @@ class WhisperModel(nn.Module):
     def prepare_cross_attention(self, encoder_output: torch.Tensor) -> CrossState:
         return self.decoder.cross_attention_state(encoder_output)
 
-    def forward(self, inputs_embeds, positions, meta, kv_caches, cross_states) -> torch.Tensor:
-        return self.decoder(inputs_embeds, positions, meta, kv_caches, cross_states)
+    def forward(self, inputs_embeds, positions, meta, kv_caches, cross_states, outputs=None) -> torch.Tensor:
+        return self.decoder(inputs_embeds, positions, meta, kv_caches, cross_states, outputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.compute_logits(hidden)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
+from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, SequenceChunk, write_kv
 from vlmd.layers.attention.registry import attention_backend_for, register_attention_backend
 
 
@@ -27,6 +27,7 @@ def paged_attention(
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "OutputRows",
     "SequenceChunk",
     "attention_backend_for",
     "paged_attention",

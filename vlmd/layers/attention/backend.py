@@ -36,6 +36,18 @@ class AttentionMetadata:
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
 
 
+@dataclass
+class OutputRows:
+    """The rows of a step whose final hidden states are used: the last new token of each
+    sequence that samples. Every other row's output in the decoder's last layer feeds
+    nothing (its K/V do: they go to the cache), so that layer runs only these rows, which
+    attend as decodes do, each after its whole sequence so far (``meta``).
+    """
+
+    rows: torch.Tensor  # [R] rows of the flattened batch, in batch order
+    meta: AttentionMetadata | None  # the R rows as decodes; None when R is 0
+
+
 class AttentionBackend:
     """Base class: ``prepare_metadata`` once per step, ``forward`` once per layer."""
 
@@ -60,6 +72,19 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         raise NotImplementedError
+
+    def prepare_output_rows(self, used: list[tuple[int, SequenceChunk]], num_rows: int) -> OutputRows | None:
+        """``used``: (row, its chunk) for each row whose output is used, the row being its
+        chunk's last token, in batch order; ``num_rows``: the step's rows. None where the
+        last layer would skip nothing (every row is used) or a used row is its sequence's
+        first token (a decode has some context before it)."""
+        if len(used) == num_rows or any(chunk.start + chunk.count == 1 for _, chunk in used):
+            return None
+        rows = torch.tensor([row for row, _ in used], dtype=torch.long)
+        if not used:
+            return OutputRows(rows, None)
+        as_decodes = [SequenceChunk(chunk.block_ids, chunk.start + chunk.count - 1, 1) for _, chunk in used]
+        return OutputRows(rows, self.prepare_metadata(as_decodes, num_decodes=len(as_decodes)))
 
     def slot_mapping(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """The cache slot of every new token, in batch order."""
