@@ -5,7 +5,7 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX=""
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLMD_CACHE_DIR=/var/cache/vlmd
 WORKDIR /opt/vlmd
-# A C compiler: vlmd builds its native kernels (attention, small linear products) for the host it runs on,
+# A C compiler: vlmd builds its native kernels (attention, small linear products, elementwise) for the host it runs on,
 # at start-up (vlmd/layers/native/build.py); without one it serves through torch ops.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./

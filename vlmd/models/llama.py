@@ -23,6 +23,7 @@ from vlmd.layers.linear import (
     RowParallelLinear,
     TPGroup,
 )
+from vlmd.layers.native import elementwise
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from vlmd.models.base import KVSpec
@@ -55,8 +56,17 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata, outputs: OutputRows | None = None):
         """[T, hidden] -> [T, hidden], or with ``outputs`` -> [R, hidden] for its rows alone."""
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(hidden)
+        if elementwise.serves(qkv):
+            # q's and k's heads are adjacent in each row: one in-place pass rotates both.
+            elementwise.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos[:, 0], sin[:, 0])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(tokens, self.num_heads, self.head_dim)
+            k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if outputs is not None:
             # Every row's K/V go to the cache (later tokens attend to them); only the used
@@ -66,9 +76,8 @@ class LlamaAttention(nn.Module):
             rows = outputs.rows
             if outputs.meta is None:  # no row of this step is used (chunks that sample nothing)
                 return hidden.new_empty(0, hidden.shape[1])
-            q, k, v, cos, sin, meta = q[rows], k[rows], v[rows], cos[rows], sin[rows], outputs.meta
+            q, k, v, meta = q[rows], k[rows], v[rows], outputs.meta
             tokens = rows.shape[0]
-        q = apply_rotary(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)
         attended = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(attended.reshape(tokens, self.q_size))
 
@@ -85,7 +94,10 @@ class LlamaMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and elementwise.serves(gate_up):
+            return self.down_proj(elementwise.silu_mul(gate_up, self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -97,12 +109,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta, outputs: OutputRows | None = None) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta, outputs)
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta, outputs: OutputRows | None = None):
+        """``hidden``: the previous layer's MLP output, to be added to ``residual``, the
+        running sum (None at the first layer, where ``hidden`` is the embeddings). Returns
+        this layer's (MLP output, running sum before it): each add happens inside the next
+        norm, fused with it. The running sum is updated in place, so at the first layer it
+        starts as a copy (the embeddings are the caller's)."""
+        if residual is None:
+            residual = hidden.clone()
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(residual, hidden)
+        attended = self.self_attn(normed, cos, sin, kv_cache, meta, outputs)
         if outputs is not None:
-            hidden = hidden[outputs.rows]
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            residual = residual[outputs.rows]
+        normed, residual = self.post_attention_layernorm.add_forward(residual, attended)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,11 +176,11 @@ class LlamaForCausalLM(nn.Module):
         last layer runs only those rows (in a prefill of n tokens, 1/n of its work but the
         K/V product; the small LLaVA's last layer is ~1/9 of its decoder)."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        hidden = inputs_embeds
+        hidden, residual = inputs_embeds, None
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, outputs if index == last else None)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, outputs if index == last else None)
+        return self.norm.add_forward(residual, hidden)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,78 @@
+"""The binding of ``elementwise.c``: residual add + RMSNorm, rotary in place, SiLU * up.
+
+Each function serves float32 CPU tensors whose rows are contiguous (rows may be strided);
+``serves(*tensors)`` says whether a call would, and the layers keep their torch ops for
+everything else (another dtype or device, or where the kernel did not build).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vlmd.layers.native.build import load_functions
+
+_POINTER, _INT, _WIDE, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "vlmd_add_rms_norm": ([_POINTER, _WIDE, _POINTER, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _FLOAT, _INT],
+                          _INT),
+    "vlmd_rotary": ([_POINTER, _WIDE, _WIDE, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _INT], _INT),
+    "vlmd_silu_mul": ([_POINTER, _WIDE, _POINTER, _WIDE, _WIDE, _WIDE, _INT], _INT),
+}
+
+
+def _kernel() -> dict | None:
+    return load_functions("elementwise", _SIGNATURES)
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Float32 CPU tensors of 2 dimensions with contiguous rows, and a kernel built here."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+               for t in tensors) and _kernel() is not None
+
+
+def _checked(code: int, what: str) -> None:
+    if code != 0:
+        raise ValueError(f"native {what} cannot serve these tensors (code {code})")
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``hidden += delta`` in place (when given), then RMSNorm of ``hidden`` times ``weight``,
+    as a new [rows, width] tensor."""
+    rows, width = hidden.shape
+    if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
+        raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
+                         f"and weight {tuple(weight.shape)} do not match")
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(rows, width, dtype=torch.float32)
+    _checked(_kernel()["vlmd_add_rms_norm"](
+        hidden.data_ptr(), hidden.stride(0), None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), width, rows, width, eps,
+        torch.get_num_threads()), "RMSNorm")
+    return out
+
+
+def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half rotary embedding in place on the first ``heads`` heads of size ``dim`` of
+    each row of ``x`` [rows, >= heads * dim]; ``cos``/``sin`` [rows, dim] (one row a token)."""
+    rows = x.shape[0]
+    if x.shape[1] < heads * dim or cos.shape != (rows, dim) or sin.shape != cos.shape or sin.stride() != cos.stride():
+        raise ValueError(f"rotary of {heads} heads of {dim} over {tuple(x.shape)} with tables {tuple(cos.shape)}")
+    _checked(_kernel()["vlmd_rotary"](x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(),
+                                      cos.stride(0), rows, torch.get_num_threads()), "rotary")
+
+
+def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """``silu(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor."""
+    rows = gate_up.shape[0]
+    if gate_up.shape[1] < 2 * width:
+        raise ValueError(f"gate and up of {width} each do not fit rows of {gate_up.shape[1]}")
+    out = torch.empty(rows, width, dtype=torch.float32)
+    _checked(_kernel()["vlmd_silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width,
+                                        torch.get_num_threads()), "SiLU")
+    return out
