@@ -18,8 +18,9 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if elementwise.serves(x, self.weight.unsqueeze(0)):
-            return elementwise.add_rms_norm(x, None, self.weight, self.eps)
+        weight = self.weight
+        if elementwise.serves(x) and weight.dtype == torch.float32 and weight.is_cpu:
+            return elementwise.add_rms_norm(x, None, weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -28,7 +29,8 @@ class RMSNorm(torch.nn.Module):
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of ``residual + delta``, that sum). The native kernel adds into
         ``residual`` in place, so the caller hands over a residual it owns."""
-        if elementwise.serves(residual, delta, self.weight.unsqueeze(0)):
-            return elementwise.add_rms_norm(residual, delta, self.weight, self.eps), residual
+        weight = self.weight
+        if elementwise.serves(residual, delta) and weight.dtype == torch.float32 and weight.is_cpu:
+            return elementwise.add_rms_norm(residual, delta, weight, self.eps), residual
         residual = residual + delta
         return self.forward(residual), residual
