@@ -94,6 +94,12 @@ def test_bad_shapes_raise_and_other_dtypes_are_not_served():
         elementwise.silu_mul(torch.randn(2, 10), 6)
     with pytest.raises(ValueError):
         elementwise.rotary_(torch.randn(2, 16), 2, 8, torch.randn(3, 8), torch.randn(3, 8))
+    with pytest.raises(ValueError):  # tables of another dtype would be misread
+        elementwise.rotary_(torch.randn(2, 16), 2, 8, torch.randn(2, 8).double(), torch.randn(2, 8).double())
+    with pytest.raises(ValueError):
+        elementwise.add_rms_norm(torch.randn(2, 8), None, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError):
+        elementwise.silu_mul(torch.randn(12, 2).t(), 6)
     assert not elementwise.serves(torch.randn(2, 8, dtype=torch.bfloat16))
     assert not elementwise.serves(torch.randn(8, 2).t())  # rows not contiguous
     assert not elementwise.serves(torch.randn(8))

@@ -47,6 +47,12 @@ def serves(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _require_rows(*tensors: torch.Tensor) -> None:
+    """The kernels read raw memory: anything but float32 CPU rows would be misread."""
+    if not serves(*tensors):
+        raise ValueError("the native elementwise kernels take float32 CPU tensors [rows, width] with contiguous rows")
+
+
 def _checked(code: int, what: str) -> None:
     if code != 0:
         raise ValueError(f"native {what} cannot serve these tensors (code {code})")
@@ -55,6 +61,7 @@ def _checked(code: int, what: str) -> None:
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``hidden += delta`` in place (when given), then RMSNorm of ``hidden`` times ``weight``,
     as a new [rows, width] tensor."""
+    _require_rows(hidden, weight.view(1, -1), *(() if delta is None else (delta,)))
     rows, width = hidden.shape
     if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
         raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
@@ -71,6 +78,7 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
 def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half rotary embedding in place on the first ``heads`` heads of size ``dim`` of
     each row of ``x`` [rows, >= heads * dim]; ``cos``/``sin`` [rows, dim] (one row a token)."""
+    _require_rows(x, cos, sin)
     rows = x.shape[0]
     if x.shape[1] < heads * dim or cos.shape != (rows, dim) or sin.shape != cos.shape or sin.stride() != cos.stride():
         raise ValueError(f"rotary of {heads} heads of {dim} over {tuple(x.shape)} with tables {tuple(cos.shape)}")
@@ -80,6 +88,7 @@ def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     """``silu(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor."""
+    _require_rows(gate_up)
     rows = gate_up.shape[0]
     if gate_up.shape[1] < 2 * width:
         raise ValueError(f"gate and up of {width} each do not fit rows of {gate_up.shape[1]}")
