@@ -193,3 +193,22 @@ def test_the_decode_products_are_not_timed_past_their_budget():
     assert [c.name for c in layers[0].kernel.choices] == ["packed"] * 3
     decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=100.0)
     assert decided["native_buckets"] == ["M<=4", "M<=32"]
+
+
+@needs_kernel
+def test_the_decode_products_are_timed_even_when_the_shapes_used_the_budget(monkeypatch):
+    """A slow start-up's per-shape timing may use the whole budget; the decode products
+    still get their own minimum, or the kernel would go untimed for the server's life."""
+    budgets = []
+    real = selection.choose_small_products
+
+    def recording(layers, **options):
+        budgets.append(options["budget_s"])
+        return real(layers, **options)
+
+    monkeypatch.setattr(selection, "choose_small_products", recording)
+    model = torch.nn.Sequential(ReplicatedLinear(64, 256), ReplicatedLinear(256, 64))
+    with torch.inference_mode():
+        report = selection.select_linear_kernels(model, "auto", budget_s=0.0)
+    assert budgets and budgets[0] >= selection.SMALL_PRODUCTS_MIN_S
+    assert "native" in report["sequence_ms"]["M1"]  # timed, whatever it chose
