@@ -211,4 +211,4 @@ def test_the_decode_products_are_timed_even_when_the_shapes_used_the_budget(monk
     with torch.inference_mode():
         report = selection.select_linear_kernels(model, "auto", budget_s=0.0)
     assert budgets and budgets[0] >= selection.SMALL_PRODUCTS_MIN_S
-    assert "native" in report["sequence_ms"]["M1"]  # timed, whatever it chose
+    assert report["sequence_ms"]["M1"]  # timed, whatever it chose

@@ -30,16 +30,16 @@ _available: bool | None = None  # whether the kernel built here, asked once
 
 
 def available() -> bool:
-    return _kernel() is not None
+    global _available
+    if _available is None:
+        _available = _kernel() is not None
+    return _available
 
 
 def serves(*tensors: torch.Tensor) -> bool:
     """Float32 CPU tensors of 2 dimensions with contiguous rows, and a kernel built here.
     (Asked ~40 times a decode step: a plain loop, no generator.)"""
-    global _available
-    if _available is None:
-        _available = _kernel() is not None
-    if not _available:
+    if not available():
         return False
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1:
@@ -66,7 +66,6 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
         raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
                          f"and weight {tuple(weight.shape)} do not match")
-    weight = weight if weight.is_contiguous() else weight.contiguous()
     out = torch.empty(rows, width, dtype=torch.float32)
     _checked(_kernel()["vlmd_add_rms_norm"](
         hidden.data_ptr(), hidden.stride(0), None if delta is None else delta.data_ptr(),
