@@ -218,3 +218,17 @@ def test_a_padded_product_keeps_its_own_rows(monkeypatch, shape):
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     kernel(torch.randn(7, 80), bias)  # as many rows as the padding, or more: as it is
     assert seen[-1] == 7
+
+
+def test_packing_is_offered_only_where_onednn_packs_the_dtype():
+    # Where oneDNN cannot pack a dtype on this host (bfloat16 without AVX-512), the seam must
+    # not offer the packed kernels: selecting one would raise at load time.
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(32, 16).to(dtype)
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            packs = True
+        except (RuntimeError, AttributeError):
+            packs = False
+        assert packing_available(weight) == (packs and torch.backends.mkldnn.is_available())
+    assert not packing_available(torch.zeros(4, 4, dtype=torch.float16))

@@ -21,6 +21,7 @@ rounding (oneDNN sums in a different order), which tests/test_linear.py bounds.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,13 +57,24 @@ NATIVE = KernelChoice(packed=True, threads=None, native=True)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    return weight.device.type == "cpu" and _packing_works(weight.dtype)
+
+
+@functools.cache
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this host. Tried, not inferred from the
+    CPU flags: its bfloat16 packing needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises
+    on an AVX2-only host (AMD EPYC family 25 model 1), where bfloat16 then keeps the plain
+    product."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        pack_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
