@@ -196,6 +196,17 @@ def test_the_decode_products_are_not_timed_past_their_budget():
     assert decided["native_buckets"] == ["M<=4", "M<=32"]
 
 
+def test_each_small_bucket_gets_its_share_of_the_budget():
+    # A pass at M = 1 costs 1 s (four candidates a round: 4 s); 12 s would let M = 1 run its
+    # warm-up and two rounds and leave M = 8 nothing, were the budget not shared out.
+    now = [0.0]
+    costs = lambda rows, pad, native: 0.5 if native else 1.0  # noqa: E731
+    layers = _layers(now, costs, count=1)
+    decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=18.0)
+    assert set(decided["sequence_ms"]) == {"M1", "M8"} and decided["sequence_ms"]["M8"]
+    assert decided["native_buckets"] == ["M<=4", "M<=32"]
+
+
 @needs_kernel
 def test_the_decode_products_are_timed_even_when_the_shapes_used_the_budget(monkeypatch):
     """A slow start-up's per-shape timing may use the whole budget; the decode products

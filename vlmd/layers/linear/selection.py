@@ -113,8 +113,9 @@ PAD_MARGIN = 1.03  # padding is kept only when it beats no padding by more than 
 NATIVE_MARGIN = 1.03  # vlmd's kernel is kept only when it beats oneDNN's best by more than this
 SMALL_BUCKETS = tuple(range(len(M_BUCKETS) - 1))  # the buckets vlmd's kernel may take
 # The least time the decode products get for their timing, whatever the per-shape timing
-# left: a warm-up and a few rounds of the small LLaVA's products at M = 1 and 8 (~17 ms a pass).
-SMALL_PRODUCTS_MIN_S = 0.75
+# left: a warm-up and a few rounds of the small LLaVA's products at M = 1 and 8 (~17 ms a
+# pass on an AVX-512 AMD EPYC family 25 model 17, ~40 at M = 1 on an AVX2-only model 1).
+SMALL_PRODUCTS_MIN_S = 1.5
 
 
 def _with_small(choices: tuple[KernelChoice, ...], choice: KernelChoice, buckets=SMALL_BUCKETS) -> tuple:
@@ -145,8 +146,13 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
         return decided
     deadline = clock() + budget_s
     native = [layer for layer in layers if layer.kernel.panels is not None]
-    for bucket in SMALL_BUCKETS:
+    for index, bucket in enumerate(SMALL_BUCKETS):
         rows = M_BUCKETS[bucket][1]
+        # An equal share of what is left for each bucket still to time: on a host where a
+        # pass is slow (40 ms at M = 1 on an AVX2-only AMD EPYC family 25 model 1, with
+        # four candidates a round) M = 1 took the whole budget and M = 8 was never timed.
+        now = clock()
+        bucket_deadline = now + max(deadline - now, 0.0) / (len(SMALL_BUCKETS) - index)
         baseline = {id(layer): layer.kernel.choices for layer in layers}
         padded = [layer for layer in layers if layer.kernel.packed is not None and layer.kernel.choices[bucket].packed
                   and not layer.kernel.choices[bucket].native]
@@ -165,7 +171,7 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
             variants += [("onednn", pad) for pad in PAD_CANDIDATES if pad > rows]
         if native:
             variants.append(("native", 0))
-        typical = _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadline)
+        typical = _time_in_model_order(layers, rows, variants, configure, rounds, clock, bucket_deadline)
         decided["sequence_ms"][f"M{rows}"] = {f"{kind}" + (f"+pad{pad}" if pad else ""): round(ms * 1e3, 3)
                                                for (kind, pad), ms in typical.items() if ms != float("inf")}
         onednn = [v for v in variants if v[0] == "onednn"]
