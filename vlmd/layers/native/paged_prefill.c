@@ -60,68 +60,101 @@ typedef struct {
     int causal;
 } Keys;
 
+#define ROWS 4 /* query tokens per tile */
+
+/* The scores of one chunk of keys [k0, k0 + KEYS) for a tile's ROWS rows (qs: the rows'
+ * queries, scaled, dim floats apart; rows past the tile's are zero): 32 a row on AVX-512,
+ * 16 on AVX2, KEY_VECTORS vectors summed over the head size with one broadcast query value
+ * per row and step (no horizontal sums). Inlined into each tile with its constant head size. */
+static inline __attribute__((always_inline)) void chunk_scores(const Keys *keys, const float *qs, int dim,
+                                                               const float *kt, int k0, vf s[ROWS][KEY_VECTORS]) {
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < KEY_VECTORS; j++) s[r][j] = (vf){0};
+    for (int d = 0; d < dim; d++) {
+        vf column[KEY_VECTORS];
+        for (int j = 0; j < KEY_VECTORS; j++) column[j] = *(const vfu *)(kt + d * keys->kt_stride + k0 + j * W);
+        for (int r = 0; r < ROWS; r++) {
+            const float value = qs[r * dim + d];
+            for (int j = 0; j < KEY_VECTORS; j++) s[r][j] += value * column[j];
+        }
+    }
+}
+
+/* Row r's online-softmax step over the chunk's scores s: masked past the row's last visible
+ * key (`visible` keys of the chunk), p gets its unnormalised weights (0 where masked), the
+ * running maximum and sum advance; returns what the row's earlier outputs must be scaled by. */
+static inline __attribute__((always_inline)) float softmax_row(vf s[KEY_VECTORS], int visible, vf p[KEY_VECTORS],
+                                                               float *max, float *sum) {
+    if (visible < KEYS)
+        for (int j = 0; j < KEY_VECTORS; j++)
+            for (int t = 0; t < W; t++)
+                if (j * W + t >= visible) s[j][t] = -INFINITY;
+    vf top = s[0];
+    for (int j = 1; j < KEY_VECTORS; j++) {
+        vi greater = s[j] > top;
+        top = (vf)(((vi)s[j] & greater) | ((vi)top & ~greater));
+    }
+    const float chunk_max = lanes_max(top);
+    const float new_max = chunk_max > *max ? chunk_max : *max;
+    const float correction = *max == -INFINITY ? 0.0f : expf(*max - new_max);
+    vf total_p = (vf){0};
+    for (int j = 0; j < KEY_VECTORS; j++) {
+        vf e = exp16(s[j] - new_max);
+        vi hidden = s[j] == -INFINITY; /* masked (and rows past `rows`: all zero q) */
+        p[j] = (vf)((vi)e & ~hidden);
+        total_p += p[j];
+    }
+    *sum = *sum * correction + lanes_sum(total_p);
+    *max = new_max;
+    return correction;
+}
+
+/* The address of the V row of `token` for this tile's KV head. */
+static inline const float *value_row(const Keys *keys, int token, int kv_head, int dim) {
+    return keys->v_cache +
+           ((int64_t)keys->table[token / keys->block_size] * keys->block_size + token % keys->block_size) *
+               keys->token_floats +
+           (int64_t)kv_head * dim;
+}
+
 /* rows (<= ROWS) query tokens of one head at positions pos0.., q rows q_stride floats
  * apart, against keys 0..(causal ? pos0 + r : total - 1); kt: this KV head's transposed
- * keys; out rows out_stride apart. */
-#define TILE(DIM, ROWS)                                                                                          \
+ * keys; out rows out_stride apart. Each tile keeps its rows' outputs o, scaled by each
+ * softmax step's correction, and adds each chunk's P x V into them. */
+#define TILE_START(DIM)                                                                                          \
     static void tile_##DIM(const Keys *keys, const float *q, int64_t q_stride, int rows, int pos0, int total,   \
                            const float *kt, int kv_head, float scale, float *out, int64_t out_stride) {          \
         enum { DV = DIM / W };                                                                                   \
-        vf o[ROWS][DV];                                                                                          \
-        float maxes[ROWS], sums[ROWS], qs[ROWS][DIM];                                                            \
+        float maxes[ROWS], sums[ROWS], qs[ROWS][DIM];                                                           \
+        vf p[ROWS][KEY_VECTORS];                                                                                 \
         for (int r = 0; r < ROWS; r++) {                                                                         \
-            for (int c = 0; c < DV; c++) o[r][c] = (vf){0};                                                      \
             maxes[r] = -INFINITY;                                                                                \
             sums[r] = 0.0f;                                                                                      \
-            for (int d = 0; d < DIM; d++) qs[r][d] = r < rows ? q[r * q_stride + d] * scale : 0.0f;             \
+            for (int d = 0; d < DIM; d++) qs[r][d] = r < rows ? q[r * q_stride + d] * scale : 0.0f;      \
         }                                                                                                        \
-        const int end = keys->causal ? pos0 + rows : total; /* keys [0, end) */                               \
+        const int end = keys->causal ? pos0 + rows : total; /* keys [0, end) */
+
+#ifdef __AVX512F__
+/* Four rows' outputs (ROWS x DIM / 16 vectors) stay in registers. Head sizes above 64
+ * have no copy: with two rows a tile (all that fits the registers) this kernel ran
+ * Qwen2-VL's causal 1,000-token shape (12 / 2 heads of 128) at 0.76x torch's flash. */
+#define TILE(DIM)                                                                                                \
+    TILE_START(DIM)                                                                                              \
+        vf o[ROWS][DV];                                                                                          \
+        for (int r = 0; r < ROWS; r++)                                                                           \
+            for (int c = 0; c < DV; c++) o[r][c] = (vf){0};                                                      \
         for (int k0 = 0; k0 < end; k0 += KEYS) {                                                                 \
             vf s[ROWS][KEY_VECTORS];                                                                             \
-            for (int r = 0; r < ROWS; r++)                                                                       \
-                for (int j = 0; j < KEY_VECTORS; j++) s[r][j] = (vf){0};                                         \
-            for (int d = 0; d < DIM; d++) {                                                                      \
-                vf column[KEY_VECTORS];                                                                          \
-                for (int j = 0; j < KEY_VECTORS; j++) column[j] = *(const vfu *)(kt + d * keys->kt_stride + k0 + j * W); \
-                for (int r = 0; r < ROWS; r++) {                                                                 \
-                    const float value = qs[r][d];                                                                \
-                    for (int j = 0; j < KEY_VECTORS; j++) s[r][j] += value * column[j];                          \
-                }                                                                                                \
-            }                                                                                                    \
-            vf p[ROWS][KEY_VECTORS];                                                                             \
+            chunk_scores(keys, &qs[0][0], DIM, kt, k0, s);                                                       \
             for (int r = 0; r < ROWS; r++) {                                                                     \
-                /* keys k0 + t with t < visible count for this row */                                            \
-                const int visible = (keys->causal ? pos0 + r + 1 : total) - k0;                                  \
-                if (visible < KEYS)                                                                              \
-                    for (int j = 0; j < KEY_VECTORS; j++)                                                        \
-                        for (int t = 0; t < W; t++)                                                              \
-                            if (j * W + t >= visible) s[r][j][t] = -INFINITY;                                    \
-                vf top = s[r][0];                                                                                \
-                for (int j = 1; j < KEY_VECTORS; j++) {                                                          \
-                    vi greater = s[r][j] > top;                                                                  \
-                    top = (vf)(((vi)s[r][j] & greater) | ((vi)top & ~greater));                                  \
-                }                                                                                                \
-                const float chunk_max = lanes_max(top);                                                          \
-                const float new_max = chunk_max > maxes[r] ? chunk_max : maxes[r];                               \
-                const float correction = maxes[r] == -INFINITY ? 0.0f : expf(maxes[r] - new_max);               \
-                vf total_p = (vf){0};                                                                            \
-                for (int j = 0; j < KEY_VECTORS; j++) {                                                          \
-                    vf e = exp16(s[r][j] - new_max);                                                             \
-                    vi hidden = s[r][j] == -INFINITY; /* masked (and rows past `rows`: all zero q) */            \
-                    p[r][j] = (vf)((vi)e & ~hidden);                                                             \
-                    total_p += p[r][j];                                                                          \
-                }                                                                                                \
-                sums[r] = sums[r] * correction + lanes_sum(total_p);                                             \
-                maxes[r] = new_max;                                                                              \
+                const int visible = (keys->causal ? pos0 + r + 1 : total) - k0; /* of the chunk's keys */       \
+                const float correction = softmax_row(s[r], visible, p[r], &maxes[r], &sums[r]);                  \
                 if (correction != 1.0f)                                                                          \
                     for (int c = 0; c < DV; c++) o[r][c] *= correction;                                          \
             }                                                                                                    \
             const int count = end - k0 < KEYS ? end - k0 : KEYS;                                                 \
             for (int t = 0; t < count; t++) {                                                                    \
-                const int token = k0 + t;                                                                        \
-                const float *row = keys->v_cache +                                                               \
-                    ((int64_t)keys->table[token / keys->block_size] * keys->block_size + token % keys->block_size) \
-                    * keys->token_floats + (int64_t)kv_head * DIM;                                               \
+                const float *row = value_row(keys, k0 + t, kv_head, DIM);                                        \
                 vf value[DV];                                                                                    \
                 for (int c = 0; c < DV; c++) value[c] = *(const vfu *)(row + c * W);                             \
                 for (int r = 0; r < ROWS; r++) {                                                                 \
@@ -135,96 +168,45 @@ typedef struct {
             for (int c = 0; c < DV; c++) *(vfu *)(out + r * out_stride + c * W) = o[r][c] * inverse;             \
         }                                                                                                        \
     }
-
-#ifdef __AVX512F__
-/* Rows per tile: their outputs (ROWS x DIM / 16 vectors) stay in registers. Head sizes
- * above 64 have no copy: with two rows a tile (all that fits the registers) this kernel ran
- * Qwen2-VL's causal 1,000-token shape (12 / 2 heads of 128) at 0.76x torch's flash. */
-TILE(16, 4)
-TILE(32, 4)
-TILE(64, 4)
 #else
 /* AVX2 has 16 vector registers of 8 floats: four rows of a 64-wide head's outputs alone
  * would take 32, and the tile above, built for AVX2, spilled its outputs and scores on
  * every step (the small LLaVA's whole 600-token prefill took 2.1 s with it against 1.1 s
  * with torch's flash, AMD EPYC family 25 model 1). Here the outputs live in an L1 buffer
  * and each chunk's P x V runs as a small product over two output vectors at a time: 8
- * accumulators, 2 value loads and 4 broadcasts per key. The scores are as above. The
- * 600-token shape above, alternated in one process (same host): this tile 13.1 ms, torch's
- * causal flash 14.8 (2,000 tokens: 130 against 90: torch's blocked products win there;
- * three rows of 32 keys a chunk were no faster). */
-#define MEM_ROWS 4
-#define MEM_TILE(DIM)                                                                                            \
-    static void tile_##DIM(const Keys *keys, const float *q, int64_t q_stride, int rows, int pos0, int total,   \
-                           const float *kt, int kv_head, float scale, float *out, int64_t out_stride) {          \
-        enum { DV = DIM / W, ROWS = MEM_ROWS };                                                                  \
+ * accumulators, 2 value loads and 4 broadcasts per key. The 600-token shape above,
+ * alternated in one process (same host): this tile 13.1 ms, torch's causal flash 14.8
+ * (2,000 tokens: 130 against 90: torch's blocked products win there; three rows of 32 keys
+ * a chunk were no faster). */
+#define TILE(DIM)                                                                                                \
+    TILE_START(DIM)                                                                                              \
         float o[ROWS][DIM] __attribute__((aligned(32)));                                                         \
         float weights[ROWS][KEYS] __attribute__((aligned(32)));                                                  \
-        float maxes[ROWS], sums[ROWS], qs[ROWS][DIM];                                                            \
         const float *value_rows[KEYS];                                                                           \
-        for (int r = 0; r < ROWS; r++) {                                                                         \
+        for (int r = 0; r < ROWS; r++)                                                                           \
             for (int d = 0; d < DIM; d++) o[r][d] = 0.0f;                                                        \
-            maxes[r] = -INFINITY;                                                                                \
-            sums[r] = 0.0f;                                                                                      \
-            for (int d = 0; d < DIM; d++) qs[r][d] = r < rows ? q[r * q_stride + d] * scale : 0.0f;             \
-        }                                                                                                        \
-        const int end = keys->causal ? pos0 + rows : total; /* keys [0, end) */                               \
         for (int k0 = 0; k0 < end; k0 += KEYS) {                                                                 \
             vf s[ROWS][KEY_VECTORS];                                                                             \
-            for (int r = 0; r < ROWS; r++)                                                                       \
-                for (int j = 0; j < KEY_VECTORS; j++) s[r][j] = (vf){0};                                         \
-            for (int d = 0; d < DIM; d++) {                                                                      \
-                vf column[KEY_VECTORS];                                                                          \
-                for (int j = 0; j < KEY_VECTORS; j++) column[j] = *(const vfu *)(kt + d * keys->kt_stride + k0 + j * W); \
-                for (int r = 0; r < ROWS; r++) {                                                                 \
-                    const float value = qs[r][d];                                                                \
-                    for (int j = 0; j < KEY_VECTORS; j++) s[r][j] += value * column[j];                          \
-                }                                                                                                \
-            }                                                                                                    \
+            chunk_scores(keys, &qs[0][0], DIM, kt, k0, s);                                                       \
             for (int r = 0; r < ROWS; r++) {                                                                     \
                 const int visible = (keys->causal ? pos0 + r + 1 : total) - k0;                                  \
-                if (visible < KEYS)                                                                              \
-                    for (int j = 0; j < KEY_VECTORS; j++)                                                        \
-                        for (int t = 0; t < W; t++)                                                              \
-                            if (j * W + t >= visible) s[r][j][t] = -INFINITY;                                    \
-                vf top = s[r][0];                                                                                \
-                for (int j = 1; j < KEY_VECTORS; j++) {                                                          \
-                    vi greater = s[r][j] > top;                                                                  \
-                    top = (vf)(((vi)s[r][j] & greater) | ((vi)top & ~greater));                                  \
-                }                                                                                                \
-                const float chunk_max = lanes_max(top);                                                          \
-                const float new_max = chunk_max > maxes[r] ? chunk_max : maxes[r];                               \
-                const float correction = maxes[r] == -INFINITY ? 0.0f : expf(maxes[r] - new_max);               \
-                vf total_p = (vf){0};                                                                            \
-                for (int j = 0; j < KEY_VECTORS; j++) {                                                          \
-                    vf e = exp16(s[r][j] - new_max);                                                             \
-                    vi hidden = s[r][j] == -INFINITY;                                                            \
-                    vf p = (vf)((vi)e & ~hidden);                                                                \
-                    *(vf *)(weights[r] + j * W) = p;                                                             \
-                    total_p += p;                                                                                \
-                }                                                                                                \
-                sums[r] = sums[r] * correction + lanes_sum(total_p);                                             \
-                maxes[r] = new_max;                                                                              \
+                const float correction = softmax_row(s[r], visible, p[r], &maxes[r], &sums[r]);                  \
+                for (int j = 0; j < KEY_VECTORS; j++) *(vf *)(weights[r] + j * W) = p[r][j];                     \
                 if (correction != 1.0f)                                                                          \
                     for (int d = 0; d < DIM; d++) o[r][d] *= correction;                                         \
             }                                                                                                    \
             const int count = end - k0 < KEYS ? end - k0 : KEYS;                                                 \
-            for (int t = 0; t < count; t++) {                                                                    \
-                const int token = k0 + t;                                                                        \
-                value_rows[t] = keys->v_cache +                                                                  \
-                    ((int64_t)keys->table[token / keys->block_size] * keys->block_size + token % keys->block_size) \
-                    * keys->token_floats + (int64_t)kv_head * DIM;                                               \
-            }                                                                                                    \
+            for (int t = 0; t < count; t++) value_rows[t] = value_row(keys, k0 + t, kv_head, DIM);               \
             for (int c = 0; c < DV; c += 2) {                                                                    \
                 vf acc[ROWS][2];                                                                                 \
                 for (int r = 0; r < ROWS; r++)                                                                   \
                     for (int j = 0; j < 2; j++) acc[r][j] = *(const vf *)(o[r] + (c + j) * W);                   \
                 for (int t = 0; t < count; t++) {                                                                \
-                    const vf v0 = *(const vfu *)(value_rows[t] + c * W), v1 = *(const vfu *)(value_rows[t] + (c + 1) * W); \
+                    const vf v0 = *(const vfu *)(value_rows[t] + c * W);                                         \
+                    const vf v1 = *(const vfu *)(value_rows[t] + (c + 1) * W);                                   \
                     for (int r = 0; r < ROWS; r++) {                                                             \
-                        const float weight = weights[r][t];                                                      \
-                        acc[r][0] += weight * v0;                                                                \
-                        acc[r][1] += weight * v1;                                                                \
+                        acc[r][0] += weights[r][t] * v0;                                                         \
+                        acc[r][1] += weights[r][t] * v1;                                                         \
                     }                                                                                            \
                 }                                                                                                \
                 for (int r = 0; r < ROWS; r++)                                                                   \
@@ -236,10 +218,10 @@ TILE(64, 4)
             for (int d = 0; d < DIM; d++) out[r * out_stride + d] = o[r][d] * inverse;                           \
         }                                                                                                        \
     }
-MEM_TILE(16)
-MEM_TILE(32)
-MEM_TILE(64)
 #endif
+TILE(16)
+TILE(32)
+TILE(64)
 
 typedef void (*Tile)(const Keys *, const float *, int64_t, int, int, int, const float *, int, float, float *, int64_t);
 
