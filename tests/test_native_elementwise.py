@@ -151,3 +151,16 @@ def test_the_decoder_gives_the_same_states_through_either_path(monkeypatch):
     assert torch.equal(embeds, kept)
     monkeypatch.setattr(elementwise, "serves", lambda *tensors: False)
     torch.testing.assert_close(native, run(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_elementwise_calls_keep_the_gil_and_the_attention_calls_release_it():
+    """Microsecond calls keep the GIL (ctypes' PYTHONAPI flag, as PyDLL sets it): releasing
+    it let the event loop's thread take it and the engine wait for it back."""
+    import ctypes
+
+    from vlmd.layers.native import paged_decode
+
+    for function in elementwise._kernel().values():
+        assert function._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    if paged_decode.available():
+        assert not paged_decode._kernel()._flags_ & ctypes._FUNCFLAG_PYTHONAPI

@@ -85,9 +85,14 @@ def _build(name: str, cc: str) -> Path:
     return target
 
 
-def load_native(name: str) -> ctypes.CDLL | None:
+def load_native(name: str, hold_gil: bool = False) -> ctypes.CDLL | None:
     """The kernel library ``name`` (``<name>.c`` in this package), built on first use, or
-    None where it cannot be built here (logged once with the reason)."""
+    None where it cannot be built here (logged once with the reason).
+
+    ``hold_gil``: its functions keep the GIL while they run (``ctypes.PyDLL``) instead of
+    releasing it (``CDLL``). For kernels whose calls take microseconds: a released GIL
+    is taken by the event loop's thread (streaming the last token's chunks), and the
+    engine thread then waits for that thread's turn to end before its next op."""
     if name in _LOADED:
         return _LOADED[name]
     library = None
@@ -96,19 +101,20 @@ def load_native(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: native kernels are off, torch ops serve instead", kernel=name)
     else:
         try:
-            library = ctypes.CDLL(str(_build(name, cc)))
+            library = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(_build(name, cc)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             log.warning("a native kernel did not build: torch ops serve instead", kernel=name, reason=str(exc))
     _LOADED[name] = library
     return library
 
 
-def load_functions(name: str, signatures: dict[str, tuple[list, type]]) -> dict | None:
+def load_functions(name: str, signatures: dict[str, tuple[list, type]], hold_gil: bool = False) -> dict | None:
     """The functions of kernel ``name``, symbol -> ctypes function with its C signature
     (``signatures``: symbol -> (argument types, result type)) set: built and bound on
-    first use, then kept; None where the kernel cannot be built here."""
+    first use, then kept; None where the kernel cannot be built here. ``hold_gil``: as
+    for ``load_native``."""
     if name not in _BOUND:
-        library = load_native(name)
+        library = load_native(name, hold_gil)
         functions = None
         if library is not None:
             functions = {}

@@ -23,7 +23,10 @@ _SIGNATURES = {
 
 
 def _kernel() -> dict | None:
-    return load_functions("elementwise", _SIGNATURES)
+    # Holding the GIL: a call takes microseconds, less than waiting to take the GIL back
+    # from the event loop's thread (c8, one image repeated, servers alternated five times:
+    # 10.9 against 10.4 req/s, medians; docs/architecture.md).
+    return load_functions("elementwise", _SIGNATURES, hold_gil=True)
 
 
 _available: bool | None = None  # whether the kernel built here, asked once
