@@ -194,7 +194,8 @@ def _shared_case(groups, *, heads, kv_heads, dim, block_size, seed=0):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (4, 2, 40), (96, 8, 32)])
+# (10, 2, 64) and (6, 3, 96): KV heads whose queries are taken in batches of 3 and 2, and 2.
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (4, 2, 40), (96, 8, 32), (10, 2, 64), (6, 3, 96)])
 @pytest.mark.parametrize("part_tokens", [0, 16, 50])
 def test_decodes_sharing_a_prefix_read_it_once_for_all(heads, kv_heads, dim, part_tokens):
     # Two groups (one of 9: with 96 heads, two tiles of stacked queries), a decode of its
