@@ -293,8 +293,8 @@ static inline __attribute__((always_inline)) void attend_part_vec(
      * alternated in one process: 596 / 606 against 510 / 526 us), with the prefetches of
      * a batch's queries asked for at once. No more accumulators than 24 vectors of 8
      * (so 128-wide heads take one query at a time). */
-    const int query_batch = num_queries <= heads ? 1
-                            : QUERY_BATCH * DIM <= 192 ? QUERY_BATCH : (192 / DIM > 1 ? 192 / DIM : 1);
+    const int fitting = 192 / DIM > 1 ? 192 / DIM : 1;
+    const int query_batch = num_queries <= heads ? 1 : fitting < QUERY_BATCH ? fitting : QUERY_BATCH;
     int token = first;
     while (token < end) {
         const int count = chunk_tokens(s, token, end);
