@@ -63,11 +63,13 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # step, c8 x 620 tokens (10 MB) 12.3 vs 15.3 ms, c8 x 300 (5 MB) 4.8 vs 8.7, c2 x 2048
 # (8.4 MB) 8.6 vs 10.8, but c8 x 1024 (16.8 MB) 85.6 vs 23.4 ms.
 BATCHED_DECODE_BYTES = last_level_cache_bytes() * 3 // 8
-# Decodes sharing a prefix at least this long keep the torch cascade: there many stacked
-# queries meet every key, where torch's flash kernel computes faster than the native one's
-# per-token dot products (bench_attention.py, c8, 9 layers, torch / native ms per step:
-# sharing 600 tokens 4.47 / 3.34, 4k 14.2 / 17.1, 16k 68.8 / 78.8).
-NATIVE_SHARED_TOKENS = 2048
+# Decodes sharing a prefix at least this long keep the torch cascade: there torch's flash
+# kernel computes the many stacked queries against every key faster than the native
+# kernel's small products per KV head (bench_attention.py, c8, 9 layers, AMD EPYC fam 25
+# model 17, torch / native ms per step, the native kernel taking every shared length:
+# 4k 14.0 / 11.3, 8k 26.5 / 30.7, 16k 61.1 / 64.0; before the stacked products, with
+# per-token dot products, 4k was 14.2 / 17.1, and 2,048 was the bound).
+NATIVE_SHARED_TOKENS = 4096
 
 
 @dataclass

@@ -10,7 +10,8 @@
  * with long contexts are split into parts, merged exactly by the log-sum-exp rule, so
  * every thread has work. Decodes whose tables start with the same blocks (the prefix
  * cache's shared prompt) read those once for all of them (cascade): an item then stacks
- * the queries of several decodes, and each decode merges its shared and own parts.
+ * the queries of several decodes (attend_stacked: a small matrix product per KV head),
+ * and each decode merges its shared and own parts.
  *
  * Parallel over items with OpenMP: loaded into a process that already holds torch's
  * libgomp, the soname resolves to that runtime, and the calling thread reuses its team.
@@ -193,7 +194,10 @@ static inline float lane_sum(v8 v) {
  * chunk's work: all at once (a 32 KiB burst at the start of the chunk) they filled the
  * miss queues and stalled it. Cold caches, 9 layers' shape, alternated in one process:
  * c1 640 tokens 125-140 -> 108-119 us per layer, c1 4k 534-637 -> 474-537, c8 640
- * 693-855 -> 572-670 (one chunk ahead: 110-118, 497-539, 601-723). */
+ * 693-855 -> 572-670 (one chunk ahead: 110-118, 497-539, 601-723). Into L2, not L1: two
+ * chunks of K and V are 64 KiB, twice L1, and perf put a quarter of the kernel's samples
+ * on the L1 prefetches themselves (8 unshared decodes of 620 tokens, huge pages as the
+ * server has them: 712 / 796 -> 520 / 626 us per layer, hot / cold). */
 typedef struct {
     const char *keys, *values;
     int64_t lines, per_query;
@@ -217,84 +221,195 @@ static inline Upcoming upcoming_chunk(const Shape *s, const void *k_cache, const
 static inline void prefetch_share(const Upcoming *up, const char *base, int h) {
     if (base == NULL) return;
     const int64_t last = (h + 1) * up->per_query < up->lines ? (h + 1) * up->per_query : up->lines;
-    for (int64_t line = h * up->per_query; line < last; line++) __builtin_prefetch(base + line * 64, 0, 3);
+    for (int64_t line = h * up->per_query; line < last; line++) __builtin_prefetch(base + line * 64, 0, 2);
 }
 
-/* Queries of one KV head taken together (they are consecutive in an item: heads of one KV
- * head, then the next): each key and value row is loaded once for all of them, where one
- * query at a time loaded it once per query (a row load per multiply-add: the loads, not
- * the arithmetic, bounded the loop). QUERY_BATCH queries' accumulators must fit the
- * registers: with AVX-512's 32, three 64-wide heads' (24 of 8 floats); AVX2 keeps one. */
-#ifdef __AVX512F__
-#define QUERY_BATCH 3
-#define BATCH_CASES(CALL) case 3: { enum { N = 3 }; CALL; break; } case 2: { enum { N = 2 }; CALL; break; } \
-                          default: { enum { N = 1 }; CALL; break; }
-#else
-#define QUERY_BATCH 1
-#define BATCH_CASES(CALL) default: { enum { N = 1 }; CALL; break; }
-#endif
-
-/* Scores of NQ queries (q: [NQ, DIM], consecutive) against the chunk's keys (key0: the KV
- * head's columns of its first row, rows token_floats apart) into scores[0 .. NQ). */
-static inline __attribute__((always_inline)) void batch_scores(
-        const float *q, const int NQ, const float *key0, int count, int groups_of_8, int64_t token_floats,
-        const int DIM, v8 (*scores)[CHUNK / 8]) {
+/* One query's scores (q: [DIM]) against the chunk's keys (key0: the KV head's columns of
+ * its first row, rows token_floats apart), eight tokens' dot products at a time. */
+static inline __attribute__((always_inline)) void query_scores(
+        const float *q, const float *key0, int count, int groups_of_8, int64_t token_floats, const int DIM,
+        v8 *scores) {
     const v8 zero = {0};
     for (int c8 = 0; c8 < groups_of_8; c8++) {
-        v8 partial[QUERY_BATCH][8];
+        v8 partial[8];
         for (int i = 0; i < 8; i++) {
             const int t = c8 * 8 + i;
-            v8 sum[QUERY_BATCH];
-            for (int j = 0; j < NQ; j++) sum[j] = zero;
+            v8 sum = zero;
             if (t < count) {  /* rows past the chunk may lie past the cache */
                 const float *key = key0 + t * token_floats;
-                for (int d = 0; d < DIM; d += 8) {
-                    const v8 k = *(const v8u *)(key + d);
-                    for (int j = 0; j < NQ; j++) sum[j] += *(const v8u *)(q + j * DIM + d) * k;
-                }
+                for (int d = 0; d < DIM; d += 8) sum += *(const v8u *)(q + d) * *(const v8u *)(key + d);
             }
-            for (int j = 0; j < NQ; j++) partial[j][i] = sum[j];
+            partial[i] = sum;
         }
-        for (int j = 0; j < NQ; j++) scores[j][c8] = transpose_sums(partial[j]);
+        scores[c8] = transpose_sums(partial);
     }
 }
 
-/* acc[j] += sum over the chunk's tokens t of p[j][t] * value row t, for NQ queries
- * (acc: [NQ, DIM], consecutive; column: the KV head's columns of the first value row). */
-static inline __attribute__((always_inline)) void batch_values(
-        float *acc, const int NQ, const float *column, int count, int64_t token_floats, const int DIM,
-        const float (*p)[CHUNK]) {
-    v8 local[QUERY_BATCH][DIM / 8];
-    for (int j = 0; j < NQ; j++)
-        for (int c = 0; c < DIM / 8; c++) local[j][c] = *(const v8u *)(acc + j * DIM + c * 8);
+/* acc += sum over the chunk's tokens t of p[t] * value row t (column: the KV head's
+ * columns of the first value row), the accumulator in registers across the chunk. */
+static inline __attribute__((always_inline)) void query_values(
+        float *acc, const float *column, int count, int64_t token_floats, const int DIM, const float *p) {
+    v8 local[DIM / 8];
+    for (int c = 0; c < DIM / 8; c++) local[c] = *(const v8u *)(acc + c * 8);
+    for (int t = 0; t < count; t++) {
+        const float *value = column + t * token_floats;
+        for (int c = 0; c < DIM / 8; c++) local[c] += p[t] * *(const v8u *)(value + c * 8);
+    }
+    for (int c = 0; c < DIM / 8; c++) *(v8u *)(acc + c * 8) = local[c];
+}
+
+/* Stacked queries (several decodes against their shared prefix): per KV head, the queries
+ * of every stacked decode (rows x group of them, u = row * group + i) are one small
+ * matrix product per chunk, run in vectors across queries. Scores S[t][u] = sum over d of
+ * K[t][d] * QT[d][u]: each key element broadcast against the queries transposed once per
+ * item, so no sums across lanes; softmax runs down each query's column (maxima and sums
+ * lane-wise); then the accumulators take P[t][u] * V[t]. The one-query-at-a-time loop
+ * below is bound by its row loads and lane sums where many queries share each row (three
+ * queries a load, as a49f6db had it, was the halfway step). c8 and c16 sharing 608
+ * tokens, 9 layers, alternated in one process (AMD EPYC fam 25 model 17, huge pages):
+ * 305 / 307 -> 254 / 289 and 533 / 483 -> 431 / 418 us per layer (hot / cold); one
+ * layer, own parts of one token: 253 -> 190 us (78 GFLOP/s on 2 threads). */
+#ifdef __AVX512F__
+#define STACK_TOKENS 8       /* tokens' scores in registers at once, for 3 vectors of queries */
+#define STACK_VALUE_ACC 24   /* value accumulators (vectors of 8) in registers at once */
+#else
+#define STACK_TOKENS 4
+#define STACK_VALUE_ACC 12
+#endif
+#define STACK_CASES(N, CALL) switch (N) { case 3: { enum { NV = 3 }; CALL; break; } \
+                                          case 2: { enum { NV = 2 }; CALL; break; } \
+                                          default: { enum { NV = 1 }; CALL; break; } }
+
+static inline v8 lane_max8(v8 a, v8 b) {
+    const v8i bigger = a > b;
+    return (v8)(((v8i)a & bigger) | ((v8i)b & ~bigger));
+}
+
+/* S[t][v0 * 8 ..] for the chunk's tokens, NV vectors of queries (qt: [DIM][qp]). Tokens
+ * past the chunk reuse its last row (inside the cache); their scores are never read. */
+static inline __attribute__((always_inline)) void stacked_scores(
+        const float *qt, int qp, int v0, const int NV, const float *key0, int count, int64_t token_floats,
+        const int DIM, float *scores) {
+    for (int t0 = 0; t0 < count; t0 += STACK_TOKENS) {
+        const float *row[STACK_TOKENS];
+        for (int t = 0; t < STACK_TOKENS; t++) row[t] = key0 + (t0 + t < count ? t0 + t : count - 1) * token_floats;
+        v8 acc[STACK_TOKENS][3];
+        const v8 zero = {0};
+        for (int t = 0; t < STACK_TOKENS; t++)
+            for (int v = 0; v < NV; v++) acc[t][v] = zero;
+        for (int d = 0; d < DIM; d++) {
+            v8 column[3];
+            for (int v = 0; v < NV; v++) column[v] = *(const v8 *)(qt + (int64_t)d * qp + (v0 + v) * 8);
+            for (int t = 0; t < STACK_TOKENS; t++) {
+                const float k = row[t][d];
+                for (int v = 0; v < NV; v++) acc[t][v] += k * column[v];
+            }
+        }
+        for (int t = 0; t < STACK_TOKENS && t0 + t < count; t++)
+            for (int v = 0; v < NV; v++) *(v8 *)(scores + (t0 + t) * qp + (v0 + v) * 8) = acc[t][v];
+    }
+}
+
+/* rows[j] (NV of them, DIM wide) = rows[j] * correction[j] + sum over t of p[t][j] * V[t]. */
+static inline __attribute__((always_inline)) void stacked_values(
+        float *const *rows, const float *correction, const int NV, const float *p, int qp, const float *column,
+        int count, int64_t token_floats, const int DIM) {
+    v8 local[3][DIM / 8];
+    for (int j = 0; j < NV; j++)
+        for (int c = 0; c < DIM / 8; c++) local[j][c] = *(const v8u *)(rows[j] + c * 8) * correction[j];
     for (int t = 0; t < count; t++) {
         const float *value = column + t * token_floats;
         for (int c = 0; c < DIM / 8; c++) {
             const v8 v = *(const v8u *)(value + c * 8);
-            for (int j = 0; j < NQ; j++) local[j][c] += p[j][t] * v;
+            for (int j = 0; j < NV; j++) local[j][c] += p[t * qp + j] * v;
         }
     }
-    for (int j = 0; j < NQ; j++)
-        for (int c = 0; c < DIM / 8; c++) *(v8u *)(acc + j * DIM + c * 8) = local[j][c];
+    for (int j = 0; j < NV; j++)
+        for (int c = 0; c < DIM / 8; c++) *(v8u *)(rows[j] + c * 8) = local[j][c];
+}
+
+/* The item's stacked queries ([rows x heads, DIM], pre-scaled) against tokens [first, end):
+ * the same acc / maxes / sums as attend_part_vec. work: floats for qt [DIM][qp], scores
+ * [CHUNK][qp] and maxima, sums, corrections [qp], qp = rows x group rounded up to 8. */
+static void attend_stacked(const Shape *s, const int DIM, const float *queries, int num_queries,
+                           const void *k_cache, const void *v_cache, const int32_t *table, int first, int end,
+                           float *acc, float *maxes, float *sums, float *buffer, float *work) {
+    const int group = s->group, heads = s->heads, kv_heads = s->kv_heads, rows = num_queries / heads;
+    const int64_t token_floats = (int64_t)kv_heads * DIM;
+    const int nq = rows * group, qp = (nq + 7) / 8 * 8;
+    float *qt = work, *scores = qt + (int64_t)DIM * qp, *m = scores + CHUNK * qp, *l = m + qp, *corr = l + qp;
+    const int value_batch = STACK_VALUE_ACC / (DIM / 8) < 1 ? 1 : STACK_VALUE_ACC / (DIM / 8) > 3 ? 3
+                            : STACK_VALUE_ACC / (DIM / 8);
+    memset(acc, 0, sizeof(float) * num_queries * DIM);
+    for (int g = 0; g < kv_heads; g++) {
+        /* query u of this KV head: row u / group, head g * group + u % group */
+#define QUERY_ROW(u) (((u) / group) * heads + g * group + (u) % group)
+        for (int u = 0; u < qp; u++)
+            for (int d = 0; d < DIM; d++) qt[(int64_t)d * qp + u] = u < nq ? queries[(int64_t)QUERY_ROW(u) * DIM + d] : 0.0f;
+        for (int u = 0; u < qp; u++) {
+            m[u] = -3.0e38f;  /* finite: the vector exp takes no -inf */
+            l[u] = 0.0f;
+        }
+        int token = first;
+        while (token < end) {
+            const int count = chunk_tokens(s, token, end);
+            const int64_t at = chunk_offset(s, table, token, token_floats);
+            const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
+            const float *key0 = keys + g * DIM;
+            for (int v0 = 0; v0 < qp / 8; v0 += 3) {
+                const int n = qp / 8 - v0 < 3 ? qp / 8 - v0 : 3;
+                STACK_CASES(n, stacked_scores(qt, qp, v0, NV, key0, count, token_floats, DIM, scores))
+            }
+            for (int c = 0; c < qp; c += 8) {
+                const v8 old = *(const v8 *)(m + c);
+                v8 top = old;
+                for (int t = 0; t < count; t++) top = lane_max8(*(const v8 *)(scores + t * qp + c), top);
+                const v8 scale = exp8(old - top);
+                v8 total = {0};
+                for (int t = 0; t < count; t++) {
+                    const v8 p = exp8(*(const v8 *)(scores + t * qp + c) - top);
+                    *(v8 *)(scores + t * qp + c) = p;
+                    total += p;
+                }
+                *(v8 *)(l + c) = *(const v8 *)(l + c) * scale + total;
+                *(v8 *)(m + c) = top;
+                *(v8 *)(corr + c) = scale;
+            }
+            const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
+            const float *column = values + g * DIM;
+            for (int u = 0; u < nq; u += value_batch) {
+                const int n = nq - u < value_batch ? nq - u : value_batch;
+                float *targets[3];
+                for (int j = 0; j < n; j++) targets[j] = acc + (int64_t)QUERY_ROW(u + j) * DIM;
+                STACK_CASES(n, stacked_values(targets, corr + u, NV, scores + u, qp, column, count, token_floats, DIM))
+            }
+            token += count;
+        }
+        for (int u = 0; u < nq; u++) {
+            maxes[QUERY_ROW(u)] = m[u];
+            sums[QUERY_ROW(u)] = l[u];
+        }
+#undef QUERY_ROW
+    }
 }
 
 static inline __attribute__((always_inline)) void attend_part_vec(
         const Shape *s, const int DIM, const float *queries, int num_queries, const void *k_cache,
         const void *v_cache, const int32_t *table, int first, int end, float *acc, float *maxes, float *sums,
-        float *buffer) {
+        float *buffer, float *work) {
     enum { LANES = 8 };
-    const int group = s->group, heads = s->heads, kv_heads = s->kv_heads;
+    if (num_queries > s->heads) {
+        attend_stacked(s, DIM, queries, num_queries, k_cache, v_cache, table, first, end, acc, maxes, sums, buffer,
+                       work);
+        return;
+    }
+    const int group = s->group, kv_heads = s->kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * DIM;
     v8 scores[MAX_QUERIES][CHUNK / LANES];
     start_part(acc, maxes, sums, num_queries, DIM);
-    /* Only where the item stacks several decodes' queries against a shared prefix (its
-     * work is the arithmetic): one decode's item streams its own rows from memory, and
-     * there taking its queries together was 15 % slower (8 unshared decodes of 620 tokens,
-     * alternated in one process: 596 / 606 against 510 / 526 us), with the prefetches of
-     * a batch's queries asked for at once. No more accumulators than 24 vectors of 8
-     * (so 128-wide heads take one query at a time). */
-    const int fitting = 192 / DIM > 1 ? 192 / DIM : 1;
-    const int query_batch = num_queries <= heads ? 1 : fitting < QUERY_BATCH ? fitting : QUERY_BATCH;
+    /* One decode's queries one at a time: its item streams its own rows from memory, and
+     * taking a KV head's queries together there was 15 % slower (8 unshared decodes of 620
+     * tokens, alternated in one process: 596 / 606 against 510 / 526 us). */
     int token = first;
     while (token < end) {
         const int count = chunk_tokens(s, token, end);
@@ -302,16 +417,10 @@ static inline __attribute__((always_inline)) void attend_part_vec(
         const Upcoming upcoming = upcoming_chunk(s, k_cache, v_cache, table, token, end, token_floats, num_queries);
         const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         const int groups_of_8 = (count + LANES - 1) / LANES;
-        for (int h = 0; h < num_queries; h += group)  /* a KV head's queries: consecutive */
-            for (int g = 0; g < group; g += query_batch) {
-                const int n = group - g < query_batch ? group - g : query_batch;
-                const float *key0 = keys + ((h % heads) / group) * DIM;
-                for (int i = 0; i < n; i++) prefetch_share(&upcoming, upcoming.keys, h + g + i);
-                switch (n) {
-                    BATCH_CASES(batch_scores(queries + (h + g) * DIM, N, key0, count, groups_of_8, token_floats, DIM,
-                                             scores + h + g))
-                }
-            }
+        for (int h = 0; h < num_queries; h++) {
+            prefetch_share(&upcoming, upcoming.keys, h);
+            query_scores(queries + h * DIM, keys + (h / group) * DIM, count, groups_of_8, token_floats, DIM, scores[h]);
+        }
         const v8 minus_inf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
         for (int h = 0; h < num_queries; h++) {
             float chunk_max = maxes[h];
@@ -340,16 +449,10 @@ static inline __attribute__((always_inline)) void attend_part_vec(
                 for (int d = 0; d < DIM; d++) a[d] *= correction;
         }
         const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
-        for (int h = 0; h < num_queries; h += group)
-            for (int g = 0; g < group; g += query_batch) {
-                const int n = group - g < query_batch ? group - g : query_batch;
-                const float *column = values + ((h % heads) / group) * DIM;
-                for (int i = 0; i < n; i++) prefetch_share(&upcoming, upcoming.values, h + g + i);
-                switch (n) {
-                    BATCH_CASES(batch_values(acc + (h + g) * DIM, N, column, count, token_floats, DIM,
-                                             (const float (*)[CHUNK])(scores + h + g)))
-                }
-            }
+        for (int h = 0; h < num_queries; h++) {
+            prefetch_share(&upcoming, upcoming.values, h);
+            query_values(acc + h * DIM, values + (h / group) * DIM, count, token_floats, DIM, (const float *)scores[h]);
+        }
         token += count;
     }
 }
@@ -357,11 +460,12 @@ static inline __attribute__((always_inline)) void attend_part_vec(
 #define SPECIALISE(D) \
     static void attend_part_##D(const Shape *s, const float *q, int nq, const void *k, const void *v, \
                                 const int32_t *table, int first, int end, float *acc, float *maxes, float *sums, \
-                                float *buffer) { \
-        attend_part_vec(s, D, q, nq, k, v, table, first, end, acc, maxes, sums, buffer); \
+                                float *buffer, float *work) { \
+        attend_part_vec(s, D, q, nq, k, v, table, first, end, acc, maxes, sums, buffer, work); \
     }
 static void attend_part_0(const Shape *s, const float *q, int nq, const void *k, const void *v, const int32_t *table,
-                          int first, int end, float *acc, float *maxes, float *sums, float *buffer) {
+                          int first, int end, float *acc, float *maxes, float *sums, float *buffer, float *work) {
+    (void)work;
     attend_part_generic(s, q, nq, k, v, table, first, end, acc, maxes, sums, buffer);
 }
 SPECIALISE(16)
@@ -372,7 +476,7 @@ SPECIALISE(96)
 SPECIALISE(128)
 
 typedef void (*AttendPart)(const Shape *, const float *, int, const void *, const void *, const int32_t *, int, int,
-                           float *, float *, float *, float *);
+                           float *, float *, float *, float *, float *);
 
 static AttendPart attend_part_for(int dim) {
     switch (dim) {
@@ -524,18 +628,22 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
     const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype};
     const AttendPart attend = attend_part_for(dim);
     const int64_t buffer_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
+    /* attend_stacked's work: a tile's queries of one KV head, rounded up to vectors of 8 */
+    const int stacked_qp = (tile * (heads / kv_heads) + 7) / 8 * 8;
+    const int64_t work_floats = num_groups > 0 ? (int64_t)stacked_qp * (dim + CHUNK + 3) : 1;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         float *buffer = (float *)malloc(sizeof(float) * buffer_floats);
         float *queries = (float *)malloc(sizeof(float) * MAX_QUERIES * dim);
-        if (buffer == NULL || queries == NULL) {
+        float *work = (float *)aligned_alloc(32, sizeof(float) * ((work_floats + 7) / 8 * 8));
+        if (buffer == NULL || queries == NULL || work == NULL) {
 #pragma omp atomic write
             out_of_memory = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
-            if (buffer == NULL || queries == NULL) continue;  /* every thread still meets the loop */
+            if (buffer == NULL || queries == NULL || work == NULL) continue;  /* every thread still meets the loop */
             const Item *item = &items[i];
             const int count = item->num_rows * heads;
             for (int j = 0; j < item->num_rows; j++) {
@@ -544,8 +652,9 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
             }
             float *acc = scratch + item->scratch_at, *maxes = acc + (int64_t)count * dim, *sums = maxes + count;
             attend(&shape, queries, count, k_cache, v_cache, block_tables + (int64_t)item->table_row * max_blocks,
-                   item->first, item->end, acc, maxes, sums, buffer);
+                   item->first, item->end, acc, maxes, sums, buffer, work);
         }
+        free(work);
         free(queries);
         free(buffer);
         /* Each decode's heads: merge its parts (own and shared) by log-sum-exp. */
