@@ -329,36 +329,50 @@ static inline __attribute__((always_inline)) void stacked_values(
 }
 
 /* The item's stacked queries ([rows x heads, DIM], pre-scaled) against tokens [first, end):
- * the same acc / maxes / sums as attend_part_vec. work: floats for qt [DIM][qp], scores
- * [CHUNK][qp] and maxima, sums, corrections [qp], qp = rows x group rounded up to 8. */
+ * the same acc / maxes / sums as attend_part_vec. Chunk by chunk, every KV head's scores
+ * (K rows read as one run), then every KV head's values: a KV head at a time over the whole
+ * part read a quarter of each row per pass and waited on memory. work: floats for, per KV
+ * head, qt [DIM][qp], scores [CHUNK][qp], maxima and sums [qp], and corrections [qp]
+ * (qp = rows x group rounded up to 8). */
 static void attend_stacked(const Shape *s, const int DIM, const float *queries, int num_queries,
                            const void *k_cache, const void *v_cache, const int32_t *table, int first, int end,
                            float *acc, float *maxes, float *sums, float *buffer, float *work) {
     const int group = s->group, heads = s->heads, kv_heads = s->kv_heads, rows = num_queries / heads;
     const int64_t token_floats = (int64_t)kv_heads * DIM;
     const int nq = rows * group, qp = (nq + 7) / 8 * 8;
-    float *qt = work, *scores = qt + (int64_t)DIM * qp, *m = scores + CHUNK * qp, *l = m + qp, *corr = l + qp;
+    const int64_t per_head = (int64_t)qp * (DIM + CHUNK + 3);
     const int value_batch = STACK_VALUE_ACC / (DIM / 8) < 1 ? 1 : STACK_VALUE_ACC / (DIM / 8) > 3 ? 3
                             : STACK_VALUE_ACC / (DIM / 8);
+    /* KV head g's query u: row u / group, head g * group + u % group */
+#define QUERY_ROW(g, u) (((u) / group) * heads + (g) * group + (u) % group)
+#define QT(g) (work + (g) * per_head)
+#define SCORES(g) (QT(g) + (int64_t)DIM * qp)
+#define MAXES(g) (SCORES(g) + CHUNK * qp)
+#define SUMS(g) (MAXES(g) + qp)
+#define CORRECTIONS(g) (SUMS(g) + qp)
     memset(acc, 0, sizeof(float) * num_queries * DIM);
     for (int g = 0; g < kv_heads; g++) {
-        /* query u of this KV head: row u / group, head g * group + u % group */
-#define QUERY_ROW(u) (((u) / group) * heads + g * group + (u) % group)
+        float *qt = QT(g);
         for (int u = 0; u < qp; u++)
-            for (int d = 0; d < DIM; d++) qt[(int64_t)d * qp + u] = u < nq ? queries[(int64_t)QUERY_ROW(u) * DIM + d] : 0.0f;
+            for (int d = 0; d < DIM; d++)
+                qt[(int64_t)d * qp + u] = u < nq ? queries[(int64_t)QUERY_ROW(g, u) * DIM + d] : 0.0f;
         for (int u = 0; u < qp; u++) {
-            m[u] = -3.0e38f;  /* finite: the vector exp takes no -inf */
-            l[u] = 0.0f;
+            MAXES(g)[u] = -3.0e38f;  /* finite: the vector exp takes no -inf */
+            SUMS(g)[u] = 0.0f;
         }
-        int token = first;
-        while (token < end) {
-            const int count = chunk_tokens(s, token, end);
-            const int64_t at = chunk_offset(s, table, token, token_floats);
-            const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
-            const float *key0 = keys + g * DIM;
+    }
+    int token = first;
+    while (token < end) {
+        const int count = chunk_tokens(s, token, end);
+        const int64_t at = chunk_offset(s, table, token, token_floats);
+        const Upcoming upcoming = upcoming_chunk(s, k_cache, v_cache, table, token, end, token_floats, kv_heads);
+        const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
+        for (int g = 0; g < kv_heads; g++) {
+            prefetch_share(&upcoming, upcoming.keys, g);
+            float *scores = SCORES(g), *m = MAXES(g), *l = SUMS(g), *corr = CORRECTIONS(g);
             for (int v0 = 0; v0 < qp / 8; v0 += 3) {
                 const int n = qp / 8 - v0 < 3 ? qp / 8 - v0 : 3;
-                STACK_CASES(n, stacked_scores(qt, qp, v0, NV, key0, count, token_floats, DIM, scores))
+                STACK_CASES(n, stacked_scores(QT(g), qp, v0, NV, keys + g * DIM, count, token_floats, DIM, scores))
             }
             for (int c = 0; c < qp; c += 8) {
                 const v8 old = *(const v8 *)(m + c);
@@ -375,22 +389,31 @@ static void attend_stacked(const Shape *s, const int DIM, const float *queries, 
                 *(v8 *)(m + c) = top;
                 *(v8 *)(corr + c) = scale;
             }
-            const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
-            const float *column = values + g * DIM;
+        }
+        const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, buffer);
+        for (int g = 0; g < kv_heads; g++) {
+            prefetch_share(&upcoming, upcoming.values, g);
             for (int u = 0; u < nq; u += value_batch) {
                 const int n = nq - u < value_batch ? nq - u : value_batch;
                 float *targets[3];
-                for (int j = 0; j < n; j++) targets[j] = acc + (int64_t)QUERY_ROW(u + j) * DIM;
-                STACK_CASES(n, stacked_values(targets, corr + u, NV, scores + u, qp, column, count, token_floats, DIM))
+                for (int j = 0; j < n; j++) targets[j] = acc + (int64_t)QUERY_ROW(g, u + j) * DIM;
+                STACK_CASES(n, stacked_values(targets, CORRECTIONS(g) + u, NV, SCORES(g) + u, qp, values + g * DIM,
+                                              count, token_floats, DIM))
             }
-            token += count;
         }
+        token += count;
+    }
+    for (int g = 0; g < kv_heads; g++)
         for (int u = 0; u < nq; u++) {
-            maxes[QUERY_ROW(u)] = m[u];
-            sums[QUERY_ROW(u)] = l[u];
+            maxes[QUERY_ROW(g, u)] = MAXES(g)[u];
+            sums[QUERY_ROW(g, u)] = SUMS(g)[u];
         }
 #undef QUERY_ROW
-    }
+#undef QT
+#undef SCORES
+#undef MAXES
+#undef SUMS
+#undef CORRECTIONS
 }
 
 static inline __attribute__((always_inline)) void attend_part_vec(
@@ -630,7 +653,7 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
     const int64_t buffer_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
     /* attend_stacked's work: a tile's queries of one KV head, rounded up to vectors of 8 */
     const int stacked_qp = (tile * (heads / kv_heads) + 7) / 8 * 8;
-    const int64_t work_floats = num_groups > 0 ? (int64_t)stacked_qp * (dim + CHUNK + 3) : 1;
+    const int64_t work_floats = num_groups > 0 ? (int64_t)kv_heads * stacked_qp * (dim + CHUNK + 3) : 1;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
