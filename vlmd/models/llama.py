@@ -23,7 +23,7 @@ from vlmd.layers.linear import (
     RowParallelLinear,
     TPGroup,
 )
-from vlmd.layers.native import elementwise
+from vlmd.layers.native import decoder_step, elementwise
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from vlmd.models.base import KVSpec
@@ -176,11 +176,62 @@ class LlamaForCausalLM(nn.Module):
         last layer runs only those rows (in a prefill of n tokens, 1/n of its work but the
         K/V product; the small LLaVA's last layer is ~1/9 of its decoder)."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        if outputs is None:
+            stepped = self._native_decode_step(inputs_embeds, cos, sin, meta, kv_caches)
+            if stepped is not None:
+                return stepped
         hidden, residual = inputs_embeds, None
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, outputs if index == last else None)
         return self.norm.add_forward(residual, hidden)[0]
+
+    def _native_decode_step(self, embeds, cos, sin, meta, kv_caches) -> torch.Tensor | None:
+        """A step of decodes alone through every layer in one native call
+        (``layers/native/decoder_step.c``: the same kernels, in the same order, as the
+        layers below would call), or None where the step is not that: prefill rows, a
+        product or attention that would not take the native kernels, tensor parallelism,
+        another activation."""
+        rows = embeds.shape[0]
+        backend = getattr(meta, "backend", None)
+        if getattr(meta, "num_decodes", 0) != rows or not hasattr(backend, "decodes_natively"):
+            return None
+        first = self.layers[0]
+        if not backend.decodes_natively(meta, kv_caches[0][0], first.self_attn.num_heads):
+            return None
+        decoder = self._native_decoder(kv_caches)
+        if decoder is None or not all(kernel.native_panels(rows) is not None for kernel in self._native_kernels):
+            return None
+        return decoder(embeds, cos[:, 0], sin[:, 0], meta.slot_mapping, meta.decode_tables)
+
+    def _native_decoder(self, kv_caches) -> "decoder_step.NativeDecoder | None":
+        """Built on first use for these caches, then kept (None: this model cannot take it)."""
+        key = tuple(cache.data_ptr() for pair in kv_caches for cache in pair)
+        built = getattr(self, "_native_built", None)
+        if built is not None and built[0] == key:
+            return built[1]
+        decoder, kernels = None, []
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        if attn.qkv_proj.tp.size == 1 and mlp.act is F.silu and len(kv_caches) == len(self.layers):
+            parts = []
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj)
+                if any(p.kernel is None or p.kernel.panels is None for p in products):
+                    break
+                kernels += [p.kernel for p in products]
+                parts.append(decoder_step.DecoderLayerParts(
+                    layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                    tuple((p.kernel.panels, None if p.bias is None else p.bias.detach()) for p in products),
+                    k_cache, v_cache))
+            else:
+                decoder = decoder_step.NativeDecoder.of(
+                    parts, self.norm.weight.detach(), heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                    head_dim=attn.head_dim, intermediate=mlp.intermediate, eps=self.layers[0].input_layernorm.eps,
+                    scale=attn.scale)
+        self._native_kernels = kernels
+        self._native_built = (key, decoder)
+        return decoder
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

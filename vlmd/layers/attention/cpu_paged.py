@@ -230,6 +230,12 @@ class CPUPagedBackend(AttentionBackend):
             backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, plans=plans, decode_chunks=decodes,
         )
 
+    def decodes_natively(self, meta: CPUPagedMetadata, k_cache: torch.Tensor, heads: int) -> bool:
+        """Whether ``forward`` takes the native kernel for this step's decodes (the caller
+        that runs the kernel itself, ``layers/native/decoder_step.py``, asks the same)."""
+        return bool(meta.num_decodes and self.native_decode and native_decode.supports(k_cache, heads)
+                    and meta.longest_shared_tokens < NATIVE_SHARED_TOKENS)
+
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache
@@ -237,8 +243,7 @@ class CPUPagedBackend(AttentionBackend):
         out = torch.empty_like(q)
         decodes = meta.num_decodes
         batch_bytes = meta.padded_decode_tokens * 2 * k_cache[0].numel() * k_cache.element_size()
-        if decodes and self.native_decode and native_decode.supports(k_cache, heads) \
-                and meta.longest_shared_tokens < NATIVE_SHARED_TOKENS:
+        if self.decodes_natively(meta, k_cache, heads):
             out[:decodes] = native_decode.paged_decode(q[:decodes], k_cache, v_cache, meta.decode_tables, scale)
         elif decodes and batch_bytes <= BATCHED_DECODE_BYTES and not meta.decodes_share_a_prefix \
                 and not meta.lone_decode_in_one_view:

@@ -115,13 +115,23 @@ class SelectedKernel:
             raise ValueError("a plain choice needs the plain weight")
         self._choices = choices
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        choice = self.choices[-1]
+    def choice_for(self, rows: int) -> KernelChoice:
+        """The choice of the smallest M bucket holding ``rows``."""
         for (largest, _), candidate in zip(M_BUCKETS, self.choices):
             if rows <= largest:
-                choice = candidate
-                break
+                return candidate
+        return self.choices[-1]
+
+    def native_panels(self, rows: int) -> PackedPanels | None:
+        """The panels vlmd's kernel reads where it is this product's choice at ``rows``
+        (at the process's thread count), else None: what a caller running the kernel
+        itself (``layers/native/decoder_step.py``) may use in its place."""
+        choice = self.choice_for(rows)
+        return self.panels if choice.native and choice.threads is None else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        choice = self.choice_for(rows)
         if 0 < rows < self.pad_rows and choice.packed and not choice.native:
             return padded_rows(x, rows, self.pad_rows, lambda wide: self._run(choice, wide, bias))
         return self._run(choice, x, bias)

@@ -1,0 +1,141 @@
+"""The binding of ``decoder_step.c``: a decode step through every layer of a pre-norm
+decoder in one call, with the kernels the layers would call one by one.
+
+``NativeDecoder.of(...)`` takes a model's layers as plain parts (norm weights, packed
+products, caches) once; ``decoder(embeds, step)`` runs a step's decodes and returns the
+final norm's output. The model keeps its module path for everything else (prefill chunks,
+other devices, kernels other than the native ones), and asks ``serves`` per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from vlmd.layers.native import elementwise
+from vlmd.layers.native import packed_linear as native_linear
+from vlmd.layers.native import paged_decode as native_decode
+from vlmd.layers.native.build import load_functions
+from vlmd.layers.native.packed_linear import PackedPanels
+from vlmd.layers.native.paged_decode import DecodeTables
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_STAGES = {-1: "out of memory", -2: "RMSNorm", -3: "a product", -4: "rotary", -5: "attention", -6: "SiLU",
+           -7: "a slot outside the cache"}
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("weight", _P), ("panel_width", _I64), ("padded_k", _I64), ("out_features", _I64),
+                ("in_features", _I64), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Product), ("o", _Product), ("gate_up", _Product),
+                ("down", _Product), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("linear", _P), ("norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P),
+                ("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("num_slots", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("final_norm", _P), ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("cos", _P), ("sin", _P), ("table_stride", _I64), ("slots", _P),
+                ("block_tables", _P), ("context_lens", _P), ("block_size", _I32), ("max_blocks", _I32),
+                ("num_groups", _I32), ("threads", _I32), ("group_offsets", _P), ("group_members", _P),
+                ("group_tokens", _P)]
+
+
+_SIGNATURES = {"vlmd_decoder_step": ([ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _P, _P], ctypes.c_int)}
+
+
+def _kernel():
+    functions = load_functions("decoder_step", _SIGNATURES)
+    return None if functions is None else functions["vlmd_decoder_step"]
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def available() -> bool:
+    """Every kernel the step calls is built here."""
+    return (_kernel() is not None and native_linear._kernel() is not None and elementwise.available()
+            and native_decode.available())
+
+
+def _float_rows(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
+
+
+@dataclass
+class DecoderLayerParts:
+    """One layer as the step reads it: norm weights [hidden], the four products' packed
+    weights (and biases or None), and its float32 caches [slots, kv_heads, head_dim]."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    products: tuple  # (PackedPanels, bias) for qkv, o, gate_up, down
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class NativeDecoder:
+    def __init__(self, decoder: _Decoder, keep: list):
+        self._decoder = decoder
+        self._keep = keep  # the ctypes arrays and tensors the struct points into
+
+    @classmethod
+    def of(cls, layers: list[DecoderLayerParts], final_norm: torch.Tensor, *, heads: int, kv_heads: int,
+           head_dim: int, intermediate: int, eps: float, scale: float) -> "NativeDecoder | None":
+        """The decoder as the kernel reads it, or None where a part is not what it reads
+        (not float32 CPU contiguous, caches of different shapes, a kernel not built)."""
+        if not available() or not layers:
+            return None
+        tensors = [final_norm]
+        for part in layers:
+            tensors += [part.input_norm, part.post_norm, part.k_cache, part.v_cache] + [b for _, b in part.products]
+        if not all(_float_rows(t) for t in tensors):
+            return None
+        shape = layers[0].k_cache.shape
+        if any(p.k_cache.shape != shape or p.v_cache.shape != shape for p in layers) or tuple(shape[1:]) != (kv_heads, head_dim):
+            return None
+        array = (_Layer * len(layers))()
+        for slot, part in zip(array, layers):
+            slot.input_norm, slot.post_norm = part.input_norm.data_ptr(), part.post_norm.data_ptr()
+            for name, (panels, bias) in zip(("qkv", "o", "gate_up", "down"), part.products):
+                setattr(slot, name, _Product(panels.address, panels.panel_width, panels.padded_k, panels.out_features,
+                                             panels.in_features, None if bias is None else bias.data_ptr()))
+            slot.k_cache, slot.v_cache = part.k_cache.data_ptr(), part.v_cache.data_ptr()
+        hidden = layers[0].input_norm.shape[0]
+        decoder = _Decoder(
+            _address(native_linear._kernel()["vlmd_packed_linear"]), _address(elementwise._kernel()["vlmd_add_rms_norm"]),
+            _address(elementwise._kernel()["vlmd_rotary"]), _address(elementwise._kernel()["vlmd_silu_mul"]),
+            _address(native_decode._kernel()), len(layers), hidden, heads, kv_heads, head_dim, intermediate,
+            shape[0], eps, scale, final_norm.data_ptr(), array)
+        return cls(decoder, [array, tensors])
+
+    def __call__(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 tables: DecodeTables) -> torch.Tensor:
+        """embeds [B, hidden] (one decode a row) -> the final norm's output [B, hidden];
+        cos / sin [B, head_dim] with rows of unit stride; slots [B] int64."""
+        rows = embeds.shape[0]
+        if not (_float_rows(embeds) and cos.stride(1) == 1 and sin.stride() == cos.stride()
+                and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == rows):
+            raise ValueError("the native decoder step takes float32 rows, unit-stride tables and int64 slots")
+        out = torch.empty_like(embeds)
+        step = _Step(rows, cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(),
+                     tables.block_tables.data_ptr(), tables.context_lens.data_ptr(), tables.block_size,
+                     tables.block_tables.shape[1], tables.group_tokens.shape[0], torch.get_num_threads(),
+                     tables.group_offsets.data_ptr(), tables.group_members.data_ptr(), tables.group_tokens.data_ptr())
+        code = _kernel()(ctypes.byref(self._decoder), ctypes.byref(step), embeds.data_ptr(), out.data_ptr())
+        if code != 0:
+            raise ValueError(f"native decoder step failed: {_STAGES.get(code, code)}")
+        return out
+
+
+__all__ = ["DecoderLayerParts", "NativeDecoder", "PackedPanels", "available"]
