@@ -112,3 +112,11 @@ def test_a_slot_outside_the_cache_raises_instead_of_writing_there():
     cos, sin = model.rotary.cos_sin(torch.tensor([40]), torch.float32)
     with pytest.raises(ValueError, match="slot outside the cache"):
         decoder(torch.randn(1, 64), cos[:, 0], sin[:, 0], torch.tensor([400 * BLOCK]), meta.decode_tables)
+
+
+def test_inputs_the_kernel_does_not_read_keep_the_module_path(monkeypatch):
+    model = _model(False)
+    chunks = _decodes([40, 50])
+    wide = torch.randn(2, 128)[:, ::2]  # rows that are not contiguous
+    stepped, _, module, _, calls = _both(model, chunks, wide, torch.tensor([40, 50]), 2, monkeypatch=monkeypatch)
+    assert calls == 0 and torch.equal(stepped, module)

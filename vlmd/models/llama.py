@@ -202,7 +202,10 @@ class LlamaForCausalLM(nn.Module):
         decoder = self._native_decoder(kv_caches)
         if decoder is None or not all(kernel.native_panels(rows) is not None for kernel in self._native_kernels):
             return None
-        return decoder(embeds, cos[:, 0], sin[:, 0], meta.slot_mapping, meta.decode_tables)
+        cos, sin = cos[:, 0], sin[:, 0]
+        if not decoder.accepts(embeds, cos, sin, meta.slot_mapping):
+            return None
+        return decoder(embeds, cos, sin, meta.slot_mapping, meta.decode_tables)
 
     def _native_decoder(self, kv_caches) -> "decoder_step.NativeDecoder | None":
         """Built on first use for these caches, then kept (None: this model cannot take it)."""

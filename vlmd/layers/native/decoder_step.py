@@ -119,13 +119,22 @@ class NativeDecoder:
             shape[0], eps, scale, final_norm.data_ptr(), array)
         return cls(decoder, [array, tensors])
 
+    @staticmethod
+    def accepts(embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Whether a step's inputs are what the kernel reads: float32 CPU rows, float32
+        tables [rows, head_dim] of unit-stride rows, int64 slots, one per row."""
+        rows = embeds.shape[0]
+        return (embeds.dim() == 2 and _float_rows(embeds) and cos.dim() == 2 and cos.dtype == torch.float32
+                and sin.dtype == torch.float32 and cos.shape == sin.shape and cos.shape[0] == rows
+                and cos.stride(1) == 1 and sin.stride() == cos.stride() and slots.dtype == torch.int64
+                and slots.is_contiguous() and slots.shape == (rows,))
+
     def __call__(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  tables: DecodeTables) -> torch.Tensor:
         """embeds [B, hidden] (one decode a row) -> the final norm's output [B, hidden];
         cos / sin [B, head_dim] with rows of unit stride; slots [B] int64."""
         rows = embeds.shape[0]
-        if not (_float_rows(embeds) and cos.stride(1) == 1 and sin.stride() == cos.stride()
-                and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == rows):
+        if not self.accepts(embeds, cos, sin, slots):
             raise ValueError("the native decoder step takes float32 rows, unit-stride tables and int64 slots")
         out = torch.empty_like(embeds)
         step = _Step(rows, cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(),
