@@ -1,0 +1,109 @@
+"""Two builds of ``paged_decode.c`` alternated in one process: microseconds per layer of
+the small LLaVA's decode attention (12 heads over 4 KV heads of 64, block size 16, 9
+layers' caches of their own, block tables scattered), hot (the caches as the last round
+left them) and cold (64 MiB written between rounds), medians of --rounds, and the largest
+difference between the two builds' outputs. For a kernel change: build the old source
+from git, the new from the tree.
+
+    git show HEAD~1:vlmd/layers/native/paged_decode.c > /tmp/old.c
+    python contrib/bench/ab_paged_decode.py /tmp/old.c vlmd/layers/native/paged_decode.c
+
+Cases: c1 (one decode of 620 tokens), c8u (8 unshared decodes of 620), c8s / c16s (8 / 16
+decodes sharing 608 tokens, each with 12-40 of its own). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages, as `vlmd serve` has them
+
+import torch  # noqa: E402
+
+from vlmd.layers.native.build import FLAGS, compiler  # noqa: E402
+from vlmd.layers.native.paged_decode import _SIGNATURES, DecodeTables  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BLOCK, LAYERS, BLOCKS = 12, 4, 64, 16, 9, 4096
+
+
+def build(source: str, directory: str, tag: str):
+    target = Path(directory) / f"paged_decode_{tag}.so"
+    include = Path(__file__).resolve().parents[2] / "vlmd" / "layers" / "native"
+    subprocess.run([compiler(), *FLAGS, "-I", str(include), source, "-o", str(target), "-lm"], check=True)
+    function = ctypes.CDLL(str(target)).vlmd_paged_decode
+    function.argtypes, function.restype = _SIGNATURES["vlmd_paged_decode"]
+    return function
+
+
+def tables(case: str, rng: random.Random) -> DecodeTables:
+    pool = list(range(1, BLOCKS))
+    rng.shuffle(pool)
+    take = lambda n: [pool.pop() for _ in range(n)]  # noqa: E731
+    if case in ("c8s", "c16s"):
+        batch, shared = (8 if case == "c8s" else 16), take(608 // BLOCK)
+        lengths = [608 + rng.randint(12, 40) for _ in range(batch)]
+        return DecodeTables.of([shared + take(-(-(n - 608) // BLOCK)) for n in lengths], lengths, BLOCK,
+                               [(list(range(batch)), 608 // BLOCK)])
+    batch = {"c1": 1, "c8u": 8}[case]
+    return DecodeTables.of([take(-(-620 // BLOCK)) for _ in range(batch)], [620] * batch, BLOCK)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--cases", nargs="+", default=["c1", "c8u", "c8s", "c16s"])
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        builds = {"old": build(args.old, directory, "old"), "new": build(args.new, directory, "new")}
+        caches = [(torch.randn(BLOCKS * BLOCK, KV_HEADS, DIM), torch.randn(BLOCKS * BLOCK, KV_HEADS, DIM))
+                  for _ in range(LAYERS)]
+        junk = torch.empty(16 << 20)
+        rng, result = random.Random(1), {}
+
+        def call(function, q, t, layer, out):
+            k, v = caches[layer]
+            code = function(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, t.block_tables.data_ptr(),
+                            t.context_lens.data_ptr(), out.data_ptr(), q.shape[0], HEADS, KV_HEADS, DIM, BLOCK,
+                            t.block_tables.shape[1], k.shape[0], t.group_tokens.shape[0], t.group_offsets.data_ptr(),
+                            t.group_members.data_ptr(), t.group_tokens.data_ptr(), DIM ** -0.5,
+                            torch.get_num_threads(), 0)
+            if code:
+                raise RuntimeError(f"paged decode returned {code}")
+
+        for case in args.cases:
+            t = tables(case, rng)
+            q = torch.randn(t.context_lens.shape[0], HEADS, DIM)
+            outs = {name: torch.empty_like(q) for name in builds}
+            for name, function in builds.items():
+                call(function, q, t, 0, outs[name])
+            figures = {"max_difference": float((outs["old"] - outs["new"]).abs().max())}
+            for mode in ("hot", "cold"):
+                times = {name: [] for name in builds}
+                for round_index in range(args.rounds):
+                    order = list(builds) if round_index % 2 else list(reversed(list(builds)))
+                    for name in order:
+                        if mode == "cold":
+                            junk.add_(1)
+                        started = time.perf_counter()
+                        for layer in range(LAYERS):
+                            call(builds[name], q, t, layer, outs[name])
+                        times[name].append((time.perf_counter() - started) / LAYERS * 1e6)
+                figures[mode] = {name: round(statistics.median(values), 1) for name, values in times.items()}
+            result[case] = figures
+    print(json.dumps({"bench": "ab_paged_decode", "us_per_layer": result, "rounds": args.rounds,
+                      "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()
