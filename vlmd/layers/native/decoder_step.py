@@ -18,7 +18,6 @@ from vlmd.layers.native import elementwise
 from vlmd.layers.native import packed_linear as native_linear
 from vlmd.layers.native import paged_decode as native_decode
 from vlmd.layers.native.build import load_functions
-from vlmd.layers.native.packed_linear import PackedPanels
 from vlmd.layers.native.paged_decode import DecodeTables
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -79,7 +78,7 @@ class DecoderLayerParts:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    products: tuple  # (PackedPanels, bias) for qkv, o, gate_up, down
+    products: tuple  # (packed_linear.PackedPanels, bias or None) for qkv, o, gate_up, down
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
@@ -147,4 +146,4 @@ class NativeDecoder:
         return out
 
 
-__all__ = ["DecoderLayerParts", "NativeDecoder", "PackedPanels", "available"]
+__all__ = ["DecoderLayerParts", "NativeDecoder", "available"]

@@ -266,9 +266,10 @@ static inline __attribute__((always_inline)) void query_values(
  * lane-wise); then the accumulators take P[t][u] * V[t]. The one-query-at-a-time loop
  * below is bound by its row loads and lane sums where many queries share each row (three
  * queries a load, as a49f6db had it, was the halfway step). c8 and c16 sharing 608
- * tokens, 9 layers, alternated in one process (AMD EPYC fam 25 model 17, huge pages):
- * 305 / 307 -> 254 / 289 and 533 / 483 -> 431 / 418 us per layer (hot / cold); one
- * layer, own parts of one token: 253 -> 190 us (78 GFLOP/s on 2 threads). */
+ * tokens, 9 layers, alternated in one process against a49f6db's source
+ * (contrib/bench/ab_paged_decode.py, AMD EPYC fam 25 model 17, huge pages): 344 / 275 ->
+ * 289 / 244 and 491 / 524 -> 439 / 434 us per layer (hot / cold); one layer, own parts
+ * of one token: 253 -> 190 us (78 GFLOP/s on 2 threads). */
 #ifdef __AVX512F__
 #define STACK_TOKENS 8       /* tokens' scores in registers at once, for 3 vectors of queries */
 #define STACK_VALUE_ACC 24   /* value accumulators (vectors of 8) in registers at once */
