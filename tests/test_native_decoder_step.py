@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
 from vlmd.layers.linear import select_linear_kernels
+from vlmd.layers.linear.kernels import SelectedKernel
 from vlmd.layers.native import decoder_step
 from vlmd.models.llama import LlamaForCausalLM
 
@@ -107,7 +108,7 @@ def test_a_slot_outside_the_cache_raises_instead_of_writing_there():
     caches = _caches(model, 1)
     backend = attention_backend_for("cpu", BLOCK, "auto")
     meta = backend.prepare_metadata(chunks, 1)
-    decoder = model._native_decoder(caches)
+    decoder, _ = model._native_decoder(caches)
     assert decoder is not None
     cos, sin = model.rotary.cos_sin(torch.tensor([40]), torch.float32)
     with pytest.raises(ValueError, match="slot outside the cache"):
@@ -120,3 +121,27 @@ def test_inputs_the_kernel_does_not_read_keep_the_module_path(monkeypatch):
     wide = torch.randn(2, 128)[:, ::2]  # rows that are not contiguous
     stepped, _, module, _, calls = _both(model, chunks, wide, torch.tensor([40, 50]), 2, monkeypatch=monkeypatch)
     assert calls == 0 and torch.equal(stepped, module)
+
+
+def test_a_batch_past_the_native_buckets_keeps_the_module_path(monkeypatch):
+    # Products of more than 32 rows are oneDNN's in "native" mode: the panels exist, but
+    # the choice at that row count is not vlmd's kernel.
+    model = _model(False)
+    contexts = [20 + i for i in range(40)]
+    chunks = _decodes(contexts)
+    *_, calls = _both(model, chunks, torch.randn(40, 64), torch.tensor(contexts), 40, monkeypatch=monkeypatch)
+    assert calls == 0
+
+
+def test_new_kernels_rebuild_the_step(monkeypatch):
+    model = _model(False)
+    caches = _caches(model, 1)
+    first, _ = model._native_decoder(caches)
+    assert model._native_decoder(caches)[0] is first  # kept while nothing changed
+    # A product given another kernel (in general another packed weight): the step must not
+    # keep reading the old one's address.
+    down = model.layers[1].mlp.down_proj
+    old = down.kernel
+    down.kernel = SelectedKernel(old.choices, old.weight, old.packed, old.panels)
+    rebuilt, kernels = model._native_decoder(caches)
+    assert rebuilt is not first and down.kernel in kernels

@@ -160,6 +160,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
+        # The native decode step's parts (``_native_decoder``): (key, decoder or None), the
+        # key naming the caches and the products' kernels it was built from.
+        self._native_built: tuple | None = None
         self.kv_spec = KVSpec(
             num_layers=config.num_hidden_layers,
             num_kv_heads=self.layers[0].self_attn.num_kv_heads,
@@ -199,42 +202,43 @@ class LlamaForCausalLM(nn.Module):
         first = self.layers[0]
         if not backend.decodes_natively(meta, kv_caches[0][0], first.self_attn.num_heads):
             return None
-        decoder = self._native_decoder(kv_caches)
-        if decoder is None or not all(kernel.native_panels(rows) is not None for kernel in self._native_kernels):
+        decoder, kernels = self._native_decoder(kv_caches)
+        if decoder is None or not all(kernel.native_panels(rows) is not None for kernel in kernels):
             return None
         cos, sin = cos[:, 0], sin[:, 0]
         if not decoder.accepts(embeds, cos, sin, meta.slot_mapping):
             return None
         return decoder(embeds, cos, sin, meta.slot_mapping, meta.decode_tables)
 
-    def _native_decoder(self, kv_caches) -> "decoder_step.NativeDecoder | None":
-        """Built on first use for these caches, then kept (None: this model cannot take it)."""
-        key = tuple(cache.data_ptr() for pair in kv_caches for cache in pair)
-        built = getattr(self, "_native_built", None)
-        if built is not None and built[0] == key:
-            return built[1]
-        decoder, kernels = None, []
+    def _products(self):
+        for layer in self.layers:
+            yield layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+    def _native_decoder(self, kv_caches) -> tuple["decoder_step.NativeDecoder | None", list]:
+        """(The native step for these caches and the products' current kernels, or None
+        where this model cannot take it; those kernels.) Built on first use, rebuilt when the
+        caches or a kernel change: the step reads the kernels' packed weights by address, and
+        the kept kernels keep those weights alive."""
+        kernels = [p.kernel for products in self._products() for p in products]
+        key = (tuple(cache.data_ptr() for pair in kv_caches for cache in pair), tuple(map(id, kernels)))
+        if self._native_built is not None and self._native_built[0] == key:
+            return self._native_built[1], self._native_built[2]
+        decoder = None
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        if attn.qkv_proj.tp.size == 1 and mlp.act is F.silu and len(kv_caches) == len(self.layers):
+        usable = all(kernel is not None and kernel.panels is not None for kernel in kernels)
+        if usable and attn.qkv_proj.tp.size == 1 and mlp.act is F.silu and len(kv_caches) == len(self.layers):
             parts = []
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                            layer.mlp.down_proj)
-                if any(p.kernel is None or p.kernel.panels is None for p in products):
-                    break
-                kernels += [p.kernel for p in products]
+            for layer, products, (k_cache, v_cache) in zip(self.layers, self._products(), kv_caches):
                 parts.append(decoder_step.DecoderLayerParts(
                     layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                     tuple((p.kernel.panels, None if p.bias is None else p.bias.detach()) for p in products),
                     k_cache, v_cache))
-            else:
-                decoder = decoder_step.NativeDecoder.of(
-                    parts, self.norm.weight.detach(), heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                    head_dim=attn.head_dim, intermediate=mlp.intermediate, eps=self.layers[0].input_layernorm.eps,
-                    scale=attn.scale)
-        self._native_kernels = kernels
-        self._native_built = (key, decoder)
-        return decoder
+            decoder = decoder_step.NativeDecoder.of(
+                parts, self.norm.weight.detach(), heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim, intermediate=mlp.intermediate, eps=self.layers[0].input_layernorm.eps,
+                scale=attn.scale)
+        self._native_built = (key, decoder, kernels)
+        return decoder, kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
