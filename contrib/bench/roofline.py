@@ -10,8 +10,12 @@ LLaVA checkpoint's config, then serves the checkpoint with vlmd and reports
   ``prefill_ttft_s`` counts the arithmetic the prompt needs: the decoder's last layer only
   computes K/V for every token and the rest for the last token alone (its other outputs
   feed nothing); ``prefill_ttft_full_model_s`` runs every layer over every token;
-- decode c1 / c8: bytes one step must read (every decoder weight once, plus the batch's
-  K/V) / bandwidth  vs  time per output token at c1 / c8, one repeated image.
+- decode c1 / c8: the larger of the bytes one step must read (every decoder weight once,
+  plus the batch's K/V) / bandwidth and the step's arithmetic (every decoder product and
+  the attention over each context, per decode) / GEMM peak  vs  time per output token at
+  c1 / c8, one repeated image. (On an AVX2-only host decode is bound by bytes at both
+  batch sizes; on an AVX-512 AMD EPYC whose 512-bit FMAs issue one a cycle, eight decodes
+  can need more time for their arithmetic than for their bytes.)
 
     python contrib/bench/roofline.py --size small --num-requests 8
 """
@@ -76,14 +80,27 @@ def prefill_flops(config, prompt_tokens: int) -> dict[str, float]:
     return {"vision": encoder, "lm": lm, "total": encoder + lm, "lm_needed": lm_needed, "needed": encoder + lm_needed}
 
 
-def decode_bytes(config, batch: int, context: int, element: int) -> float:
+def _decoder_shape(config) -> tuple[int, int, int]:
+    """(decoder weights' elements, query width, key/value width) of the text decoder."""
     text = config.text_config
     d, inter = text.hidden_size, text.intermediate_size
     head_dim = getattr(text, "head_dim", None) or d // text.num_attention_heads
     q, kv = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
     weights = text.num_hidden_layers * (d * (q + 2 * kv) + q * d + 3 * d * inter) + d * text.vocab_size
-    kv_bytes = batch * context * text.num_hidden_layers * 2 * kv * element
+    return weights, q, kv
+
+
+def decode_bytes(config, batch: int, context: int, element: int) -> float:
+    weights, _, kv = _decoder_shape(config)
+    kv_bytes = batch * context * config.text_config.num_hidden_layers * 2 * kv * element
     return weights * element + kv_bytes
+
+
+def decode_flops(config, batch: int, context: int) -> float:
+    """One decode step's arithmetic: each decode through every product, and its query
+    against every key and value of its context in every layer."""
+    weights, q, _ = _decoder_shape(config)
+    return batch * (2 * weights + 4 * context * q * config.text_config.num_hidden_layers)
 
 
 def prompt_tokens_of(url: str, image: str) -> int:
@@ -138,13 +155,16 @@ def main() -> None:
         process.wait(30)
     flops = prefill_flops(config, prompt)
     mean_context = prompt + args.output_tokens // 2
+    decode = {batch: {"bytes_s": decode_bytes(config, batch, mean_context, element) / (host["read_gb_s"] * 1e9),
+                      "flops_s": decode_flops(config, batch, mean_context) / peak} for batch in (1, 8)}
     floors = {
         # The arithmetic the prompt needs (the last layer's non-K/V work for its last token
         # only, as vlmd runs it), and every layer over every token (the issue's floor).
         "prefill_ttft_s": flops["needed"] / peak,
         "prefill_ttft_full_model_s": flops["total"] / peak,
-        "decode_c1_s": decode_bytes(config, 1, mean_context, element) / (host["read_gb_s"] * 1e9),
-        "decode_c8_s": decode_bytes(config, 8, mean_context, element) / (host["read_gb_s"] * 1e9),
+        # A step can overlap its reads with its arithmetic at best: the longer one bounds it.
+        "decode_c1_s": max(decode[1].values()),
+        "decode_c8_s": max(decode[8].values()),
     }
     figures = {
         "prefill_ttft_s": measured["c1_new"]["ttft_p50_s"],
@@ -157,6 +177,10 @@ def main() -> None:
         "prefill_gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
         "decode_mb_per_step": {"c1": round(decode_bytes(config, 1, mean_context, element) / 1e6, 1),
                                "c8": round(decode_bytes(config, 8, mean_context, element) / 1e6, 1)},
+        "decode_gflop_per_step": {"c1": round(decode_flops(config, 1, mean_context) / 1e9, 3),
+                                  "c8": round(decode_flops(config, 8, mean_context) / 1e9, 3)},
+        "decode_floor_parts_s": {f"c{batch}": {name: round(value, 4) for name, value in parts.items()}
+                                 for batch, parts in decode.items()},
         "workloads": {name: {"floor_s": round(floors[name], 4), "vlmd_s": figures[name],
                              "fraction_of_floor": round(floors[name] / figures[name], 3)} for name in floors},
         "measured": measured,
