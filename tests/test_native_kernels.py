@@ -211,11 +211,12 @@ def test_decodes_sharing_a_prefix_read_it_once_for_all(heads, kv_heads, dim, par
 @needs_kernel
 # Block sizes whose chunks are not whole tiles of the stacked path's tokens (4, 12), and
 # query counts per KV head that leave a partial vector and a partial value batch (7 of 1
-# KV head: 9 x 7 = 63 queries, 2 x 7 = 14).
-@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (7, 1, 32), (10, 2, 16)])
+# KV head: 9 x 7 = 63 queries, 2 x 7 = 14, 5 x 7 = 35), of 3 or 6 rows (vectors of 8 or
+# 16): with 5 x 5 = 25 and 5 x 7 = 35, every tail of 1-5 rows.
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (7, 1, 32), (10, 2, 16), (5, 1, 64)])
 @pytest.mark.parametrize("block_size", [4, 12])
 def test_stacked_queries_match_the_reference_at_any_block_size(heads, kv_heads, dim, block_size):
-    groups = [(30, [1, 5, 20, 17, 2, 9, 3, 16, 3]), (3, [1, 2])]
+    groups = [(30, [1, 5, 20, 17, 2, 9, 3, 16, 3]), (3, [1, 2]), (4, [3, 8, 1, 6, 2])]
     q, k, v, tables, expected, scale = _shared_case(groups, heads=heads, kv_heads=kv_heads, dim=dim,
                                                     block_size=block_size, seed=dim)
     got = paged_decode(q, k, v, tables, scale)
