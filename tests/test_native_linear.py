@@ -184,6 +184,92 @@ def test_the_native_kernel_is_kept_per_bucket_where_it_is_faster(native_cost, ex
     assert decided["pad_rows"] == 6
 
 
+def _bind_costing(now, cost_of_rows, count):
+    """A stand-in for packed_linear.bound_product: each call advances the fake clock."""
+    def bind(x, panels):
+        rows = x.shape[0]
+        return lambda: now.__setitem__(0, now[0] + cost_of_rows[rows] / count)
+    return bind
+
+
+@pytest.mark.parametrize("step_cost,expected,step_buckets", [
+    # Through the module calls vlmd's kernel loses (1.2 against 1.0), run as a native step
+    # would run them it wins: every layer with panels takes it, and the step engages.
+    ({1: 0.5, 8: 0.5}, ["native", "native", "packed"], ["M<=4", "M<=32"]),
+    ({1: 0.5, 8: 1.5}, ["native", "packed", "packed"], ["M<=4"]),
+    ({1: 0.99, 8: 0.99}, ["packed", "packed", "packed"], []),  # within NATIVE_MARGIN
+])
+def test_a_native_step_s_products_are_timed_as_the_step_runs_them(step_cost, expected, step_buckets):
+    now = [0.0]
+    costs = lambda rows, pad, native: 1.2 if native else 1.0  # noqa: E731
+    layers = _layers(now, costs)
+    decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=100.0, step_layers=layers,
+                                              bind=_bind_costing(now, step_cost, len(layers)))
+    assert [c.name for c in layers[0].kernel.choices] == expected
+    assert decided["native_step_buckets"] == step_buckets
+    assert set(decided["sequence_ms"]["M1"]) == {"onednn", "onednn+pad4", "onednn+pad6", "native", "step"}
+
+
+def test_no_step_is_timed_when_one_of_its_products_has_no_panels():
+    now = [0.0]
+    costs = lambda rows, pad, native: 1.2 if native else 1.0  # noqa: E731
+    layers = _layers(now, costs)
+    layers[1].kernel.panels = None  # the step cannot run: it reads every product's panels
+    decided = selection.choose_small_products(layers, clock=lambda: now[0], budget_s=100.0, step_layers=layers,
+                                              bind=_bind_costing(now, {1: 0.1, 8: 0.1}, len(layers)))
+    assert "step" not in decided["sequence_ms"]["M1"] and decided["native_step_buckets"] == []
+    assert [c.name for c in layers[0].kernel.choices] == ["packed"] * 3
+
+
+class _StepModel(torch.nn.Module):
+    """A model whose (stand-in) native decode step runs its first two products."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = ReplicatedLinear(64, 128), ReplicatedLinear(128, 64), ReplicatedLinear(64, 64)
+        for layer in (self.a, self.b, self.head):
+            layer.weight.data.normal_()
+
+    def native_step_products(self):
+        return [self.a, self.b]
+
+
+@needs_kernel
+def test_a_native_step_s_products_get_panels_whatever_their_own_timing_chose(monkeypatch):
+    # Per-shape timing picks F.linear everywhere (as it does for the tiny LLaVA's shapes):
+    # the step's products are packed and verified anyway, their plain weights kept.
+    monkeypatch.setattr(selection, "measure_choices",
+                        lambda weight, bias, candidates, streamed: ((kernels.PLAIN,) * len(M_BUCKETS), {}))
+    monkeypatch.setattr(selection, "_DECISIONS", {})
+    model = _StepModel()
+    with torch.inference_mode():
+        report = selection.select_linear_kernels(model, "auto")
+    assert not report["streamed"]
+    for layer in (model.a, model.b):
+        assert layer.kernel.panels is not None and layer.kernel.weight is not None
+    assert model.head.kernel.packed is None  # not the step's: nothing to pack it for
+    assert "step" in report["sequence_ms"]["M1"]
+    for layer in (model.a, model.b, model.head):
+        for rows in (1, 3, 40):  # every M bucket
+            x = torch.randn(rows, layer.kernel.weight.shape[1])
+            reference = F.linear(x, layer.kernel.weight, layer.bias)
+            torch.testing.assert_close(layer.kernel(x, layer.bias), reference, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_bound_product_computes_the_product():
+    weight = torch.randn(96, 64)
+    packed = pack_weight(weight)  # alive as long as the panels: they hold its address
+    panels = PackedPanels.of(weight, packed)
+    x = torch.randn(5, 64)
+    call = native_linear.bound_product(x, panels)
+    torch.testing.assert_close(call(), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    x.mul_(2)  # the call reads its input where it lies, every time
+    torch.testing.assert_close(call(), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        native_linear.bound_product(torch.randn(64, 5).t(), panels)
+
+
 def test_the_decode_products_are_not_timed_past_their_budget():
     now = [0.0]
     costs = lambda rows, pad, native: 0.5 if native else 1.0  # noqa: E731

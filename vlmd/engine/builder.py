@@ -86,7 +86,8 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
     # in a packed layout.
     kernels = select_linear_kernels(model, linear_kernels)
     log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()},
-             native_buckets=kernels.get("native_buckets"), pad_rows=kernels.get("pad_rows"),
+             native_buckets=kernels.get("native_buckets"), native_step_buckets=kernels.get("native_step_buckets"),
+             pad_rows=kernels.get("pad_rows"),
              decode_products_ms=kernels.get("sequence_ms"))
     install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION (every rank alike)
     return model

@@ -210,6 +210,16 @@ class LlamaForCausalLM(nn.Module):
             return None
         return decoder(embeds, cos, sin, meta.slot_mapping, meta.decode_tables)
 
+    def native_step_products(self) -> list:
+        """The products ``_native_decode_step`` runs in its one native call (every layer's
+        q/k/v, output, gate/up and down), or [] where this model cannot take that step on
+        this host. For the kernel selection (``layers/linear/selection.py``), which times
+        them as that step runs them: with no Python around each product."""
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        if not decoder_step.available() or attn.qkv_proj.tp.size != 1 or mlp.act is not F.silu:
+            return []
+        return [p for products in self._products() for p in products]
+
     def _products(self):
         for layer in self.layers:
             yield layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj

@@ -9,6 +9,7 @@ bucket so far, or pre-packed weights where nothing was measured yet.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -30,6 +31,7 @@ from vlmd.layers.linear.kernels import (
     packing_available,
 )
 from vlmd.layers.linear.layers import LinearBase
+from vlmd.layers.native import packed_linear as native_linear
 from vlmd.layers.native.packed_linear import PackedPanels
 
 _DECISIONS: dict[tuple, tuple[KernelChoice, ...]] = {}
@@ -65,6 +67,9 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     measured: list[tuple[KernelChoice, ...]] = []
     streamed = _weights_outgrow_cache([layer for layer in layers if layer.weight.device.type == "cpu"])
     report["streamed"] = streamed
+    # Products a native decode step would run (see choose_small_products). Only where the
+    # weights fit in the cache: streamed from memory, a product outlasts its Python by far.
+    step_ids = set() if streamed or mode != "auto" or not native_linear.available() else _native_step_products(model)
     for layer in layers:
         weight = layer.weight
         if mode == "plain" or weight.device.type != "cpu":
@@ -86,7 +91,10 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
                     report["shapes"][name] = {"chosen": [c.name for c in choices], "ms": None}
             else:
                 choices = _DECISIONS[key]
-        packed = pack_weight(weight) if any(c.packed for c in choices) else None
+        # A native step's product needs the packed weight even where its own timing chose
+        # F.linear (kept beside it: these weights fit in the cache, so the copy is small).
+        wanted = any(c.packed for c in choices) or (id(layer) in step_ids and packing_available(weight))
+        packed = pack_weight(weight) if wanted else None
         # Verified now, while the plain weight is here to compare against.
         panels = PackedPanels.of(weight, packed) if packed is not None and mode in ("auto", "native") else None
         keep_plain = any(not c.packed for c in choices) or id(weight) in shared
@@ -103,7 +111,8 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         # life (the small LLaVA's products at M = 1: 20.2 ms against 14.0 with the kernel).
         remaining = max(budget_s - (time.perf_counter() - started), SMALL_PRODUCTS_MIN_S)
         selected = [layer for layer in layers if layer.kernel is not None]
-        report.update(choose_small_products(selected, budget_s=remaining))
+        step = [layer for layer in selected if id(layer) in step_ids]
+        report.update(choose_small_products(selected, budget_s=remaining, step_layers=step))
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
 
@@ -123,7 +132,7 @@ def _with_small(choices: tuple[KernelChoice, ...], choice: KernelChoice, buckets
 
 
 def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.perf_counter,
-                          budget_s: float = 2.0) -> dict:
+                          budget_s: float = 2.0, step_layers: list[LinearBase] = (), bind=None) -> dict:
     """How a decode step's products are computed, for every layer, measured on the model's
     own products in model order: a decode step's sequence, because that is where the
     differences show (timed one shape at a time, oneDNN streams M = 1 as fast as M = 6).
@@ -135,17 +144,29 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
     - At M = 1 also: oneDNN's product of fewer rows computed on 4 or 6 rows
       (``kernels.padded_rows``), kept where it beats no padding by ``PAD_MARGIN``; it
       applies to every layer left on oneDNN.
+    - ``step_layers``: the products a model's native decode step runs (its
+      ``native_step_products``), every one with verified panels. That step runs them from
+      C, so vlmd's kernel is also timed the way it runs them there (``bind``, default
+      ``packed_linear.bound_product``: one ctypes call each, no Python around it), the
+      other layers as above; where that beats the rest by ``NATIVE_MARGIN`` every layer
+      with panels takes vlmd's kernel, and with it the step engages. Why: on a model small
+      enough for Python to dominate (the tiny LLaVA's decoder, 64 wide) each product costs
+      its module call more than its arithmetic, so timed one module call at a time
+      ``F.linear`` wins and the step, which removes those calls, never runs.
 
     Candidates run interleaved round by round and the median of each is compared (the
     minimum of 3-5 rounds flipped between runs on a noisy host: 14.0 vs 13.0 ms is within
     its noise, medians 15.4 vs 14.1 were not). Nothing changes where not even one round
     after the warm-up fits in ``budget_s`` (a large model's pass over its weights is long).
     Returns what was chosen and the medians (ms)."""
-    decided: dict = {"pad_rows": 0, "native_buckets": [], "sequence_ms": {}}
+    decided: dict = {"pad_rows": 0, "native_buckets": [], "native_step_buckets": [], "sequence_ms": {}}
     if budget_s <= 0:
         return decided
     deadline = clock() + budget_s
     native = [layer for layer in layers if layer.kernel.panels is not None]
+    step_ids = {id(layer) for layer in step_layers}
+    # The step runs only when every one of its products can take the kernel.
+    steps = bool(step_layers) and all(layer.kernel.panels is not None for layer in step_layers)
     for index, bucket in enumerate(SMALL_BUCKETS):
         rows = M_BUCKETS[bucket][1]
         # An equal share of what is left for each bucket still to time: on a host where a
@@ -162,7 +183,7 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
             for layer in layers:
                 layer.kernel.pad_rows = pad
                 layer.kernel.choices = baseline[id(layer)]
-            if kind == "native":
+            if kind in ("native", "step"):
                 for layer in native:
                     layer.kernel.choices = _with_small(layer.kernel.choices, NATIVE, (bucket,))
 
@@ -171,7 +192,10 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
             variants += [("onednn", pad) for pad in PAD_CANDIDATES if pad > rows]
         if native:
             variants.append(("native", 0))
-        typical = _time_in_model_order(layers, rows, variants, configure, rounds, clock, bucket_deadline)
+        if steps:
+            variants.append(("step", 0))
+        typical = _time_in_model_order(layers, rows, variants, configure, rounds, clock, bucket_deadline,
+                                       step_ids, bind or native_linear.bound_product)
         decided["sequence_ms"][f"M{rows}"] = {f"{kind}" + (f"+pad{pad}" if pad else ""): round(ms * 1e3, 3)
                                                for (kind, pad), ms in typical.items() if ms != float("inf")}
         onednn = [v for v in variants if v[0] == "onednn"]
@@ -179,32 +203,43 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
         if typical[best_pad] * PAD_MARGIN >= typical[("onednn", 0)]:  # also when nothing was timed
             best_pad = ("onednn", 0)
         use_native = native and typical[("native", 0)] * NATIVE_MARGIN < typical[best_pad]
-        configure(("native" if use_native else "onednn", 0))
+        use_step = steps and typical[("step", 0)] * NATIVE_MARGIN < typical[best_pad]
+        configure(("native" if use_native or use_step else "onednn", 0))
         if bucket == 0:
             decided["pad_rows"] = best_pad[1]
-        if use_native:
+        if use_native or use_step:
             decided["native_buckets"].append(f"M<={M_BUCKETS[bucket][0]}")
+        if use_step and not use_native:
+            decided["native_step_buckets"].append(f"M<={M_BUCKETS[bucket][0]}")
     for layer in layers:
         layer.kernel.pad_rows = decided["pad_rows"]
     return decided
 
 
-def _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadline) -> dict:
+def _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadline, step_ids=frozenset(),
+                         bind=None) -> dict:
     """Median seconds of one pass over every layer's product at ``rows`` rows, per variant
-    (infinite where no round after the warm-up fitted before ``deadline``)."""
+    (infinite where no round after the warm-up fitted before ``deadline``). In the ``step``
+    variant the layers in ``step_ids`` run ``bind(x, panels)()``, as a native step would
+    run them."""
     times: dict = {variant: [] for variant in variants}
     if len(variants) < 2:
         return {variant: float("inf") for variant in variants}
     dtype = layers[0].kernel.packed.dtype if layers[0].kernel.packed is not None else layers[0].kernel.weight.dtype
     inputs = [torch.randn(rows, _in_features(layer), dtype=dtype) for layer in layers]
+    module_calls = [functools.partial(layer.kernel, x, layer.bias) for layer, x in zip(layers, inputs)]
+    calls = {variant: module_calls for variant in variants}
+    if ("step", 0) in calls:
+        calls[("step", 0)] = [bind(x, layer.kernel.panels) if id(layer) in step_ids else call
+                              for layer, x, call in zip(layers, inputs, module_calls)]
     for round_index in range(rounds + 1):  # the first round warms every candidate up
         if round_index > 1 and clock() > deadline:
             break
         for variant in variants:
             configure(variant)
             started = clock()
-            for layer, x in zip(layers, inputs):
-                layer.kernel(x, layer.bias)
+            for call in calls[variant]:
+                call()
             elapsed = clock() - started
             if round_index:
                 times[variant].append(elapsed)
@@ -228,6 +263,17 @@ def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.
         pick = max(set(votes), key=votes.count)
         chosen.append(pick if (not pick.packed or fallback.packed) else PLAIN)
     return tuple(chosen)
+
+
+def _native_step_products(model: nn.Module) -> set[int]:
+    """Ids of the products that the model's native decode steps run (every module that
+    offers ``native_step_products``: a family's decoder)."""
+    found: set[int] = set()
+    for module in model.modules():
+        offer = getattr(module, "native_step_products", None)
+        if callable(offer):
+            found.update(id(layer) for layer in offer())
+    return found
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -81,6 +81,33 @@ class PackedPanels:
         return None
 
 
+def bound_product(x: torch.Tensor, panels: PackedPanels):
+    """A call of the kernel computing ``x @ W.T`` (``x`` float32, contiguous [rows, K]) into
+    an output it holds, its arguments converted once: what a caller that runs the kernel
+    itself (``decoder_step.c``) pays per product, plus one ctypes call. For timing such a
+    caller's products."""
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("the native packed-linear kernel is not built on this host")
+    rows, k_len, n_len = x.shape[0], panels.in_features, panels.out_features
+    if x.shape != (rows, k_len) or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"need a contiguous float32 [rows, {k_len}], got {tuple(x.shape)} {x.dtype}")
+    out = torch.empty(rows, n_len)
+    arguments = (_POINTER(x.data_ptr()), _WIDE(k_len), _POINTER(panels.address), _WIDE(panels.panel_width),
+                 _WIDE(panels.padded_k), None, _POINTER(out.data_ptr()), _WIDE(n_len), _WIDE(rows), _WIDE(n_len),
+                 _WIDE(k_len), _INT(torch.get_num_threads()))
+    function = kernel["vlmd_packed_linear"]
+
+    def call() -> torch.Tensor:
+        code = function(*arguments)
+        if code != 0:
+            raise ValueError(f"native packed linear cannot serve this product: {_ERRORS.get(code, code)}")
+        return out
+
+    call.keep = (x, out)  # the addresses above stay valid while the call lives
+    return call
+
+
 def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for float32 ``x`` [..., K]."""
     kernel = _kernel()
