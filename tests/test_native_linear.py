@@ -257,6 +257,19 @@ def test_a_native_step_s_products_get_panels_whatever_their_own_timing_chose(mon
 
 
 @needs_kernel
+def test_no_step_is_timed_where_the_native_step_cannot_run(monkeypatch):
+    # With torch's attention (--attention-kernels torch) the step keeps the modules.
+    monkeypatch.setattr(selection, "measure_choices",
+                        lambda weight, bias, candidates, streamed: ((kernels.PLAIN,) * len(M_BUCKETS), {}))
+    monkeypatch.setattr(selection, "_DECISIONS", {})
+    model = _StepModel()
+    with torch.inference_mode():
+        report = selection.select_linear_kernels(model, "auto", native_steps=False)
+    assert all(layer.kernel.packed is None for layer in (model.a, model.b, model.head))
+    assert report["native_step_buckets"] == [] and "step" not in report["sequence_ms"].get("M1", {})
+
+
+@needs_kernel
 def test_a_bound_product_computes_the_product():
     weight = torch.randn(96, 64)
     packed = pack_weight(weight)  # alive as long as the panels: they hold its address

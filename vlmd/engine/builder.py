@@ -66,7 +66,7 @@ def text_config_of(hf_config):
 
 
 def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, device: torch.device | None = None,
-               before_device=None, linear_kernels: str = "auto"):
+               before_device=None, linear_kernels: str = "auto", native_steps: bool = True):
     """The family's model for a checkpoint; ``tp`` (a ``TPGroup``) loads only that rank's shard.
 
     ``before_device(model)`` runs before the move to ``device`` (dropping unused encoders
@@ -84,7 +84,7 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
         model = model.to(device)
     # Last, after the dtype cast and the move: the chosen kernels (CPU only) may hold weights
     # in a packed layout.
-    kernels = select_linear_kernels(model, linear_kernels)
+    kernels = select_linear_kernels(model, linear_kernels, native_steps=native_steps)
     log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()},
              native_buckets=kernels.get("native_buckets"), native_step_buckets=kernels.get("native_step_buckets"),
              pad_rows=kernels.get("pad_rows"),
@@ -173,6 +173,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         model_dir, dtype, tensor_parallel.tp if tensor_parallel else None, hf_config, device,
         before_device=lambda loaded: dropped.extend(drop_unused_encoders(loaded, supported, modalities)),
         linear_kernels=config.linear_kernels,
+        # The native decode step also needs the native attention (torch's keeps the modules).
+        native_steps=config.attention_kernels != "torch",
     )
     # `vlmd cost` sizes caches from info.kv_spec() (a tensor-parallel rank holds its shard).
     if tensor_parallel is None and model.kv_spec != info.kv_spec():

@@ -50,13 +50,15 @@ def _weights_outgrow_cache(layers: list[LinearBase]) -> bool:
 
 
 @torch.inference_mode()
-def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float = 2.0) -> dict:
+def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float = 2.0,
+                          native_steps: bool = True) -> dict:
     """Give every ``LinearBase`` in ``model`` its kernel; returns what was chosen and timed.
 
     ``mode``: ``auto`` (measure), ``plain`` (``F.linear`` everywhere), ``packed``
     (pre-packed oneDNN where available) or ``native`` (pre-packed, and vlmd's kernel for
     products of up to 32 rows wherever it reads the packed weight); the last two for tests
-    and comparisons.
+    and comparisons. ``native_steps``: whether the model's native decode steps can run (not
+    with torch's attention), so that their products are timed as those steps run them.
     """
     if mode not in LINEAR_KERNEL_MODES:
         raise ValueError(f"linear kernel mode {mode!r} is not one of {', '.join(LINEAR_KERNEL_MODES)}")
@@ -69,7 +71,8 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     report["streamed"] = streamed
     # Products a native decode step would run (see choose_small_products). Only where the
     # weights fit in the cache: streamed from memory, a product outlasts its Python by far.
-    step_ids = set() if streamed or mode != "auto" or not native_linear.available() else _native_step_products(model)
+    native_steps = native_steps and mode == "auto" and not streamed and native_linear.available()
+    step_ids = _native_step_products(model) if native_steps else set()
     for layer in layers:
         weight = layer.weight
         if mode == "plain" or weight.device.type != "cpu":
