@@ -234,16 +234,21 @@ class _StepModel(torch.nn.Module):
         return [self.a, self.b]
 
 
-@needs_kernel
-def test_a_native_step_s_products_get_panels_whatever_their_own_timing_chose(monkeypatch):
-    # Per-shape timing picks F.linear everywhere (as it does for the tiny LLaVA's shapes):
-    # the step's products are packed and verified anyway, their plain weights kept.
+def _select_with_plain_shapes(monkeypatch, **options):
+    """A _StepModel through select_linear_kernels("auto") where per-shape timing picks
+    F.linear everywhere (as it does for the tiny LLaVA's shapes); (model, report)."""
     monkeypatch.setattr(selection, "measure_choices",
                         lambda weight, bias, candidates, streamed: ((kernels.PLAIN,) * len(M_BUCKETS), {}))
     monkeypatch.setattr(selection, "_DECISIONS", {})
     model = _StepModel()
     with torch.inference_mode():
-        report = selection.select_linear_kernels(model, "auto")
+        return model, selection.select_linear_kernels(model, "auto", **options)
+
+
+@needs_kernel
+def test_a_native_step_s_products_get_panels_whatever_their_own_timing_chose(monkeypatch):
+    # The step's products are packed and verified anyway, their plain weights kept.
+    model, report = _select_with_plain_shapes(monkeypatch)
     assert not report["streamed"]
     for layer in (model.a, model.b):
         assert layer.kernel.panels is not None and layer.kernel.weight is not None
@@ -259,12 +264,7 @@ def test_a_native_step_s_products_get_panels_whatever_their_own_timing_chose(mon
 @needs_kernel
 def test_no_step_is_timed_where_the_native_step_cannot_run(monkeypatch):
     # With torch's attention (--attention-kernels torch) the step keeps the modules.
-    monkeypatch.setattr(selection, "measure_choices",
-                        lambda weight, bias, candidates, streamed: ((kernels.PLAIN,) * len(M_BUCKETS), {}))
-    monkeypatch.setattr(selection, "_DECISIONS", {})
-    model = _StepModel()
-    with torch.inference_mode():
-        report = selection.select_linear_kernels(model, "auto", native_steps=False)
+    model, report = _select_with_plain_shapes(monkeypatch, native_steps=False)
     assert all(layer.kernel.packed is None for layer in (model.a, model.b, model.head))
     assert report["native_step_buckets"] == [] and "step" not in report["sequence_ms"].get("M1", {})
 
