@@ -13,9 +13,8 @@ LLaVA checkpoint's config, then serves the checkpoint with vlmd and reports
 - decode c1 / c8: the larger of the bytes one step must read (every decoder weight once,
   plus the batch's K/V) / bandwidth and the step's arithmetic (every decoder product and
   the attention over each context, per decode) / GEMM peak  vs  time per output token at
-  c1 / c8, one repeated image. (On an AVX2-only host decode is bound by bytes at both
-  batch sizes; on an AVX-512 AMD EPYC whose 512-bit FMAs issue one a cycle, eight decodes
-  can need more time for their arithmetic than for their bytes.)
+  c1 / c8, one repeated image. Which of the two is longer depends on the host and the
+  batch: both parts are in the JSON line (``decode_floor_parts_s``).
 
     python contrib/bench/roofline.py --size small --num-requests 8
 """
