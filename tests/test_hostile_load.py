@@ -135,6 +135,11 @@ def test_preprocess_timeout(tiny_llava_dir, tmp_path_factory):
         assert info.value.headers["Retry-After"] == "1"
         assert_error(503, info.value.read(), 503, "--preprocess-timeout")
         assert server.metrics()["vlmd_preprocess_timeouts_total"] >= 1
+        # The abandoned pool thread stops at its next stage boundary, after the client was
+        # answered, so the gauge reaches 0 shortly after the 503, not necessarily before it.
+        deadline = time.monotonic() + 15
+        while server.metrics()["vlmd_preprocess_in_flight"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert server.metrics()["vlmd_preprocess_in_flight"] == 0
     finally:
         server.stop()
