@@ -104,10 +104,25 @@ def test_metrics_expose_latency_histograms(server):
         "vlmd_encoder_forward_seconds_count",
         'vlmd_media_fetch_seconds_count{modality="image"}',
         'vlmd_media_preprocess_seconds_count{modality="image"}',
+        'vlmd_engine_step_seconds_count{kind="prefill"}',  # the prompt (and its image)
+        'vlmd_engine_step_seconds_count{kind="decode"}',  # the answer's later tokens
     ):
         assert metrics.get(name, 0) > 0, name
     assert 0 <= metrics["vlmd_encoder_cache_usage_perc"] <= 1
     assert metrics["vlmd_encoder_cache_queries_total"] >= metrics["vlmd_encoder_cache_hits_total"]
+
+
+def test_engine_step_seconds_split_one_request_into_its_prefill_and_decode_steps(server):
+    before = server.metrics()
+    answer = _ask(server, "Count the steps.", random_image(91), max_tokens=9)
+    after = server.metrics()
+    tokens = answer["usage"]["completion_tokens"]
+    # The prompt fits one step's token budget: one prefill step (with the encoder) makes the
+    # first token, and each later token is a decode step of this request alone.
+    assert _delta(before, after, 'vlmd_engine_step_seconds_count{kind="prefill"}') == 1
+    assert _delta(before, after, 'vlmd_engine_step_seconds_count{kind="decode"}') == tokens - 1
+    assert _delta(before, after, 'vlmd_engine_step_seconds_sum{kind="prefill"}') >= _delta(
+        before, after, "vlmd_encoder_forward_seconds_sum") > 0
 
 
 def test_caches_can_be_turned_off(tiny_llava_dir, tmp_path):

@@ -45,6 +45,12 @@ class StepMetrics:
 
     encoder_seconds: float = 0.0
     queue_seconds: list[float] = field(default_factory=list)  # requests admitted for the first time
+    # Scheduling, model and output handling of a step that computed tokens; its kind is
+    # "decode" when every chunk was one token and no encoder ran, else "prefill". Why: a
+    # workload's time splits into compute-bound prefill steps and bandwidth-bound decode
+    # steps, whose floors differ (contrib/bench/roofline.py reads the split from /metrics).
+    step_seconds: float = 0.0
+    kind: str = ""
 
 
 class EngineCore:
@@ -75,6 +81,7 @@ class EngineCore:
         the innocent requests continue as if nothing happened (the scheduler's accounting
         for them already describes the step; the re-runs rewrote the same KV slots).
         """
+        started = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
         now = time.time()
         queued = [
@@ -100,8 +107,13 @@ class EngineCore:
                 result, culprits = find_culprits(self.executor, out, exc)
                 deltas = self._fail_culprits(out, culprits)
         self.num_steps += 1
-        self.last_step_metrics = StepMetrics(result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued)
-        return deltas + self.scheduler.update_from_output(out, result), not out.is_empty
+        deltas += self.scheduler.update_from_output(out, result)
+        decode_only = not out.scheduled_encoder_inputs and all(n == 1 for n in out.num_scheduled_tokens.values())
+        self.last_step_metrics = StepMetrics(
+            result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued,
+            step_seconds=time.perf_counter() - started if not out.is_empty else 0.0,
+            kind="" if out.is_empty else "decode" if decode_only else "prefill")
+        return deltas, not out.is_empty
 
     def _fail_culprits(self, out: SchedulerOutput, culprits: dict[str, BaseException]) -> list[RequestDelta]:
         """End the requests a failed step was traced to, and undo what their chunk left behind."""

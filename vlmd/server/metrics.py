@@ -119,6 +119,8 @@ class Metrics:
         self.itl = histogram("vlmd_inter_token_latency_seconds", "Between consecutive tokens of a request", _FAST)
         self.queue = histogram("vlmd_request_queue_time_seconds", "Arrival to first scheduling", _SLOW)
         self.encoder = histogram("vlmd_encoder_forward_seconds", "Encoder work in one engine step", _FAST)
+        self.step = histogram("vlmd_engine_step_seconds", "One engine step that computed tokens, by kind: decode "
+                              "(every chunk one token, no encoder) or prefill (the rest)", _FAST, ("kind",))
         self.fetch = histogram("vlmd_media_fetch_seconds", "Fetch and decode of one item", _FAST, ("modality",))
         self.process = histogram("vlmd_media_preprocess_seconds", "Processor work for one item", _FAST, ("modality",))
         self.grammar_compile = histogram("vlmd_grammar_compile_seconds", "Compiling one structured-output grammar", _FAST)
@@ -127,6 +129,8 @@ class Metrics:
     def observe_step(self, step) -> None:
         if step.encoder_seconds:
             self.encoder.observe(step.encoder_seconds)
+        if step.kind:
+            self.step.labels(step.kind).observe(step.step_seconds)
         for seconds in step.queue_seconds:
             self.queue.observe(seconds)
 
