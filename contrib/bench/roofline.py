@@ -1,7 +1,8 @@
 """How far vlmd is from this host's physical floor, per workload, as one JSON line.
 
 Measures the host's GEMM peak (fp32 and bf16 ``torch.mm``, 2048^3, all threads) and memory
-read bandwidth (``sum`` over a 512 MiB tensor), derives each workload's floor from the
+read bandwidth (``sum`` over a 512 MiB tensor), before and after the load (the better of the
+two counts: this host's speed drifts, and a slowed probe lowers the floor), derives each workload's floor from the
 LLaVA checkpoint's config, then serves the checkpoint with vlmd and reports
 ``floor / measured`` (1.0 = at the floor):
 
@@ -14,7 +15,11 @@ LLaVA checkpoint's config, then serves the checkpoint with vlmd and reports
   plus the batch's K/V) / bandwidth and the step's arithmetic (every decoder product and
   the attention over each context, per decode) / GEMM peak  vs  time per output token at
   c1 / c8, one repeated image. Which of the two is longer depends on the host and the
-  batch: both parts are in the JSON line (``decode_floor_parts_s``).
+  batch: both parts are in the JSON line (``decode_floor_parts_s``);
+- c8 new images, per request: the prefill floor plus its share of batch-8 decode steps
+  (``output_tokens - 1`` of them, 8 decodes a step)  vs  wall time / requests. The engine's
+  own split (``vlmd_engine_step_seconds`` from ``/metrics``: seconds in prefill steps and
+  in decode-only steps, per request) says which part is off its floor.
 
     python contrib/bench/roofline.py --size small --num-requests 8
 """
@@ -36,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chat import make_jpeg, run_level, start_server  # noqa: E402
 
 
-def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
@@ -47,6 +52,12 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     data = torch.ones(mib * 2**20 // 4)
     data.sum()
     return data.numel() * 4 / min(_timed(data.sum) for _ in range(repeats))
+
+
+def probe_host() -> dict[str, float]:
+    return {"gemm_fp32_gflops": round(gemm_peak(torch.float32) / 1e9, 1),
+            "gemm_bf16_gflops": round(gemm_peak(torch.bfloat16) / 1e9, 1),
+            "read_gb_s": round(read_bandwidth() / 1e9, 1)}
 
 
 def _timed(fn) -> float:
@@ -111,6 +122,18 @@ def prompt_tokens_of(url: str, image: str) -> int:
         return json.loads(response.read())["usage"]["prompt_tokens"]
 
 
+def engine_step_seconds(url: str) -> dict[str, float]:
+    """Seconds the engine has spent in steps of each kind (``/metrics``), e.g. {"prefill": ..}."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals = {}
+    for line in text.splitlines():
+        if line.startswith("vlmd_engine_step_seconds_sum{"):
+            labels, value = line.rsplit(" ", 1)
+            totals[labels.split('kind="', 1)[1].split('"', 1)[0]] = float(value)
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
@@ -132,26 +155,37 @@ def main() -> None:
             build_tiny("llava", model_dir, seed=0, size=args.size)
     config = AutoConfig.from_pretrained(str(model_dir))
     dtype = getattr(torch, args.dtype)
-    host = {"gemm_fp32_gflops": round(gemm_peak(torch.float32) / 1e9, 1),
-            "gemm_bf16_gflops": round(gemm_peak(torch.bfloat16) / 1e9, 1),
-            "read_gb_s": round(read_bandwidth() / 1e9, 1), "threads": torch.get_num_threads()}
-    peak = host["gemm_bf16_gflops" if dtype == torch.bfloat16 else "gemm_fp32_gflops"] * 1e9
+    probes = [probe_host()]
     element = torch.empty((), dtype=dtype).element_size()
 
     process = start_server(str(model_dir), args.port, ["--dtype", args.dtype])
     url = f"http://127.0.0.1:{args.port}"
     try:
         seed = args.seed
-        fresh = [make_jpeg(seed + i, 640, 480) for i in range(args.num_requests + 2)]
+        fresh = [make_jpeg(seed + i, 640, 480) for i in range(2 * args.num_requests + 2)]
         prompt = prompt_tokens_of(url, fresh[-1])  # also the warm-up
         measured = {
-            "c1_new": asyncio.run(run_level(url, "bench", 1, args.num_requests, args.output_tokens, fresh[:-2])),
+            "c1_new": asyncio.run(run_level(url, "bench", 1, args.num_requests, args.output_tokens, fresh[:args.num_requests])),
             "c1_repeated": asyncio.run(run_level(url, "bench", 1, args.num_requests, args.output_tokens, fresh[-2:-1])),
             "c8_repeated": asyncio.run(run_level(url, "bench", 8, args.num_requests, args.output_tokens, fresh[-2:-1])),
         }
+        before = engine_step_seconds(url)
+        measured["c8_new"] = asyncio.run(run_level(url, "bench", 8, args.num_requests, args.output_tokens,
+                                                   fresh[args.num_requests:2 * args.num_requests]))
+        after = engine_step_seconds(url)
+        measured["c8_new"]["engine_s_per_request"] = {
+            kind: round((after.get(kind, 0.0) - before.get(kind, 0.0)) / args.num_requests, 4)
+            for kind in ("prefill", "decode")}
     finally:
         process.terminate()
         process.wait(30)
+    probes.append(probe_host())
+    # The best of the probes before and after the load: a probe taken while the host is
+    # slowed by a neighbour would put the floor too high (and vlmd "above" it).
+    host = {key: max(probe[key] for probe in probes) for key in probes[0]}
+    host["probes"] = probes
+    host["threads"] = torch.get_num_threads()
+    peak = host["gemm_bf16_gflops" if dtype == torch.bfloat16 else "gemm_fp32_gflops"] * 1e9
     flops = prefill_flops(config, prompt)
     mean_context = prompt + args.output_tokens // 2
     decode = {batch: {"bytes_s": decode_bytes(config, batch, mean_context, element) / (host["read_gb_s"] * 1e9),
@@ -164,12 +198,14 @@ def main() -> None:
         # A step can overlap its reads with its arithmetic at best: the longer one bounds it.
         "decode_c1_s": max(decode[1].values()),
         "decode_c8_s": max(decode[8].values()),
+        "c8_new_per_request_s": flops["needed"] / peak + (args.output_tokens - 1) * max(decode[8].values()) / 8,
     }
     figures = {
         "prefill_ttft_s": measured["c1_new"]["ttft_p50_s"],
         "prefill_ttft_full_model_s": measured["c1_new"]["ttft_p50_s"],
         "decode_c1_s": measured["c1_repeated"]["itl_p50_s"],
         "decode_c8_s": measured["c8_repeated"]["itl_p50_s"],
+        "c8_new_per_request_s": round(measured["c8_new"]["wall_s"] / args.num_requests, 4),
     }
     print(json.dumps({
         "model": str(model_dir), "dtype": args.dtype, "host": host, "prompt_tokens": prompt,
