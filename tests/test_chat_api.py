@@ -152,3 +152,18 @@ def test_serve_without_a_model_builds_and_serves_the_embedded_default(tmp_path):
         process.terminate()
         process.wait(15)
         log.close()
+
+
+def test_bfloat16_serves_an_image_chat_through_the_native_products(tiny_llava_dir, tmp_path):
+    # bfloat16 decode products take vlmd's bfloat16 reader where oneDNN packs bfloat16
+    # (tests/test_native_linear.py checks its arithmetic); here the whole server runs on it.
+    server = Server(tiny_llava_dir, "--dtype", "bfloat16", "--linear-kernels", "native", "--no-warmup",
+                    log_dir=tmp_path)
+    try:
+        status, body = server.chat({"messages": image_message("Describe it.", random_image(7)), "max_tokens": 6,
+                                    "ignore_eos": True, "temperature": 0})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 6
+        assert body["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()

@@ -84,7 +84,45 @@ def test_the_layout_is_checked_on_the_layer_s_own_values():
     assert PackedPanels.of(weight.t().contiguous(), pack_weight(weight.t().contiguous())) is not None
     assert PackedPanels.of(weight, weight) is None  # not a packed tensor
     if packing_available(weight.bfloat16()):  # oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT
-        assert PackedPanels.of(weight.bfloat16(), pack_weight(weight.bfloat16())) is None
+        bf16 = weight.bfloat16()
+        found = PackedPanels.of(bf16, pack_weight(bf16))
+        assert found is not None and found.dtype == torch.bfloat16
+        corrupted = pack_weight(bf16)
+        ctypes.c_uint16.from_address(torch.ops.mkldnn.data_ptr(corrupted) + 2 * 77).value ^= 1 << 6
+        assert PackedPanels.of(bf16, corrupted) is None
+        assert PackedPanels.of(bf16, pack_weight(weight)) is None  # a float32 packing of it
+
+
+needs_bf16_packing = pytest.mark.skipif(
+    not (packing_available(torch.zeros(1, dtype=torch.bfloat16)) and native_linear.available()),
+    reason="no oneDNN bfloat16 packing or no C compiler here")
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("out_features,in_features", [(4096, 768), (1000, 100), (33, 17), (130, 1001), (64, 16)])
+@pytest.mark.parametrize("threads", [1, 2, 7])
+def test_bfloat16_products_match_the_reference_and_onednn(out_features, in_features, threads):
+    # Exact bfloat16 products summed in float32, rounded to bfloat16 once: the reference
+    # rounded the same way, within a bfloat16 step; oneDNN's own product within two.
+    torch.manual_seed(out_features * 3 + in_features)
+    weight, bias = torch.randn(out_features, in_features).bfloat16(), torch.randn(out_features).bfloat16()
+    packed, panels = _panels(weight)
+    assert panels.dtype == torch.bfloat16
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 4, 5, 9, 40):
+            x = torch.randn(rows, in_features).bfloat16()
+            for with_bias in (None, bias):
+                got = packed_linear(x, panels, with_bias)
+                assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+                reference = _reference(x, weight, with_bias)
+                step = reference.abs().clamp(min=1.0) * 2**-7  # one bfloat16 step (8-bit mantissa)
+                assert ((got.double() - reference).abs() <= step).all()
+                onednn = kernels.packed_linear(x, packed, with_bias)
+                assert ((got.double() - onednn.double()).abs() <= 2 * step).all()
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_a_native_choice_needs_verified_panels():
@@ -114,6 +152,30 @@ def test_native_mode_takes_the_small_buckets_and_leaves_prefill_to_onednn(monkey
     assert calls == [1, 8, 32]
 
 
+@needs_bf16_packing
+def test_a_bfloat16_layer_takes_the_bfloat16_reader_and_keeps_the_native_step_out(monkeypatch):
+    torch.manual_seed(4)
+    layer = ReplicatedLinear(80, 96, bias=True).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    selection._DECISIONS.clear()
+    selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
+    assert [c.name for c in layer.kernel.choices] == ["native", "native", "packed"]
+    assert layer.kernel.panels.dtype == torch.bfloat16
+    assert layer.kernel.native_panels(1) is None  # the native decoder step reads float32 panels only
+    calls = []
+    real = native_linear.packed_linear
+    monkeypatch.setattr(kernels, "native_packed_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 80).bfloat16()
+        got = layer(x)
+        reference = _reference(x, weight, bias)
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - reference).abs() <= reference.abs().clamp(min=1.0) * 2**-7).all()
+    assert calls == [1, 8]
+
+
 def test_without_a_compiler_native_mode_keeps_onednn(tmp_path, monkeypatch):
     if not packing_available(torch.zeros(1)):
         pytest.skip("no oneDNN packing here")
@@ -136,7 +198,7 @@ class _TimedKernel:
         self.now, self.costs, self.layers = now, costs, layers
         self.packed = torch.zeros(4, 8)
         self.weight = None
-        self.panels = object() if panels else None
+        self.panels = PackedPanels(0, 8, 4, 64, 4) if panels else None  # never read: the fake runs no kernel
         self.choices = (PACKED,) * len(M_BUCKETS)
         self.pad_rows = 0
 

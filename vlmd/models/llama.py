@@ -235,7 +235,9 @@ class LlamaForCausalLM(nn.Module):
             return self._native_built[1], self._native_built[2]
         decoder = None
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        usable = all(kernel is not None and kernel.panels is not None for kernel in kernels)
+        # The native step is float32: bfloat16 panels serve the module path's products only.
+        usable = all(kernel is not None and kernel.panels is not None and kernel.panels.dtype == torch.float32
+                     for kernel in kernels)
         if usable and attn.qkv_proj.tp.size == 1 and mlp.act is F.silu and len(kv_caches) == len(self.layers):
             parts = []
             for layer, products, (k_cache, v_cache) in zip(self.layers, self._products(), kv_caches):

@@ -9,7 +9,8 @@ Candidates for a product ``x @ W.T + b`` on CPU:
 - ``native``: the same packed weight read by vlmd's own kernel
   (``vlmd/layers/native/packed_linear.c``), for the small buckets (a decode step's 1-32
   rows), where it streams the weights closer to memory bandwidth than oneDNN does. Only
-  offered where the packed layout was verified on the layer's own weight (float32);
+  offered where the packed layout was verified on the layer's own weight (float32, or
+  bfloat16 in oneDNN's K-paired layout);
 - each at the process's intra-op thread count, or at one thread (at small M the fork/join
   of a second thread can cost more than it saves).
 
@@ -127,7 +128,8 @@ class SelectedKernel:
         (at the process's thread count), else None: what a caller running the kernel
         itself (``layers/native/decoder_step.py``) may use in its place."""
         choice = self.choice_for(rows)
-        return self.panels if choice.native and choice.threads is None else None
+        usable = self.panels is not None and self.panels.dtype == torch.float32  # the step is float32
+        return self.panels if usable and choice.native and choice.threads is None else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

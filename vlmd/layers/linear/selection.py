@@ -168,8 +168,10 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
     deadline = clock() + budget_s
     native = [layer for layer in layers if layer.kernel.panels is not None]
     step_ids = {id(layer) for layer in step_layers}
-    # The step runs only when every one of its products can take the kernel.
-    steps = bool(step_layers) and all(layer.kernel.panels is not None for layer in step_layers)
+    # The step runs only when every one of its products can take the kernel (float32: the
+    # native step is a float32 step).
+    steps = bool(step_layers) and all(layer.kernel.panels is not None and layer.kernel.panels.dtype == torch.float32
+                                      for layer in step_layers)
     for index, bucket in enumerate(SMALL_BUCKETS):
         rows = M_BUCKETS[bucket][1]
         # An equal share of what is left for each bucket still to time: on a host where a

@@ -200,3 +200,138 @@ int vlmd_packed_layout_matches(const float *plain, const float *packed, int64_t 
     }
     return mismatches == 0;
 }
+
+/* bfloat16 weights as oneDNN packs them (mkldnn._reorder_linear_weight of a bfloat16
+ * weight): panels of B output columns, K in pairs, element (n, k) at
+ * ((n / B) * Kp + (k / 2) * 2) * B + (n % B) * 2 + k % 2, K padded to Kp (even). The Python
+ * side checks that layout on each layer's own weight (vlmd_packed_bf16_layout_matches).
+ *
+ * Why: oneDNN's bfloat16 product at M = 1 streamed the small LLaVA's decode weights at
+ * ~14 GB/s (9.1 ms for its 125 MB; AMD EPYC fam 25 model 17, avx512_bf16), so a bfloat16
+ * decode step was slower than a float32 one that reads twice the bytes. Here the rows are
+ * float32 (a bfloat16 value widens exactly), each vector of a panel row holds VEC / 2
+ * columns times a pair of K, and the pair splits into two float32 vectors by bit masks
+ * (a bfloat16 is the top half of its float32): even k = bits << 16, odd k = bits with the
+ * low half cleared. Products are exact in float32 and summed in float32, in another order
+ * than oneDNN's: the results agree to float32 rounding before the caller rounds them to
+ * bfloat16. Needs no bfloat16 instructions (AVX-512F, or AVX2 at 8 lanes). */
+typedef uint32_t vu __attribute__((vector_size(VEC * 4), aligned(4)));
+#define BF16_ROW_BLOCK 4 /* 4 x 4 accumulators + 8 widened weight vectors of 32 registers */
+#define BF16_CHUNK (CHUNK_VECTORS * VEC) /* columns one tile computes: a vector holds VEC columns x a K pair */
+
+#define TILE_BF16(ROWS)                                                                                       \
+    static void tile_bf16_##ROWS(const float *x, int64_t x_stride, const uint16_t *panel, int64_t panel_width, \
+                                 int64_t k_len, vf acc[BF16_ROW_BLOCK][CHUNK_VECTORS]) {                      \
+        vf a[ROWS][CHUNK_VECTORS];                                                                            \
+        for (int m = 0; m < ROWS; m++)                                                                        \
+            for (int j = 0; j < CHUNK_VECTORS; j++) a[m][j] = (vf){0};                                        \
+        const vu high = (vu){0} + 0xffff0000u;                                                                \
+        int64_t k = 0;                                                                                        \
+        for (; k + 1 < k_len; k += 2) {                                                                       \
+            const uint16_t *row = panel + k * panel_width;                                                    \
+            vf even[CHUNK_VECTORS], odd[CHUNK_VECTORS];                                                       \
+            for (int j = 0; j < CHUNK_VECTORS; j++) {                                                         \
+                const vu bits = *(const vu *)(row + j * VEC * 2);                                             \
+                even[j] = (vf)(bits << 16);                                                                   \
+                odd[j] = (vf)(bits & high);                                                                   \
+            }                                                                                                 \
+            for (int m = 0; m < ROWS; m++) {                                                                  \
+                const float s0 = x[m * x_stride + k], s1 = x[m * x_stride + k + 1];                           \
+                for (int j = 0; j < CHUNK_VECTORS; j++) a[m][j] += s0 * even[j] + s1 * odd[j];                \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (k < k_len) { /* odd K: the last pair's second half is padding */                                 \
+            const uint16_t *row = panel + k * panel_width;                                                    \
+            for (int j = 0; j < CHUNK_VECTORS; j++) {                                                         \
+                const vf even = (vf)(*(const vu *)(row + j * VEC * 2) << 16);                                 \
+                for (int m = 0; m < ROWS; m++) a[m][j] += x[m * x_stride + k] * even;                         \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int m = 0; m < ROWS; m++)                                                                        \
+            for (int j = 0; j < CHUNK_VECTORS; j++) acc[m][j] = a[m][j];                                      \
+    }
+
+typedef void (*TileBf16)(const float *, int64_t, const uint16_t *, int64_t, int64_t, vf[BF16_ROW_BLOCK][CHUNK_VECTORS]);
+TILE_BF16(1)
+TILE_BF16(2)
+TILE_BF16(3)
+TILE_BF16(4)
+static const TileBf16 TILES_BF16[BF16_ROW_BLOCK + 1] = {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4};
+
+/* Columns [chunk * BF16_CHUNK, +BF16_CHUNK) of every row: lane i of vector j is column
+ * n0 + j * VEC + i, its even-k and odd-k weights summed into the same accumulator. */
+static void chunk_rows_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,
+                            int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
+                            int64_t n_len, int64_t k_len, int64_t chunk) {
+    int64_t n0 = chunk * BF16_CHUNK;
+    const uint16_t *panel = w + (n0 / panel_width) * padded_k * panel_width + (n0 % panel_width) * 2;
+    int64_t width = n_len - n0 < BF16_CHUNK ? n_len - n0 : BF16_CHUNK;
+    for (int64_t m0 = 0; m0 < rows; m0 += BF16_ROW_BLOCK) {
+        int block = rows - m0 < BF16_ROW_BLOCK ? (int)(rows - m0) : BF16_ROW_BLOCK;
+        vf acc[BF16_ROW_BLOCK][CHUNK_VECTORS];
+        TILES_BF16[block](x + m0 * x_stride, x_stride, panel, panel_width, k_len, acc);
+        for (int m = 0; m < block; m++) {
+            float sums[BF16_CHUNK], *target = out + (m0 + m) * out_stride + n0;
+            for (int j = 0; j < CHUNK_VECTORS; j++) *(vf *)(sums + j * VEC) = acc[m][j];
+            if (bias)
+                for (int64_t i = 0; i < width; i++) target[i] = sums[i] + bias[n0 + i];
+            else
+                memcpy(target, sums, (size_t)width * sizeof(float));
+        }
+    }
+}
+
+int vlmd_packed_linear_bf16_chunk(void) { return BF16_CHUNK; }
+
+/* As vlmd_packed_linear, for bfloat16 panels (w) and float32 rows and output. */
+int vlmd_packed_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,
+                            int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
+                            int64_t n_len, int64_t k_len, int threads) {
+    if (panel_width <= 0 || panel_width % BF16_CHUNK != 0) return -1;
+    if (padded_k < k_len || padded_k % 2) return -2;
+    if (rows < 1 || n_len < 1 || k_len < 1 || x_stride < k_len || out_stride < n_len) return -3;
+    int64_t chunks = (n_len + BF16_CHUNK - 1) / BF16_CHUNK;
+    if (threads > MAX_TEAM) threads = MAX_TEAM;
+    if (threads < 2 || chunks < 2) {
+        for (int64_t chunk = 0; chunk < chunks; chunk++)
+            chunk_rows_bf16(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+        return 0;
+    }
+    Share shares[MAX_TEAM];
+#pragma omp parallel num_threads(threads)
+    {
+        int team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t share = (chunks + team - 1) / team, first = me * share;
+        int64_t last = first + share > chunks ? chunks : first + share;
+        __atomic_store_n(&shares[me].span, (uint64_t)(first < last ? first : last) | ((uint64_t)last << 32),
+                         __ATOMIC_RELAXED);
+#pragma omp barrier /* every share is set before anyone steals */
+        int64_t chunk;
+        while ((chunk = take(&shares[me], 0)) >= 0)
+            chunk_rows_bf16(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+        for (int other = (me + 1) % team; other != me; other = (other + 1) % team)
+            while ((chunk = take(&shares[other], 1)) >= 0)
+                chunk_rows_bf16(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len,
+                                chunk);
+    }
+    return 0;
+}
+
+/* 1 if `packed` holds the bfloat16 `plain` [N, K] in the paired panel layout above (bit for
+ * bit), else 0. Padding is not read. */
+int vlmd_packed_bf16_layout_matches(const uint16_t *plain, const uint16_t *packed, int64_t n_len, int64_t k_len,
+                                    int64_t panel_width, int64_t padded_k, int threads) {
+    if (panel_width <= 0 || padded_k < k_len || padded_k % 2) return 0;
+    int mismatches = 0;
+#pragma omp parallel for num_threads(threads) if (threads > 1) reduction(+ : mismatches) schedule(static)
+    for (int64_t n = 0; n < n_len; n++) {
+        const uint16_t *source = plain + n * k_len;
+        const uint16_t *target = packed + (n / panel_width) * padded_k * panel_width + (n % panel_width) * 2;
+        for (int64_t k = 0; k < k_len; k++)
+            if (source[k] != target[(k / 2) * 2 * panel_width + k % 2]) {
+                mismatches++;
+                break;
+            }
+    }
+    return mismatches == 0;
+}

@@ -1,5 +1,9 @@
 """The binding of ``packed_linear.c``: a few rows times a weight oneDNN has packed.
 
+float32 and bfloat16 weights: oneDNN packs each in its own layout (bfloat16 with K in
+pairs), and the kernel has a reader for each; the rows are float32 either way (a bfloat16
+input widens exactly) and a bfloat16 product's output is rounded to bfloat16 here.
+
 ``PackedPanels.of(weight, packed)`` says whether the kernel can read this layer's packed
 weight: it derives the panel layout from the packed tensor's size and then checks it on the
 layer's own values, bit for bit, before the plain weight is dropped. Only a weight that
@@ -25,7 +29,15 @@ _SIGNATURES = {
                             _INT], _INT),
     "vlmd_packed_layout_matches": ([_POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE, _INT], _INT),
     "vlmd_packed_linear_chunk": ([], _INT),  # columns one tile computes
+    "vlmd_packed_linear_bf16": ([_POINTER, _WIDE, _POINTER, _WIDE, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _WIDE,
+                                 _WIDE, _INT], _INT),
+    "vlmd_packed_bf16_layout_matches": ([_POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE, _INT], _INT),
+    "vlmd_packed_linear_bf16_chunk": ([], _INT),
 }
+# Per weight dtype: (product, layout check, columns a tile computes, bytes an element).
+_FUNCTIONS = {torch.float32: ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", 4),
+              torch.bfloat16: ("vlmd_packed_linear_bf16", "vlmd_packed_bf16_layout_matches",
+                               "vlmd_packed_linear_bf16_chunk", 2)}
 
 
 # Whether this torch hands out a packed tensor's memory (read once: a per-call lookup on
@@ -46,37 +58,39 @@ def available() -> bool:
 @dataclass(frozen=True)
 class PackedPanels:
     """One packed weight as the kernel reads it: W [N, K] stored at ``address`` as
-    ceil(N / panel_width) panels of ``panel_width`` columns, K-major, K padded to
-    ``padded_k``."""
+    ceil(N / panel_width) panels of ``panel_width`` columns, K-major (bfloat16: K in
+    pairs), K padded to ``padded_k``."""
 
     address: int
     out_features: int
     in_features: int
     panel_width: int
     padded_k: int
+    dtype: torch.dtype = torch.float32
 
     @classmethod
     def of(cls, weight: torch.Tensor, packed: torch.Tensor) -> "PackedPanels | None":
         """The layout ``packed`` holds ``weight`` in, verified on its values, or None (not
-        float32, not on the CPU, no kernel here, or a layout the kernel cannot read)."""
+        float32 or bfloat16, not on the CPU, no kernel here, or a layout the kernel cannot
+        read)."""
         kernel = _kernel()
-        if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        if kernel is None or weight.dtype not in _FUNCTIONS or weight.device.type != "cpu" or weight.dim() != 2:
             return None
-        if not getattr(packed, "is_mkldnn", False) or packed.dtype != torch.float32:
+        if not getattr(packed, "is_mkldnn", False) or packed.dtype != weight.dtype:
             return None
+        _, check, chunk, element = _FUNCTIONS[weight.dtype]
         plain = weight.detach().contiguous()
         n_len, k_len = plain.shape
-        floats = torch.ops.mkldnn._nbytes(packed) // 4
+        elements = torch.ops.mkldnn._nbytes(packed) // element
         address = torch.ops.mkldnn.data_ptr(packed)
         for width in PANEL_WIDTHS:
-            if width % kernel["vlmd_packed_linear_chunk"]():
+            if width % kernel[chunk]():
                 continue
             padded_n = -(-n_len // width) * width
-            if floats % padded_n or floats // padded_n < k_len:
+            if elements % padded_n or elements // padded_n < k_len:
                 continue
-            panels = cls(address, n_len, k_len, width, floats // padded_n)
-            matches = kernel["vlmd_packed_layout_matches"]
-            if matches(plain.data_ptr(), address, n_len, k_len, width, panels.padded_k, torch.get_num_threads()):
+            panels = cls(address, n_len, k_len, width, elements // padded_n, weight.dtype)
+            if kernel[check](plain.data_ptr(), address, n_len, k_len, width, panels.padded_k, torch.get_num_threads()):
                 return panels
         return None
 
@@ -90,6 +104,8 @@ def bound_product(x: torch.Tensor, panels: PackedPanels):
     if kernel is None:
         raise RuntimeError("the native packed-linear kernel is not built on this host")
     rows, k_len, n_len = x.shape[0], panels.in_features, panels.out_features
+    if panels.dtype != torch.float32:
+        raise ValueError(f"a bound product reads float32 panels, not {panels.dtype}")
     if x.shape != (rows, k_len) or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"need a contiguous float32 [rows, {k_len}], got {tuple(x.shape)} {x.dtype}")
     out = torch.empty(rows, n_len)
@@ -109,7 +125,7 @@ def bound_product(x: torch.Tensor, panels: PackedPanels):
 
 
 def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for float32 ``x`` [..., K]."""
+    """``x @ W.T + bias`` for ``x`` [..., K], in the weight's dtype."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the native packed-linear kernel is not built on this host")
@@ -124,10 +140,12 @@ def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | No
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         row_stride = rows.stride(0) if rows.shape[0] > 1 else k_len
-        code = kernel["vlmd_packed_linear"](
+        code = kernel[_FUNCTIONS[panels.dtype][0]](
             rows.data_ptr(), row_stride, panels.address, panels.panel_width, panels.padded_k,
             None if bias is None else bias.data_ptr(), out.data_ptr(), n_len, rows.shape[0], n_len, k_len,
             torch.get_num_threads())
         if code != 0:
             raise ValueError(f"native packed linear cannot serve this product: {_ERRORS.get(code, code)}")
+    if panels.dtype != torch.float32:
+        out = out.to(panels.dtype)
     return out.reshape(*x.shape[:-1], n_len)
