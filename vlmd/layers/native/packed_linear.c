@@ -94,11 +94,23 @@ static const Tile TILES[ROW_BLOCK + 1] = {0, tile_1, tile_2, tile_3, tile_4, til
 static const Tile TILES[ROW_BLOCK + 1] = {0, tile_1, tile_2};
 #endif
 
+/* One row's tile (CHUNK_VECTORS vectors: columns n0 .. n0 + width) into its output, plus the bias. */
+static inline void store_row(const vf acc[CHUNK_VECTORS], const float *bias, float *target, int64_t n0,
+                             int64_t width) {
+    float sums[CHUNK_VECTORS * VEC];
+    for (int j = 0; j < CHUNK_VECTORS; j++) *(vf *)(sums + j * VEC) = acc[j];
+    if (bias)
+        for (int64_t i = 0; i < width; i++) target[i] = sums[i] + bias[n0 + i];
+    else
+        memcpy(target, sums, (size_t)width * sizeof(float));
+}
+
 /* Columns [chunk * CHUNK, +CHUNK) of every row. Later row blocks re-read the chunk's
  * weights from L2 (K x CHUNK floats: 192 KiB at K = 768). */
-static void chunk_rows(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
+static void chunk_rows(const float *x, int64_t x_stride, const void *weights, int64_t panel_width, int64_t padded_k,
                        const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
                        int64_t k_len, int64_t chunk) {
+    const float *w = weights;
     int64_t n0 = chunk * CHUNK;
     const float *panel = w + (n0 / panel_width) * padded_k * panel_width + n0 % panel_width;
     int64_t width = n_len - n0 < CHUNK ? n_len - n0 : CHUNK;
@@ -106,14 +118,7 @@ static void chunk_rows(const float *x, int64_t x_stride, const float *w, int64_t
         int block = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
         vf acc[ROW_BLOCK][CHUNK_VECTORS];
         TILES[block](x + m0 * x_stride, x_stride, panel, panel_width, k_len, acc);
-        for (int m = 0; m < block; m++) {
-            float sums[CHUNK], *target = out + (m0 + m) * out_stride + n0;
-            for (int j = 0; j < CHUNK_VECTORS; j++) *(vf *)(sums + j * VEC) = acc[m][j];
-            if (bias)
-                for (int64_t i = 0; i < width; i++) target[i] = sums[i] + bias[n0 + i];
-            else
-                memcpy(target, sums, (size_t)width * sizeof(float));
-        }
+        for (int m = 0; m < block; m++) store_row(acc[m], bias, out + (m0 + m) * out_stride + n0, n0, width);
     }
 }
 
@@ -143,22 +148,23 @@ static int64_t take(Share *share, int from_back) {
     }
 }
 
-/* The columns one tile computes: the Python side only offers panels that are a multiple. */
-int vlmd_packed_linear_chunk(void) { return CHUNK; }
-
-/* 0, or -1: a panel width that is not a positive multiple of CHUNK, -2: padded_k < k_len,
- * -3: a size or stride out of range. */
-int vlmd_packed_linear(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
-                       const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
-                       int64_t k_len, int threads) {
-    if (panel_width <= 0 || panel_width % CHUNK != 0) return -1;
-    if (padded_k < k_len) return -2;
+/* Every chunk of a product through ``rows_of`` (a dtype's chunk_rows), on ``threads``:
+ * each thread its share front to back, then what is left of the others' from their far ends. */
+typedef void (*ChunkRows)(const float *, int64_t, const void *, int64_t, int64_t, const float *, float *, int64_t,
+                          int64_t, int64_t, int64_t, int64_t);
+/* 0, or -1: a panel width that is not a positive multiple of the chunk, -2: padded_k < k_len
+ * (or not a multiple of the dtype's K pairing), -3: a size or stride out of range. */
+static int run_chunks(ChunkRows rows_of, int64_t chunk_width, int64_t k_pairing, int threads, const float *x,
+                      int64_t x_stride, const void *w, int64_t panel_width, int64_t padded_k, const float *bias,
+                      float *out, int64_t out_stride, int64_t rows, int64_t n_len, int64_t k_len) {
+    if (panel_width <= 0 || panel_width % chunk_width != 0) return -1;
+    if (padded_k < k_len || padded_k % k_pairing) return -2;
     if (rows < 1 || n_len < 1 || k_len < 1 || x_stride < k_len || out_stride < n_len) return -3;
-    int64_t chunks = (n_len + CHUNK - 1) / CHUNK;
+    const int64_t chunks = (n_len + chunk_width - 1) / chunk_width;
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     if (threads < 2 || chunks < 2) {
         for (int64_t chunk = 0; chunk < chunks; chunk++)
-            chunk_rows(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+            rows_of(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
         return 0;
     }
     Share shares[MAX_TEAM];
@@ -172,34 +178,51 @@ int vlmd_packed_linear(const float *x, int64_t x_stride, const float *w, int64_t
 #pragma omp barrier /* every share is set before anyone steals */
         int64_t chunk;
         while ((chunk = take(&shares[me], 0)) >= 0)
-            chunk_rows(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+            rows_of(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
         /* Done early (the other thread was descheduled): finish its share from the far end. */
         for (int other = (me + 1) % team; other != me; other = (other + 1) % team)
             while ((chunk = take(&shares[other], 1)) >= 0)
-                chunk_rows(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len,
-                           chunk);
+                rows_of(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
     }
     return 0;
 }
 
+/* The columns one tile computes: the Python side only offers panels that are a multiple. */
+int vlmd_packed_linear_chunk(void) { return CHUNK; }
+
+/* 0, or an error of run_chunks. */
+int vlmd_packed_linear(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
+                       const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
+                       int64_t k_len, int threads) {
+    return run_chunks(chunk_rows, CHUNK, 1, threads, x, x_stride, w, panel_width, padded_k, bias, out, out_stride,
+                      rows, n_len, k_len);
+}
+
 /* 1 if `packed` holds `plain` [N, K] in the panel layout above (bit for bit, so NaNs and
  * signed zeros count), else 0. Padding is not read: the kernel never uses it. */
-int vlmd_packed_layout_matches(const float *plain, const float *packed, int64_t n_len, int64_t k_len,
-                               int64_t panel_width, int64_t padded_k, int threads) {
-    if (panel_width <= 0 || padded_k < k_len) return 0;
-    int mismatches = 0;
-#pragma omp parallel for num_threads(threads) if (threads > 1) reduction(+ : mismatches) schedule(static)
-    for (int64_t n = 0; n < n_len; n++) {
-        const uint32_t *source = (const uint32_t *)(plain + n * k_len);
-        const uint32_t *target = (const uint32_t *)(packed + (n / panel_width) * padded_k * panel_width + n % panel_width);
-        for (int64_t k = 0; k < k_len; k++)
-            if (source[k] != target[k * panel_width]) {
-                mismatches++;
-                break;
-            }
+/* The layout check of a dtype whose K comes in runs of PAIR (1: float32, 2: bfloat16):
+ * element (n, k) at ((n / B) * Kp + (k / PAIR) * PAIR) * B + (n % B) * PAIR + k % PAIR, compared
+ * bit for bit (so NaNs and signed zeros count). Padding is not read: the kernel never uses it. */
+#define LAYOUT_MATCHES(NAME, TYPE, PAIR)                                                                      \
+    int NAME(const TYPE *plain, const TYPE *packed, int64_t n_len, int64_t k_len, int64_t panel_width,       \
+             int64_t padded_k, int threads) {                                                                 \
+        if (panel_width <= 0 || padded_k < k_len || padded_k % (PAIR)) return 0;                              \
+        int mismatches = 0;                                                                                   \
+        _Pragma("omp parallel for num_threads(threads) if (threads > 1) reduction(+ : mismatches) schedule(static)") \
+        for (int64_t n = 0; n < n_len; n++) {                                                                 \
+            const TYPE *source = plain + n * k_len;                                                           \
+            const TYPE *target = packed + (n / panel_width) * padded_k * panel_width + (n % panel_width) * (PAIR); \
+            for (int64_t k = 0; k < k_len; k++)                                                               \
+                if (source[k] != target[(k / (PAIR)) * (PAIR) * panel_width + k % (PAIR)]) {                  \
+                    mismatches++;                                                                             \
+                    break;                                                                                    \
+                }                                                                                             \
+        }                                                                                                     \
+        return mismatches == 0;                                                                               \
     }
-    return mismatches == 0;
-}
+
+/* 1 if `packed` holds the float32 `plain` [N, K] in the panel layout above, else 0. */
+LAYOUT_MATCHES(vlmd_packed_layout_matches, uint32_t, 1)
 
 /* bfloat16 weights as oneDNN packs them (mkldnn._reorder_linear_weight of a bfloat16
  * weight): panels of B output columns, K in pairs, element (n, k) at
@@ -260,9 +283,10 @@ static const TileBf16 TILES_BF16[BF16_ROW_BLOCK + 1] = {0, tile_bf16_1, tile_bf1
 
 /* Columns [chunk * BF16_CHUNK, +BF16_CHUNK) of every row: lane i of vector j is column
  * n0 + j * VEC + i, its even-k and odd-k weights summed into the same accumulator. */
-static void chunk_rows_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,
+static void chunk_rows_bf16(const float *x, int64_t x_stride, const void *weights, int64_t panel_width,
                             int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
                             int64_t n_len, int64_t k_len, int64_t chunk) {
+    const uint16_t *w = weights;
     int64_t n0 = chunk * BF16_CHUNK;
     const uint16_t *panel = w + (n0 / panel_width) * padded_k * panel_width + (n0 % panel_width) * 2;
     int64_t width = n_len - n0 < BF16_CHUNK ? n_len - n0 : BF16_CHUNK;
@@ -270,14 +294,7 @@ static void chunk_rows_bf16(const float *x, int64_t x_stride, const uint16_t *w,
         int block = rows - m0 < BF16_ROW_BLOCK ? (int)(rows - m0) : BF16_ROW_BLOCK;
         vf acc[BF16_ROW_BLOCK][CHUNK_VECTORS];
         TILES_BF16[block](x + m0 * x_stride, x_stride, panel, panel_width, k_len, acc);
-        for (int m = 0; m < block; m++) {
-            float sums[BF16_CHUNK], *target = out + (m0 + m) * out_stride + n0;
-            for (int j = 0; j < CHUNK_VECTORS; j++) *(vf *)(sums + j * VEC) = acc[m][j];
-            if (bias)
-                for (int64_t i = 0; i < width; i++) target[i] = sums[i] + bias[n0 + i];
-            else
-                memcpy(target, sums, (size_t)width * sizeof(float));
-        }
+        for (int m = 0; m < block; m++) store_row(acc[m], bias, out + (m0 + m) * out_stride + n0, n0, width);
     }
 }
 
@@ -287,51 +304,9 @@ int vlmd_packed_linear_bf16_chunk(void) { return BF16_CHUNK; }
 int vlmd_packed_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,
                             int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
                             int64_t n_len, int64_t k_len, int threads) {
-    if (panel_width <= 0 || panel_width % BF16_CHUNK != 0) return -1;
-    if (padded_k < k_len || padded_k % 2) return -2;
-    if (rows < 1 || n_len < 1 || k_len < 1 || x_stride < k_len || out_stride < n_len) return -3;
-    int64_t chunks = (n_len + BF16_CHUNK - 1) / BF16_CHUNK;
-    if (threads > MAX_TEAM) threads = MAX_TEAM;
-    if (threads < 2 || chunks < 2) {
-        for (int64_t chunk = 0; chunk < chunks; chunk++)
-            chunk_rows_bf16(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
-        return 0;
-    }
-    Share shares[MAX_TEAM];
-#pragma omp parallel num_threads(threads)
-    {
-        int team = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t share = (chunks + team - 1) / team, first = me * share;
-        int64_t last = first + share > chunks ? chunks : first + share;
-        __atomic_store_n(&shares[me].span, (uint64_t)(first < last ? first : last) | ((uint64_t)last << 32),
-                         __ATOMIC_RELAXED);
-#pragma omp barrier /* every share is set before anyone steals */
-        int64_t chunk;
-        while ((chunk = take(&shares[me], 0)) >= 0)
-            chunk_rows_bf16(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
-        for (int other = (me + 1) % team; other != me; other = (other + 1) % team)
-            while ((chunk = take(&shares[other], 1)) >= 0)
-                chunk_rows_bf16(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len,
-                                chunk);
-    }
-    return 0;
+    return run_chunks(chunk_rows_bf16, BF16_CHUNK, 2, threads, x, x_stride, w, panel_width, padded_k, bias, out,
+                      out_stride, rows, n_len, k_len);
 }
 
-/* 1 if `packed` holds the bfloat16 `plain` [N, K] in the paired panel layout above (bit for
- * bit), else 0. Padding is not read. */
-int vlmd_packed_bf16_layout_matches(const uint16_t *plain, const uint16_t *packed, int64_t n_len, int64_t k_len,
-                                    int64_t panel_width, int64_t padded_k, int threads) {
-    if (panel_width <= 0 || padded_k < k_len || padded_k % 2) return 0;
-    int mismatches = 0;
-#pragma omp parallel for num_threads(threads) if (threads > 1) reduction(+ : mismatches) schedule(static)
-    for (int64_t n = 0; n < n_len; n++) {
-        const uint16_t *source = plain + n * k_len;
-        const uint16_t *target = packed + (n / panel_width) * padded_k * panel_width + (n % panel_width) * 2;
-        for (int64_t k = 0; k < k_len; k++)
-            if (source[k] != target[(k / 2) * 2 * panel_width + k % 2]) {
-                mismatches++;
-                break;
-            }
-    }
-    return mismatches == 0;
-}
+/* 1 if `packed` holds the bfloat16 `plain` [N, K] in the paired panel layout above, else 0. */
+LAYOUT_MATCHES(vlmd_packed_bf16_layout_matches, uint16_t, 2)
