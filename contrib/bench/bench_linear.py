@@ -8,7 +8,7 @@ no padding), oneDNN with the rows padded to 6 (M < 6), and vlmd's kernel on the 
 packed weights. Inputs are pre-allocated, so a pass is the products alone. Prints one JSON
 line: per M, the median ms of a pass and the weights' streaming rate in GB/s:
 
-    python contrib/bench/bench_linear.py [--rows 1,2,4,8,16,32,64] [--rounds 21]
+    python contrib/bench/bench_linear.py [--rows 1,2,4,8,16,32,64] [--rounds 21] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from vlmd.layers.linear.layers import ReplicatedLinear  # noqa: E402
 from vlmd.layers.linear.selection import _DECISIONS, select_linear_kernels  # noqa: E402
 
 
-def decoder_products(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int):
+def decoder_products(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                     dtype: torch.dtype = torch.float32):
     head_dim = hidden // heads
     shapes = []
     for _ in range(layers):
@@ -43,7 +44,7 @@ def decoder_products(hidden: int, intermediate: int, layers: int, heads: int, kv
     for in_features, out_features in shapes:
         layer = ReplicatedLinear(in_features, out_features, bias=False)
         layer.weight.data.normal_(generator=generator)
-        modules.append(layer)
+        modules.append(layer.to(dtype))
     return torch.nn.Sequential(*modules)
 
 
@@ -57,10 +58,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    model = decoder_products(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab)
+    dtype = getattr(torch, args.dtype)
+    model = decoder_products(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, dtype)
     layers = list(model)
-    weight_bytes = sum(layer.weight.numel() * 4 for layer in layers)
+    weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
     _DECISIONS.clear()
     with torch.inference_mode():
         select_linear_kernels(model, "native")
@@ -68,10 +71,10 @@ def main() -> None:
         variants = {"onednn": (PACKED, 0), "onednn+pad6": (PACKED, 6)}
         if native:
             variants["native"] = (NATIVE, 0)
-        result = {"bench": "linear", "weights_MB": round(weight_bytes / 1e6, 1), "threads": torch.get_num_threads(),
+        result = {"bench": "linear", "dtype": args.dtype, "weights_MB": round(weight_bytes / 1e6, 1), "threads": torch.get_num_threads(),
                   "cpu": platform.processor() or platform.machine(), "native_available": native, "rows": {}}
         for rows in (int(r) for r in args.rows.split(",")):
-            inputs = [torch.randn(rows, layer.kernel.panels.in_features if native else layer.input_size)
+            inputs = [torch.randn(rows, layer.kernel.panels.in_features if native else layer.input_size).to(dtype)
                       for layer in layers]
             tried = {name: v for name, v in variants.items() if not (name == "onednn+pad6" and rows >= 6)}
             times = {name: [] for name in tried}
