@@ -83,14 +83,76 @@ def test_the_layout_is_checked_on_the_layer_s_own_values():
     assert PackedPanels.of(weight, corrupted) is None
     assert PackedPanels.of(weight.t().contiguous(), pack_weight(weight.t().contiguous())) is not None
     assert PackedPanels.of(weight, weight) is None  # not a packed tensor
-    if packing_available(weight.bfloat16()):  # oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT
-        bf16 = weight.bfloat16()
-        found = PackedPanels.of(bf16, pack_weight(bf16))
-        assert found is not None and found.dtype == torch.bfloat16
-        corrupted = pack_weight(bf16)
-        ctypes.c_uint16.from_address(torch.ops.mkldnn.data_ptr(corrupted) + 2 * 77).value ^= 1 << 6
-        assert PackedPanels.of(bf16, corrupted) is None
-        assert PackedPanels.of(bf16, pack_weight(weight)) is None  # a float32 packing of it
+
+
+@pytest.mark.skipif(not packing_available(torch.zeros(1, dtype=torch.bfloat16)),
+                    reason="oneDNN packs bfloat16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT")
+@needs_kernel
+def test_onednn_s_bfloat16_packing_is_checked_on_the_layer_s_own_values():
+    torch.manual_seed(2)
+    weight = torch.randn(128, 64)
+    bf16 = weight.bfloat16()
+    # oneDNN packs bfloat16 K-paired where the host has AVX512-BF16; on AVX-512 without it
+    # (Intel Xeon family 6 model 207) in another layout, which the check refuses: skipped.
+    _, found = _panels(bf16)
+    assert found.dtype == torch.bfloat16
+    corrupted = pack_weight(bf16)
+    ctypes.c_uint16.from_address(torch.ops.mkldnn.data_ptr(corrupted) + 2 * 77).value ^= 1 << 6
+    assert PackedPanels.of(bf16, corrupted) is None
+    assert PackedPanels.of(bf16, pack_weight(weight)) is None  # a float32 packing of it
+
+
+def _hand_packed(weight, width):
+    """``weight`` [N, K] in the layout the kernel reads, packed here rather than by oneDNN:
+    panels of ``width`` columns, K-major, bfloat16 with K in pairs; the padding (the last
+    panel's columns, K to an even length) is NaN, which the kernel must never read."""
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    n_len, k_len = weight.shape
+    padded_n, padded_k = -(-n_len // width) * width, -(-k_len // pair) * pair
+    full = torch.full((padded_n, padded_k), float("nan"), dtype=weight.dtype)
+    full[:n_len, :k_len] = weight
+    # (n, k) at ((n // B) * Kp + (k // P) * P) * B + (n % B) * P + k % P
+    packed = full.reshape(padded_n // width, width, padded_k // pair, pair).permute(0, 2, 1, 3).contiguous()
+    return packed, PackedPanels(packed.data_ptr(), n_len, k_len, width, padded_k, weight.dtype)
+
+
+needs_kernel_only = pytest.mark.skipif(not native_linear.available(), reason="no C compiler here")
+
+
+@needs_kernel_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features", [(130, 1001), (64, 16), (33, 17)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_both_readers_on_panels_packed_here_on_any_host(dtype, out_features, in_features, threads):
+    # Whatever oneDNN does on this host (AVX2-only hosts pack no bfloat16 at all), the
+    # kernel's readers and layout checks are exercised on panels laid out by the test.
+    torch.manual_seed(out_features + in_features)
+    weight, bias = torch.randn(out_features, in_features).to(dtype), torch.randn(out_features).to(dtype)
+    kernel = native_linear._kernel()
+    check = "vlmd_packed_bf16_layout_matches" if dtype == torch.bfloat16 else "vlmd_packed_layout_matches"
+    chunk = "vlmd_packed_linear_bf16_chunk" if dtype == torch.bfloat16 else "vlmd_packed_linear_chunk"
+    width = max(64, kernel[chunk]())
+    packed, panels = _hand_packed(weight, width)
+    plain = weight.contiguous()
+    assert kernel[check](plain.data_ptr(), packed.data_ptr(), out_features, in_features, width, panels.padded_k, 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 5, 7, 13):
+            x = torch.randn(rows, in_features).to(dtype)
+            for with_bias in (None, bias):
+                got = packed_linear(x, panels, with_bias)
+                assert got.shape == (rows, out_features) and got.dtype == dtype
+                reference = _reference(x, weight, with_bias)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got.double(), reference, rtol=1e-4, atol=1e-4)
+                else:  # exact products summed in float32, rounded once: within a bfloat16 step
+                    assert ((got.double() - reference).abs() <= reference.abs().clamp(min=1.0) * 2**-7).all()
+    finally:
+        torch.set_num_threads(previous)
+    packed.view(-1)[0] += 1  # weight (0, 0) changed
+    assert not kernel[check](plain.data_ptr(), packed.data_ptr(), out_features, in_features, width,
+                             panels.padded_k, 1)
 
 
 needs_bf16_packing = pytest.mark.skipif(
@@ -138,6 +200,7 @@ def test_native_mode_takes_the_small_buckets_and_leaves_prefill_to_onednn(monkey
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    _panels(weight)  # skips where oneDNN's float32 packing is not one the kernel reads
     model = torch.nn.Sequential(layer)
     selection._DECISIONS.clear()
     selection.select_linear_kernels(model, "native")
@@ -158,6 +221,7 @@ def test_a_bfloat16_layer_takes_the_bfloat16_reader_and_keeps_the_native_step_ou
     layer = ReplicatedLinear(80, 96, bias=True).to(torch.bfloat16)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
+    _panels(layer.weight.detach())  # skips where oneDNN's bfloat16 packing is not one the kernel reads
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     selection._DECISIONS.clear()
     selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
@@ -309,6 +373,7 @@ def _select_with_plain_shapes(monkeypatch, **options):
 
 @needs_kernel
 def test_a_native_step_s_products_get_panels_whatever_their_own_timing_chose(monkeypatch):
+    _panels(torch.randn(128, 64)), _panels(torch.randn(64, 128))  # skip where oneDNN's packing is not read
     # The step's products are packed and verified anyway, their plain weights kept.
     model, report = _select_with_plain_shapes(monkeypatch)
     assert not report["streamed"]
@@ -334,8 +399,7 @@ def test_no_step_is_timed_where_the_native_step_cannot_run(monkeypatch):
 @needs_kernel
 def test_a_bound_product_computes_the_product():
     weight = torch.randn(96, 64)
-    packed = pack_weight(weight)  # alive as long as the panels: they hold its address
-    panels = PackedPanels.of(weight, packed)
+    packed, panels = _panels(weight)  # packed stays alive as long as the panels: they hold its address
     x = torch.randn(5, 64)
     call = native_linear.bound_product(x, panels)
     torch.testing.assert_close(call(), F.linear(x, weight), rtol=1e-5, atol=1e-5)
