@@ -30,6 +30,10 @@ def _model(qkv_bias: bool, mode: str = "native") -> LlamaForCausalLM:
         for param in llama.parameters():
             param.normal_(0, 0.08)
     select_linear_kernels(llama, mode)
+    if mode == "native" and any(m.kernel.panels is None for m in llama.modules() if hasattr(m, "kernel")):
+        # The step reads every product's panels: a host whose oneDNN packs these shapes in a
+        # layout the kernel does not read (the layout check refused it) has no native step.
+        pytest.skip("oneDNN packs these weights in a layout the native kernel does not read on this host")
     return llama
 
 
