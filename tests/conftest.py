@@ -24,6 +24,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_generate_tests(metafunc):
+    """A test module that uses ``each_kernel_variant`` runs once per built kernel library
+    this CPU executes (x86-64-v3, AVX2, on an AVX-512 host too), the library switched for
+    the whole module."""
+    if "each_kernel_variant" in metafunc.fixturenames:
+        from vlmd.layers.native import library, variants
+
+        built = library.built_variants()
+        names = [v.name for v in variants.runnable(variants.cpu_flags()) if v.name in built] or ["none"]
+        metafunc.parametrize("each_kernel_variant", names, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def each_kernel_variant(request):
+    from vlmd.layers.native import library
+
+    library.use(None if request.param == "none" else request.param)
+    try:
+        yield request.param
+    finally:
+        library.reset()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -18,7 +18,10 @@ from vlmd.layers.native import decoder_step
 from vlmd.models.llama import LlamaForCausalLM
 
 BLOCK = 16
-pytestmark = pytest.mark.skipif(not decoder_step.available(), reason="the native kernels did not build here")
+pytestmark = [
+    pytest.mark.skipif(not decoder_step.available(), reason="no kernel library was built in this install"),
+    pytest.mark.usefixtures("each_kernel_variant"),
+]
 
 
 def _model(qkv_bias: bool, mode: str = "native") -> LlamaForCausalLM:

@@ -13,7 +13,10 @@ from vlmd.layers.native import elementwise
 from vlmd.layers.norm import RMSNorm
 from vlmd.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.skipif(not elementwise.available(), reason="the native kernels did not build here")
+pytestmark = [
+    pytest.mark.skipif(not elementwise.available(), reason="no kernel library was built in this install"),
+    pytest.mark.usefixtures("each_kernel_variant"),
+]
 
 # Widths around the vector size (16 or 8 floats) and real hidden sizes; rows across the
 # threshold where the rows are split over threads.

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from vlmd.layers.linear import kernels, selection
 from vlmd.layers.linear.kernels import M_BUCKETS, NATIVE, PACKED, SelectedKernel, pack_weight, packing_available
 from vlmd.layers.linear.layers import ReplicatedLinear
-from vlmd.layers.native import build
+from vlmd.layers.native import library
 from vlmd.layers.native import packed_linear as native_linear
 from vlmd.layers.native.packed_linear import PackedPanels, packed_linear
 
 needs_kernel = pytest.mark.skipif(
     not (packing_available(torch.zeros(1)) and native_linear.available()),
-    reason="no oneDNN packing or no C compiler here")
+    reason="no oneDNN packing or no kernel library built here")
+pytestmark = pytest.mark.usefixtures("each_kernel_variant")
 
 
 def _panels(weight):
@@ -116,7 +117,7 @@ def _hand_packed(weight, width):
     return packed, PackedPanels(packed.data_ptr(), n_len, k_len, width, padded_k, weight.dtype)
 
 
-needs_kernel_only = pytest.mark.skipif(not native_linear.available(), reason="no C compiler here")
+needs_kernel_only = pytest.mark.skipif(not native_linear.available(), reason="no kernel library built here")
 
 
 @needs_kernel_only
@@ -157,7 +158,7 @@ def test_both_readers_on_panels_packed_here_on_any_host(dtype, out_features, in_
 
 needs_bf16_packing = pytest.mark.skipif(
     not (packing_available(torch.zeros(1, dtype=torch.bfloat16)) and native_linear.available()),
-    reason="no oneDNN bfloat16 packing or no C compiler here")
+    reason="no oneDNN bfloat16 packing or no kernel library built here")
 
 
 @needs_bf16_packing
@@ -240,16 +241,16 @@ def test_a_bfloat16_layer_takes_the_bfloat16_reader_and_keeps_the_native_step_ou
     assert calls == [1, 8]
 
 
-def test_without_a_compiler_native_mode_keeps_onednn(tmp_path, monkeypatch):
+def test_without_a_library_native_mode_keeps_onednn():
     if not packing_available(torch.zeros(1)):
         pytest.skip("no oneDNN packing here")
-    monkeypatch.setenv("VLMD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(build, "_LOADED", {})
-    monkeypatch.setattr(build, "_BOUND", {})
     layer = ReplicatedLinear(16, 32, bias=False)
     selection._DECISIONS.clear()
-    selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
+    try:
+        library.use(None)  # an install that built no kernel library
+        selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
+    finally:
+        library.reset()
     assert layer.kernel.panels is None and [c.name for c in layer.kernel.choices] == ["packed"] * 3
     assert layer(torch.randn(1, 16)).shape == (1, 32)
 

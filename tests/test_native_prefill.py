@@ -12,7 +12,8 @@ from vlmd.layers.attention.cpu_paged import CPUPagedBackend
 from vlmd.layers.native import paged_prefill as native_prefill
 from vlmd.layers.native.paged_prefill import paged_prefill
 
-needs_kernel = pytest.mark.skipif(not native_prefill.available(), reason="no C compiler: the kernel is not built")
+needs_kernel = pytest.mark.skipif(not native_prefill.available(), reason="no kernel library was built in this install")
+pytestmark = pytest.mark.usefixtures("each_kernel_variant")
 
 
 def _case(heads, kv_heads, n, dim, start, block_size, seed=0):

@@ -203,6 +203,10 @@ def _serve_command(args: argparse.Namespace) -> None:
     if refused:
         raise ValueError(refused)
     config = config_from_flags(args, model=args.model or "")  # validates every setting
+    from vlmd.layers.native import library
+
+    os.environ[library.ENV] = config.cpu_kernels  # for this process and the tensor-parallel ranks it starts
+    library.load()  # a variant this CPU cannot run, or one not built, is refused here
     if args.model is not None:
         check_model_dir(args.model)
     if config.node_rank > 0:  # ranks only, no HTTP: MODEL_DIR must be the same checkpoint as node 0's

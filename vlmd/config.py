@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from vlmd.errors import BadRequestError
+from vlmd.layers.native import variants as cpu_kernel_variants
 
 
 def setting(default, help: str, *, parse=None, metavar: str | None = None, choices=None,
@@ -47,12 +48,16 @@ class ServeConfig:
     dtype: str = setting("float32", "weights and activations dtype", choices=("float32", "bfloat16", "float16"))
     linear_kernels: str = setting(
         "auto", "how linear layers pick their kernel: auto (timed at start-up), plain (F.linear), "
-        "packed (oneDNN pre-packed where available), native (pre-packed, and a C kernel built for this host "
+        "packed (oneDNN pre-packed where available), native (pre-packed, and vlmd's CPU kernel "
         "for products of up to 32 rows where it reads the packed weight)", choices=LINEAR_KERNEL_MODES)
     attention_kernels: str = setting(
-        "auto", "how attention runs on the CPU: auto (C kernels built for this host at start-up, where a C "
-        "compiler is found, for decodes and float32 prefill chunks; else torch ops), torch (torch ops only)",
+        "auto", "how attention runs on the CPU: auto (vlmd's CPU kernels, where the install built them, for "
+        "decodes and float32 prefill chunks; else torch ops), torch (torch ops only)",
         choices=ATTENTION_KERNEL_MODES)
+    cpu_kernels: str = setting(
+        "auto", "which build of vlmd's CPU kernels to load (they are built with the package, one library per "
+        "instruction-set level): auto (the best this CPU runs), or a level this CPU runs, e.g. x86-64-v3 "
+        "(AVX2) on an AVX-512 host", choices=("auto",) + cpu_kernel_variants.NAMES, env=cpu_kernel_variants.ENV)
     chat_template: str | None = setting(
         None, "a Jinja chat template, as a file path or the template text, used instead of the checkpoint's",
         parse=lambda text: resolve_chat_template(text), metavar="FILE|TEMPLATE")

@@ -29,18 +29,26 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages, as `vlmd serve
 
 import torch  # noqa: E402
 
-from vlmd.layers.native.build import FLAGS, compiler  # noqa: E402
-from vlmd.layers.native.paged_decode import _SIGNATURES, DecodeTables  # noqa: E402
+from vlmd.layers.native.library import Signature  # noqa: E402
+from vlmd.layers.native.paged_decode import DecodeTables  # noqa: E402
+from vlmd.layers.native.variants import COMMON_FLAGS, LINK_FLAGS  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS, BLOCKS = 12, 4, 64, 16, 9, 4096
 
 
 def build(source: str, directory: str, tag: str):
+    """``source`` with the library's signature table, for this host (the package's
+    variants are built at install; an A/B of two sources needs its own builds)."""
     target = Path(directory) / f"paged_decode_{tag}.so"
     include = Path(__file__).resolve().parents[2] / "vlmd" / "layers" / "native"
-    subprocess.run([compiler(), *FLAGS, "-I", str(include), source, "-o", str(target), "-lm"], check=True)
-    function = ctypes.CDLL(str(target)).vlmd_paged_decode
-    function.argtypes, function.restype = _SIGNATURES["vlmd_paged_decode"]
+    subprocess.run([os.environ.get("CC", "cc"), *COMMON_FLAGS, "-march=native", "-fPIC", "-shared", "-I",
+                    str(include), source, str(include / "signatures.c"), "-o", str(target), *LINK_FLAGS, "-lm"],
+                   check=True)
+    library = ctypes.CDLL(str(target))
+    table = ctypes.cast(library.vlmd_kernel_signatures, ctypes.c_char_p).value.decode().splitlines()
+    signature = next(Signature.parse(line) for line in table if " vlmd_paged_decode(" in line)
+    function = library.vlmd_paged_decode
+    function.argtypes, function.restype = signature.argtypes, signature.restype
     return function
 
 

@@ -10,28 +10,14 @@
  * results are the module path's bit for bit; only the Python between them is gone, and
  * the GIL is released once for the whole step instead of around every product.
  *
- * The kernels are the other libraries' own functions, handed in as pointers (the Python
- * side takes their addresses from the loaded libraries): nothing here duplicates them.
+ * The kernels are the library's own functions (kernels.h), called directly: nothing here
+ * duplicates them.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef int (*LinearFn)(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
-                        const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
-                        int64_t k_len, int threads);
-typedef int (*NormFn)(float *hidden, int64_t hidden_stride, const float *delta, int64_t delta_stride,
-                      const float *weight, float *out, int64_t out_stride, int64_t rows, int64_t width, float eps,
-                      int threads);
-typedef int (*RotaryFn)(float *x, int64_t row_stride, int64_t heads, int64_t dim, const float *cos_table,
-                        const float *sin_table, int64_t table_stride, int64_t rows, int threads);
-typedef int (*SiluFn)(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
-                      int64_t width, int threads);
-typedef int (*DecodeFn)(const float *q, const void *k_cache, const void *v_cache, int dtype,
-                        const int32_t *block_tables, const int32_t *context_lens, float *out, int batch, int heads,
-                        int kv_heads, int dim, int block_size, int max_blocks, int64_t num_slots, int num_groups,
-                        const int32_t *group_offsets, const int32_t *group_members, const int32_t *group_tokens,
-                        float scale, int num_threads, int part_tokens);
+#include "kernels.h"
 
 /* One packed weight (packed_linear.c's panel layout) and its bias (or NULL). */
 typedef struct {
@@ -46,12 +32,7 @@ typedef struct {
     float *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] float32 */
 } Layer;
 
-typedef struct {
-    LinearFn linear;
-    NormFn norm;
-    RotaryFn rotary;
-    SiluFn silu_mul;
-    DecodeFn decode;
+typedef struct vlmd_decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, num_slots;
     float eps, scale;
     const float *final_norm;
@@ -59,7 +40,7 @@ typedef struct {
 } Decoder;
 
 /* This step's decodes: one row each; the attention tables as paged_decode.c reads them. */
-typedef struct {
+typedef struct vlmd_step {
     int64_t rows;
     const float *cos, *sin; /* [rows, head_dim], rows table_stride apart */
     int64_t table_stride;
@@ -72,9 +53,9 @@ typedef struct {
 enum { STAGE_MEMORY = -1, STAGE_NORM = -2, STAGE_PRODUCT = -3, STAGE_ROTARY = -4, STAGE_ATTENTION = -5,
        STAGE_ACTIVATION = -6, STAGE_ARGUMENTS = -7 };
 
-static int product(const Decoder *d, const Product *p, const float *x, int64_t rows, float *out, int threads) {
-    return d->linear(x, p->in_features, p->weight, p->panel_width, p->padded_k, p->bias, out, p->out_features, rows,
-                     p->out_features, p->in_features, threads);
+static int product(const Product *p, const float *x, int64_t rows, float *out, int threads) {
+    return vlmd_packed_linear(x, p->in_features, p->weight, p->panel_width, p->padded_k, p->bias, out,
+                              p->out_features, rows, p->out_features, p->in_features, threads);
 }
 
 /* embeds [rows, hidden] -> out [rows, hidden], the final norm's output; every layer's K/V
@@ -100,33 +81,33 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
     for (int64_t l = 0; l < d->num_layers; l++) {
         const Layer *layer = &d->layers[l];
         /* The first layer norms the embeddings; every later one adds the last MLP's output first. */
-        if (d->norm(residual, hidden, l == 0 ? NULL : delta, hidden, layer->input_norm, normed, hidden, rows, hidden,
-                    d->eps, threads)) { code = STAGE_NORM; goto done; }
-        if (product(d, &layer->qkv, normed, rows, qkv, threads)) { code = STAGE_PRODUCT; goto done; }
+        if (vlmd_add_rms_norm(residual, hidden, l == 0 ? NULL : delta, hidden, layer->input_norm, normed, hidden,
+                              rows, hidden, d->eps, threads)) { code = STAGE_NORM; goto done; }
+        if (product(&layer->qkv, normed, rows, qkv, threads)) { code = STAGE_PRODUCT; goto done; }
         /* q's and k's heads are adjacent in each row: one pass rotates both. */
-        if (d->rotary(qkv, qkv_width, d->heads + d->kv_heads, d->head_dim, s->cos, s->sin, s->table_stride, rows,
-                      threads)) { code = STAGE_ROTARY; goto done; }
+        if (vlmd_rotary(qkv, qkv_width, d->heads + d->kv_heads, d->head_dim, s->cos, s->sin, s->table_stride,
+                        rows, threads)) { code = STAGE_ROTARY; goto done; }
         for (int64_t r = 0; r < rows; r++) {
             const float *row = qkv + r * qkv_width;
             memcpy(layer->k_cache + s->slots[r] * kv_size, row + q_size, sizeof(float) * kv_size);
             memcpy(layer->v_cache + s->slots[r] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
             memcpy(queries + r * q_size, row, sizeof(float) * q_size);
         }
-        if (d->decode(queries, layer->k_cache, layer->v_cache, 0, s->block_tables, s->context_lens, attended,
-                      (int)rows, (int)d->heads, (int)d->kv_heads, (int)d->head_dim, s->block_size, s->max_blocks,
-                      d->num_slots, s->num_groups, s->group_offsets, s->group_members, s->group_tokens, d->scale,
-                      (int)threads, 0)) { code = STAGE_ATTENTION; goto done; }
-        if (product(d, &layer->o, attended, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
-        if (d->norm(residual, hidden, delta, hidden, layer->post_norm, normed, hidden, rows, hidden, d->eps,
-                    threads)) { code = STAGE_NORM; goto done; }
-        if (product(d, &layer->gate_up, normed, rows, gate_up, threads)) { code = STAGE_PRODUCT; goto done; }
-        if (d->silu_mul(gate_up, 2 * intermediate, activated, intermediate, rows, intermediate, threads)) {
+        if (vlmd_paged_decode(queries, layer->k_cache, layer->v_cache, 0, s->block_tables, s->context_lens,
+                              attended, (int)rows, (int)d->heads, (int)d->kv_heads, (int)d->head_dim, s->block_size,
+                              s->max_blocks, d->num_slots, s->num_groups, s->group_offsets, s->group_members,
+                              s->group_tokens, d->scale, (int)threads, 0)) { code = STAGE_ATTENTION; goto done; }
+        if (product(&layer->o, attended, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
+        if (vlmd_add_rms_norm(residual, hidden, delta, hidden, layer->post_norm, normed, hidden, rows, hidden,
+                              d->eps, threads)) { code = STAGE_NORM; goto done; }
+        if (product(&layer->gate_up, normed, rows, gate_up, threads)) { code = STAGE_PRODUCT; goto done; }
+        if (vlmd_silu_mul(gate_up, 2 * intermediate, activated, intermediate, rows, intermediate, threads)) {
             code = STAGE_ACTIVATION;
             goto done;
         }
-        if (product(d, &layer->down, activated, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
+        if (product(&layer->down, activated, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
     }
-    if (d->norm(residual, hidden, delta, hidden, d->final_norm, out, hidden, rows, hidden, d->eps, threads))
+    if (vlmd_add_rms_norm(residual, hidden, delta, hidden, d->final_norm, out, hidden, rows, hidden, d->eps, threads))
         code = STAGE_NORM;
 done:
     free(residual);

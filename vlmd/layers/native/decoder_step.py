@@ -17,7 +17,7 @@ import torch
 from vlmd.layers.native import elementwise
 from vlmd.layers.native import packed_linear as native_linear
 from vlmd.layers.native import paged_decode as native_decode
-from vlmd.layers.native.build import load_functions
+from vlmd.layers.native.library import load_functions
 from vlmd.layers.native.paged_decode import DecodeTables
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -36,8 +36,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Decoder(ctypes.Structure):
-    _fields_ = [("linear", _P), ("norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P),
-                ("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("num_slots", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("final_norm", _P), ("layers", ctypes.POINTER(_Layer))]
 
@@ -49,16 +48,12 @@ class _Step(ctypes.Structure):
                 ("group_tokens", _P)]
 
 
-_SIGNATURES = {"vlmd_decoder_step": ([ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _P, _P], ctypes.c_int)}
+_NAMES = ("vlmd_decoder_step",)  # signature: kernels.h
 
 
 def _kernel():
-    functions = load_functions("decoder_step", _SIGNATURES)
+    functions = load_functions(_NAMES)
     return None if functions is None else functions["vlmd_decoder_step"]
-
-
-def _address(function) -> int:
-    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 def available() -> bool:
@@ -111,10 +106,7 @@ class NativeDecoder:
                                              panels.in_features, None if bias is None else bias.data_ptr()))
             slot.k_cache, slot.v_cache = part.k_cache.data_ptr(), part.v_cache.data_ptr()
         hidden = layers[0].input_norm.shape[0]
-        decoder = _Decoder(
-            _address(native_linear._kernel()["vlmd_packed_linear"]), _address(elementwise._kernel()["vlmd_add_rms_norm"]),
-            _address(elementwise._kernel()["vlmd_rotary"]), _address(elementwise._kernel()["vlmd_silu_mul"]),
-            _address(native_decode._kernel()), len(layers), hidden, heads, kv_heads, head_dim, intermediate,
+        decoder = _Decoder(len(layers), hidden, heads, kv_heads, head_dim, intermediate,
             shape[0], eps, scale, final_norm.data_ptr(), array)
         return cls(decoder, [array, tensors])
 

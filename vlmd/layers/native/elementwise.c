@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #include "vector_exp.h"
 
 #ifdef __AVX512F__

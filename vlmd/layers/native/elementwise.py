@@ -7,36 +7,23 @@ everything else (another dtype or device, or where the kernel did not build).
 
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from vlmd.layers.native.build import load_functions
+from vlmd.layers.native.library import load_functions
 
-_POINTER, _INT, _WIDE, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "vlmd_add_rms_norm": ([_POINTER, _WIDE, _POINTER, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _FLOAT, _INT],
-                          _INT),
-    "vlmd_rotary": ([_POINTER, _WIDE, _WIDE, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _INT], _INT),
-    "vlmd_silu_mul": ([_POINTER, _WIDE, _POINTER, _WIDE, _WIDE, _WIDE, _INT], _INT),
-}
+_NAMES = ("vlmd_add_rms_norm", "vlmd_rotary", "vlmd_silu_mul")  # signatures: kernels.h
 
 
 def _kernel() -> dict | None:
     # Holding the GIL: a call takes microseconds, less than waiting to take the GIL back
     # from the event loop's thread (c8, one image repeated, servers alternated five times:
     # 10.9 against 10.4 req/s, medians; docs/architecture.md).
-    return load_functions("elementwise", _SIGNATURES, hold_gil=True)
-
-
-_available: bool | None = None  # whether the kernel built here, asked once
+    return load_functions(_NAMES, hold_gil=True)
 
 
 def available() -> bool:
-    global _available
-    if _available is None:
-        _available = _kernel() is not None
-    return _available
+    return _kernel() is not None
 
 
 def serves(*tensors: torch.Tensor) -> bool:

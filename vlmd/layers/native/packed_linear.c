@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #ifdef __AVX512F__
 #define VEC 16
 #define ROW_BLOCK 6 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast of 32 registers */

@@ -19,21 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native.build import load_functions
+from vlmd.layers.native.library import load_functions
 
 PANEL_WIDTHS = (64, 32, 128, 16)  # tried in this order; the kernel takes multiples of its chunk
 _ERRORS = {-1: "a panel width the kernel cannot tile", -2: "padded K shorter than K", -3: "a size or stride"}
-_POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {
-    "vlmd_packed_linear": ([_POINTER, _WIDE, _POINTER, _WIDE, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE,
-                            _INT], _INT),
-    "vlmd_packed_layout_matches": ([_POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE, _INT], _INT),
-    "vlmd_packed_linear_chunk": ([], _INT),  # columns one tile computes
-    "vlmd_packed_linear_bf16": ([_POINTER, _WIDE, _POINTER, _WIDE, _WIDE, _POINTER, _POINTER, _WIDE, _WIDE, _WIDE,
-                                 _WIDE, _INT], _INT),
-    "vlmd_packed_bf16_layout_matches": ([_POINTER, _POINTER, _WIDE, _WIDE, _WIDE, _WIDE, _INT], _INT),
-    "vlmd_packed_linear_bf16_chunk": ([], _INT),
-}
+_POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # bound_product's arguments, converted once
+# Signatures: kernels.h. The *_chunk functions give the columns one tile computes.
+_NAMES = ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", "vlmd_packed_linear_bf16",
+          "vlmd_packed_bf16_layout_matches", "vlmd_packed_linear_bf16_chunk")
 # Per weight dtype: (product, layout check, columns a tile computes, bytes an element).
 _FUNCTIONS = {torch.float32: ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", 4),
               torch.bfloat16: ("vlmd_packed_linear_bf16", "vlmd_packed_bf16_layout_matches",
@@ -46,9 +39,9 @@ _TORCH_EXPOSES_PACKED = hasattr(torch.ops.mkldnn, "data_ptr") and hasattr(torch.
 
 
 def _kernel() -> dict | None:
-    """The bound functions, or None where the kernel did not build or torch cannot hand it
-    a packed tensor's memory."""
-    return load_functions("packed_linear", _SIGNATURES) if _TORCH_EXPOSES_PACKED else None
+    """The bound functions, or None where no kernel library is loaded or torch cannot hand
+    it a packed tensor's memory."""
+    return load_functions(_NAMES) if _TORCH_EXPOSES_PACKED else None
 
 
 def available() -> bool:
@@ -102,7 +95,7 @@ def bound_product(x: torch.Tensor, panels: PackedPanels):
     caller's products."""
     kernel = _kernel()
     if kernel is None:
-        raise RuntimeError("the native packed-linear kernel is not built on this host")
+        raise RuntimeError("the native packed-linear kernel library is not loaded here")
     rows, k_len, n_len = x.shape[0], panels.in_features, panels.out_features
     if panels.dtype != torch.float32:
         raise ValueError(f"a bound product reads float32 panels, not {panels.dtype}")
@@ -128,7 +121,7 @@ def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | No
     """``x @ W.T + bias`` for ``x`` [..., K], in the weight's dtype."""
     kernel = _kernel()
     if kernel is None:
-        raise RuntimeError("the native packed-linear kernel is not built on this host")
+        raise RuntimeError("the native packed-linear kernel library is not loaded here")
     k_len, n_len = panels.in_features, panels.out_features
     if x.shape[-1] != k_len:
         raise ValueError(f"input has {x.shape[-1]} features, the weight takes {k_len}")

@@ -1,8 +1,8 @@
 /* Paged decode attention on the CPU: every decode's query heads against its whole cached
  * context, read in place through the block table (no gathered copy of any context).
  *
- * Built at run time by vlmd/layers/native/build.py with this host's compiler and
- * -march=native, loaded with ctypes. One work item is one decode's part of its context,
+ * Built with the package, once per instruction-set level (setup.py, variants.py), and
+ * loaded with ctypes (library.py). One work item is one decode's part of its context,
  * all heads: a block's K (then V) rows for every KV head are one contiguous run of the
  * cache, which the hardware prefetcher streams (an item per KV head read a quarter of each
  * row and ran latency-bound: 4x slower at 16k tokens). GQA: the G query heads of a KV head
@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 
 #include "vector_exp.h"
 

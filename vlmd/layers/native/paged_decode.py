@@ -3,40 +3,33 @@
 ``paged_decode(q, k_cache, v_cache, tables, scale)`` reads each decode's K/V in place
 through its block table, and the blocks that several decodes share at the start of their
 tables once for all of them (cascade); the caller builds ``DecodeTables`` once per step
-and every layer reuses them. ``available()`` says whether the kernel was built on this host (else the
+and every layer reuses them. ``available()`` says whether a kernel library is loaded here (else the
 caller keeps its torch path).
 """
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native.build import load_functions
+from vlmd.layers.native.library import load_functions
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "heads not a multiple of KV heads, or too many", -2: "head size too large", -3: "KV dtype",
            -4: "a context length outside its block table", -5: "out of memory",
            -6: "a block id outside the cache",
            -7: "a shared-prefix group that is empty, not whole blocks, overlapping or as long as a context"}
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {
-    "vlmd_paged_decode": ([_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
-                           _INT, _INT, ctypes.c_int64, _INT, _POINTER, _POINTER, _POINTER, ctypes.c_float, _INT, _INT],
-                          _INT),
-    "vlmd_paged_decode_limit": ([_INT], _INT),  # the kernel's own limits: 0 heads, 1 head size
-}
+_NAMES = ("vlmd_paged_decode", "vlmd_paged_decode_limit")  # signatures: kernels.h; limit: 0 heads, 1 head size
 
 
 def _kernel():
-    functions = load_functions("paged_decode", _SIGNATURES)
+    functions = load_functions(_NAMES)
     return None if functions is None else functions["vlmd_paged_decode"]
 
 
 def _limit(which: int) -> int:
-    return load_functions("paged_decode", _SIGNATURES)["vlmd_paged_decode_limit"](which)
+    return load_functions(_NAMES)["vlmd_paged_decode_limit"](which)
 
 
 def available() -> bool:
@@ -90,7 +83,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     threads need work."""
     function = _kernel()
     if function is None:
-        raise RuntimeError("the native paged decode kernel is not built on this host")
+        raise RuntimeError("the native paged decode kernel library is not loaded here")
     batch, heads, dim = q.shape
     queries = q.float().contiguous()
     out = torch.empty(batch, heads, dim, dtype=torch.float32)

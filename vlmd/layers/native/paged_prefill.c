@@ -2,8 +2,8 @@
  * against its sequence's keys 0 .. start+n-1 (causal) read through its block table, the
  * chunk's own K/V already written to the cache.
  *
- * Built at run time by vlmd/layers/native/build.py, loaded with ctypes (see
- * paged_decode.c for the OpenMP note). The chunk's keys are first transposed per KV head
+ * Built with the package and loaded with ctypes (library.py, which has the OpenMP
+ * note). The chunk's keys are first transposed per KV head
  * into a scratch [Hkv][D][keys] (the only copy, of K alone: its cost per key is 1/(n G)
  * of the attention's); then each task, a tile of ROWS consecutive query tokens of one
  * head, walks the keys in chunks of 32: 32 scores per row are 2 vectors, summed over D
@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 
 #include "vector_exp.h"
 

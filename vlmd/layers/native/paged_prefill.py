@@ -9,24 +9,18 @@ a layer (built here, float32, a head size it has a copy for).
 
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from vlmd.layers.native.build import load_functions
+from vlmd.layers.native.library import load_functions
 
 _ERRORS = {-1: "heads not a multiple of KV heads", -2: "a head size without a copy", -3: "a size or stride",
            -5: "out of memory", -6: "a block id outside the cache"}
-_POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {
-    "vlmd_paged_prefill": ([_POINTER, _WIDE, _POINTER, _POINTER, _POINTER, _INT, _WIDE, _INT, _INT, _INT, _INT, _INT,
-                            _INT, ctypes.c_float, _INT, _POINTER, _WIDE, _INT], _INT),
-    "vlmd_paged_prefill_serves": ([_INT], _INT),  # 1 if a head size has a copy
-}
+_NAMES = ("vlmd_paged_prefill", "vlmd_paged_prefill_serves")  # signatures: kernels.h; serves: 1 if a head size has a copy
 
 
 def _kernel():
-    functions = load_functions("paged_prefill", _SIGNATURES)
+    functions = load_functions(_NAMES)
     return None if functions is None else functions["vlmd_paged_prefill"]
 
 
@@ -35,7 +29,7 @@ def available() -> bool:
 
 
 def _serves(dim: int) -> bool:
-    return bool(load_functions("paged_prefill", _SIGNATURES)["vlmd_paged_prefill_serves"](dim))
+    return bool(load_functions(_NAMES)["vlmd_paged_prefill_serves"](dim))
 
 
 def supports(k_cache: torch.Tensor, q: torch.Tensor) -> bool:
@@ -53,7 +47,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_ids: int32 [blocks] covering ``start + n`` tokens of ``block_size``."""
     function = _kernel()
     if function is None:
-        raise RuntimeError("the native paged prefill kernel is not built on this host")
+        raise RuntimeError("the native paged prefill kernel library is not loaded here")
     tokens, heads, dim = q.shape
     if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1 or out.stride(1) != dim:
         raise ValueError("the output must be float32 of the queries' shape, each token's heads contiguous")
