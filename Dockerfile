@@ -3,7 +3,7 @@
 #
 # Two stages: the first has a C compiler and builds vlmd's wheel, whose CPU kernels are
 # compiled there once per instruction-set level (setup.py); the image that serves has no
-# compiler, and loads the level its host's CPU runs (vlmd/layers/native/library.py).
+# compiler, and loads the level its host's CPU runs (vlmd/layers/cpu/library.py).
 FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

@@ -29,7 +29,7 @@ def pytest_generate_tests(metafunc):
     this CPU executes (x86-64-v3, AVX2, on an AVX-512 host too), the library switched for
     the whole module."""
     if "each_kernel_variant" in metafunc.fixturenames:
-        from vlmd.layers.native import library, variants
+        from vlmd.layers.cpu import library, variants
 
         built = library.built_variants()
         names = [v.name for v in variants.runnable(variants.cpu_flags()) if v.name in built] or ["none"]
@@ -38,7 +38,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="module")
 def each_kernel_variant(request):
-    from vlmd.layers.native import library
+    from vlmd.layers.cpu import library
 
     library.use(None if request.param == "none" else request.param)
     try:

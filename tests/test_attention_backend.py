@@ -16,7 +16,7 @@ import torch
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for, cpu_paged, decode_plan, paged_attention
 from vlmd.layers.attention.segments import GATHER_CHUNK_TOKENS, slot_ranges
-from vlmd.layers.native import paged_decode as native_decode
+from vlmd.layers.cpu import paged_decode as native_decode
 
 HEAD_DIM = 8
 KERNELS = "torch"  # set per case by the decode_path fixture

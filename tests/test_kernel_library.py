@@ -1,6 +1,6 @@
 """The CPU kernel library as the package builds it: every variant built at install, the one
 this CPU runs chosen at run time (or the one asked for), and each function bound with the
-signature the library itself declares (vlmd/layers/native/kernels.h)."""
+signature the library itself declares (vlmd/layers/cpu/kernels.h)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmd.layers.native import decoder_step, elementwise, library, packed_linear, paged_decode, paged_prefill, variants
+from vlmd.layers.cpu import decoder_step, elementwise, library, packed_linear, paged_decode, paged_prefill, variants
 
 NATIVE = Path(library.__file__).parent
 HOST_FLAGS = variants.cpu_flags()
@@ -106,7 +106,7 @@ def test_the_loaded_variant_is_the_best_this_cpu_runs():
 @needs_library
 def test_the_variant_is_forced_from_the_environment_and_a_bad_one_is_refused():
     runnable = [v.name for v in variants.runnable(HOST_FLAGS) if v.name in BUILT]
-    code = "from vlmd.layers.native import library\nprint(library.load().variant)\n"
+    code = "from vlmd.layers.cpu import library\nprint(library.load().variant)\n"
     for name in runnable:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                               env={**os.environ, library.ENV: name})

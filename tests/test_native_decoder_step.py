@@ -1,4 +1,4 @@
-"""A decode step through every layer in one native call (``layers/native/decoder_step.c``)
+"""A decode step through every layer in one native call (``layers/cpu/decoder_step.c``)
 against the module path: the same kernels in the same order, so the final hidden states
 and every layer's cache must be bit-identical; and the steps it must leave to the module
 path (prefill rows, torch attention, products that are not the native kernel's)."""
@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.layers.linear.kernels import SelectedKernel
-from vlmd.layers.native import decoder_step
+from vlmd.layers.cpu import decoder_step
 from vlmd.models.llama import LlamaForCausalLM
 
 BLOCK = 16

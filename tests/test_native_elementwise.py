@@ -1,4 +1,4 @@
-"""The native elementwise kernels (``vlmd/layers/native/elementwise.c``) against float64
+"""The native elementwise kernels (``vlmd/layers/cpu/elementwise.c``) against float64
 references, and the layers that call them against their own torch ops."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
-from vlmd.layers.native import elementwise
+from vlmd.layers.cpu import elementwise
 from vlmd.layers.norm import RMSNorm
 from vlmd.models.llama import LlamaForCausalLM
 
@@ -161,7 +161,7 @@ def test_the_elementwise_calls_keep_the_gil_and_the_attention_calls_release_it()
     it let the event loop's thread take it and the engine wait for it back."""
     import ctypes
 
-    from vlmd.layers.native import paged_decode
+    from vlmd.layers.cpu import paged_decode
 
     for function in elementwise._kernel().values():
         assert function._flags_ & ctypes._FUNCFLAG_PYTHONAPI

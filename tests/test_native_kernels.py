@@ -1,4 +1,4 @@
-"""The native paged decode kernel (vlmd/layers/native/) against a float64 reference, in
+"""The native paged decode kernel (vlmd/layers/cpu/) against a float64 reference, in
 every variant this host runs; one OpenMP runtime; a torch fallback where no library was
 built."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
-from vlmd.layers.native import library
-from vlmd.layers.native import paged_decode as native_decode
-from vlmd.layers.native.paged_decode import DecodeTables, paged_decode
+from vlmd.layers.cpu import library
+from vlmd.layers.cpu import paged_decode as native_decode
+from vlmd.layers.cpu.paged_decode import DecodeTables, paged_decode
 
 needs_kernel = pytest.mark.skipif(not native_decode.available(), reason="no kernel library was built in this install")
 pytestmark = pytest.mark.usefixtures("each_kernel_variant")
@@ -129,7 +129,7 @@ def test_one_openmp_runtime_is_mapped_after_loading(each_kernel_variant):
     # second team of threads (docs/architecture.md, "One OpenMP team per process").
     code = (
         "import torch\n"
-        "from vlmd.layers.native import paged_decode as n\n"
+        "from vlmd.layers.cpu import paged_decode as n\n"
         "assert n.available()\n"
         "maps = open('/proc/self/maps').read().split()\n"
         "print(len({p for p in maps if 'libgomp' in p}))\n"

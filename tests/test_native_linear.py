@@ -1,4 +1,4 @@
-"""vlmd's small-M product on oneDNN's packed weights (vlmd/layers/native/packed_linear.c):
+"""vlmd's small-M product on oneDNN's packed weights (vlmd/layers/cpu/packed_linear.c):
 against a float64 reference, its layout check, and how the linear seam offers it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from vlmd.layers.linear import kernels, selection
 from vlmd.layers.linear.kernels import M_BUCKETS, NATIVE, PACKED, SelectedKernel, pack_weight, packing_available
 from vlmd.layers.linear.layers import ReplicatedLinear
-from vlmd.layers.native import library
-from vlmd.layers.native import packed_linear as native_linear
-from vlmd.layers.native.packed_linear import PackedPanels, packed_linear
+from vlmd.layers.cpu import library
+from vlmd.layers.cpu import packed_linear as native_linear
+from vlmd.layers.cpu.packed_linear import PackedPanels, packed_linear
 
 needs_kernel = pytest.mark.skipif(
     not (packing_available(torch.zeros(1)) and native_linear.available()),

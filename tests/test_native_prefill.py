@@ -1,4 +1,4 @@
-"""The native prefill attention kernel (vlmd/layers/native/paged_prefill.c) against a
+"""The native prefill attention kernel (vlmd/layers/cpu/paged_prefill.c) against a
 float64 reference, its checks, and when the CPU backend hands it a chunk."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from vlmd.layers.attention import SequenceChunk
 from vlmd.layers.attention.cpu_paged import CPUPagedBackend
-from vlmd.layers.native import paged_prefill as native_prefill
-from vlmd.layers.native.paged_prefill import paged_prefill
+from vlmd.layers.cpu import paged_prefill as native_prefill
+from vlmd.layers.cpu.paged_prefill import paged_prefill
 
 needs_kernel = pytest.mark.skipif(not native_prefill.available(), reason="no kernel library was built in this install")
 pytestmark = pytest.mark.usefixtures("each_kernel_variant")

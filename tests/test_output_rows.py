@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
-from vlmd.layers.native import paged_decode as native_decode
+from vlmd.layers.cpu import paged_decode as native_decode
 from vlmd.models.llama import LlamaForCausalLM
 from vlmd.runner.batch import build_batch
 from vlmd.runner.request_state import RunnerRequestState

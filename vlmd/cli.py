@@ -203,7 +203,7 @@ def _serve_command(args: argparse.Namespace) -> None:
     if refused:
         raise ValueError(refused)
     config = config_from_flags(args, model=args.model or "")  # validates every setting
-    from vlmd.layers.native import library
+    from vlmd.layers.cpu import library
 
     os.environ[library.ENV] = config.cpu_kernels  # for this process and the tensor-parallel ranks it starts
     library.load()  # a variant this CPU cannot run, or one not built, is refused here

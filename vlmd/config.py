@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from vlmd.errors import BadRequestError
-from vlmd.layers.native import variants as cpu_kernel_variants
+from vlmd.layers.cpu import variants as cpu_kernel_variants
 
 
 def setting(default, help: str, *, parse=None, metavar: str | None = None, choices=None,

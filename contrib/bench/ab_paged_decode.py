@@ -5,8 +5,8 @@ left them) and cold (64 MiB written between rounds), medians of --rounds, and th
 difference between the two builds' outputs. For a kernel change: build the old source
 from git, the new from the tree.
 
-    git show HEAD~1:vlmd/layers/native/paged_decode.c > /tmp/old.c
-    python contrib/bench/ab_paged_decode.py /tmp/old.c vlmd/layers/native/paged_decode.c
+    git show HEAD~1:vlmd/layers/cpu/paged_decode.c > /tmp/old.c
+    python contrib/bench/ab_paged_decode.py /tmp/old.c vlmd/layers/cpu/paged_decode.c
 
 Cases: c1 (one decode of 620 tokens), c8u (8 unshared decodes of 620), c8s / c16s (8 / 16
 decodes sharing 608 tokens, each with 12-40 of its own). Prints one JSON line.
@@ -29,9 +29,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages, as `vlmd serve
 
 import torch  # noqa: E402
 
-from vlmd.layers.native.library import Signature  # noqa: E402
-from vlmd.layers.native.paged_decode import DecodeTables  # noqa: E402
-from vlmd.layers.native.variants import COMMON_FLAGS, LINK_FLAGS  # noqa: E402
+from vlmd.layers.cpu.library import Signature  # noqa: E402
+from vlmd.layers.cpu.paged_decode import DecodeTables  # noqa: E402
+from vlmd.layers.cpu.variants import COMMON_FLAGS, LINK_FLAGS  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS, BLOCKS = 12, 4, 64, 16, 9, 4096
 

@@ -1,4 +1,4 @@
-"""Decode steps with the native decoder step (``layers/native/decoder_step.c``) on and off,
+"""Decode steps with the native decoder step (``layers/cpu/decoder_step.c``) on and off,
 alternated in one process over the same requests: step medians and whether the greedy
 tokens agree. Text prompts of --prompt-tokens random ids, --batch requests at a time,
 --output-tokens each; prints one JSON line:

@@ -1,6 +1,6 @@
 """RMSNorm computed in float32, as Llama-family reference code does.
 
-Float32 CPU rows take the native kernel (``layers/native/elementwise.c``), which also
+Float32 CPU rows take the native kernel (``layers/cpu/elementwise.c``), which also
 fuses the residual add before the norm (``add_forward``): one pass instead of ~8 torch ops.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmd.layers.native import elementwise
+from vlmd.layers.cpu import elementwise
 
 
 class RMSNorm(torch.nn.Module):

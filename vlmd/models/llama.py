@@ -23,7 +23,7 @@ from vlmd.layers.linear import (
     RowParallelLinear,
     TPGroup,
 )
-from vlmd.layers.native import decoder_step, elementwise
+from vlmd.layers.cpu import decoder_step, elementwise
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from vlmd.models.base import KVSpec
@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_decode_step(self, embeds, cos, sin, meta, kv_caches) -> torch.Tensor | None:
         """A step of decodes alone through every layer in one native call
-        (``layers/native/decoder_step.c``: the same kernels, in the same order, as the
+        (``layers/cpu/decoder_step.c``: the same kernels, in the same order, as the
         layers below would call), or None where the step is not that: prefill rows, a
         product or attention that would not take the native kernels, tensor parallelism,
         another activation."""

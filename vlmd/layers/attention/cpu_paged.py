@@ -1,6 +1,6 @@
 """CPU paged attention that reads K/V in place, through the block table.
 
-Decodes, where this host built the C kernel (``vlmd/layers/native/paged_decode.c``; the
+Decodes, where this host built the C kernel (``vlmd/layers/cpu/paged_decode.c``; the
 default, ``--attention-kernels auto``): one call per layer walks every decode's blocks in
 place, all heads at once, and the blocks decodes share once for all of them, 1.3-2.5x
 faster than the torch paths below (``contrib/bench/bench_attention.py``;
@@ -49,9 +49,9 @@ from vlmd.host import last_level_cache_bytes
 from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
 from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes, shared_groups
 from vlmd.layers.attention.segments import ContextSegments, context_segments
-from vlmd.layers.native import paged_decode as native_decode
-from vlmd.layers.native import paged_prefill as native_prefill
-from vlmd.layers.native.paged_decode import DecodeTables
+from vlmd.layers.cpu import paged_decode as native_decode
+from vlmd.layers.cpu import paged_prefill as native_prefill
+from vlmd.layers.cpu.paged_decode import DecodeTables
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -232,7 +232,7 @@ class CPUPagedBackend(AttentionBackend):
 
     def decodes_natively(self, meta: CPUPagedMetadata, k_cache: torch.Tensor, heads: int) -> bool:
         """Whether ``forward`` takes the native kernel for this step's decodes (the caller
-        that runs the kernel itself, ``layers/native/decoder_step.py``, asks the same)."""
+        that runs the kernel itself, ``layers/cpu/decoder_step.py``, asks the same)."""
         return bool(meta.num_decodes and self.native_decode and native_decode.supports(k_cache, heads)
                     and meta.longest_shared_tokens < NATIVE_SHARED_TOKENS)
 

@@ -7,7 +7,7 @@ Candidates for a product ``x @ W.T + b`` on CPU:
   small M (decode) the plain path re-packs W on every call and streams it at a fraction of
   memory bandwidth; pre-packed weights skip that;
 - ``native``: the same packed weight read by vlmd's own kernel
-  (``vlmd/layers/native/packed_linear.c``), for the small buckets (a decode step's 1-32
+  (``vlmd/layers/cpu/packed_linear.c``), for the small buckets (a decode step's 1-32
   rows), where it streams the weights closer to memory bandwidth than oneDNN does. Only
   offered where the packed layout was verified on the layer's own weight (float32, or
   bfloat16 in oneDNN's K-paired layout);
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmd.layers.native.packed_linear import PackedPanels
-from vlmd.layers.native.packed_linear import packed_linear as native_packed_linear
+from vlmd.layers.cpu.packed_linear import PackedPanels
+from vlmd.layers.cpu.packed_linear import packed_linear as native_packed_linear
 
 # (largest M of the bucket, M the bucket is measured at); the last bucket is open-ended.
 M_BUCKETS: tuple[tuple[int, int], ...] = ((4, 1), (32, 8), (1 << 62, 64))
@@ -126,7 +126,7 @@ class SelectedKernel:
     def native_panels(self, rows: int) -> PackedPanels | None:
         """The panels vlmd's kernel reads where it is this product's choice at ``rows``
         (at the process's thread count), else None: what a caller running the kernel
-        itself (``layers/native/decoder_step.py``) may use in its place."""
+        itself (``layers/cpu/decoder_step.py``) may use in its place."""
         choice = self.choice_for(rows)
         usable = self.panels is not None and self.panels.dtype == torch.float32  # the step is float32
         return self.panels if usable and choice.native and choice.threads is None else None

@@ -31,8 +31,8 @@ from vlmd.layers.linear.kernels import (
     packing_available,
 )
 from vlmd.layers.linear.layers import LinearBase
-from vlmd.layers.native import packed_linear as native_linear
-from vlmd.layers.native.packed_linear import PackedPanels
+from vlmd.layers.cpu import packed_linear as native_linear
+from vlmd.layers.cpu.packed_linear import PackedPanels
 
 _DECISIONS: dict[tuple, tuple[KernelChoice, ...]] = {}
 

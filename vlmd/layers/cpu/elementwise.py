@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmd.layers.native.library import load_functions
+from vlmd.layers.cpu.library import load_functions
 
 _NAMES = ("vlmd_add_rms_norm", "vlmd_rotary", "vlmd_silu_mul")  # signatures: kernels.h
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native.library import load_functions
+from vlmd.layers.cpu.library import load_functions
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "heads not a multiple of KV heads, or too many", -2: "head size too large", -3: "KV dtype",

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native import elementwise
-from vlmd.layers.native import packed_linear as native_linear
-from vlmd.layers.native import paged_decode as native_decode
-from vlmd.layers.native.library import load_functions
-from vlmd.layers.native.paged_decode import DecodeTables
+from vlmd.layers.cpu import elementwise
+from vlmd.layers.cpu import packed_linear as native_linear
+from vlmd.layers.cpu import paged_decode as native_decode
+from vlmd.layers.cpu.library import load_functions
+from vlmd.layers.cpu.paged_decode import DecodeTables
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _STAGES = {-1: "out of memory", -2: "RMSNorm", -3: "a product", -4: "rotary", -5: "attention", -6: "SiLU",

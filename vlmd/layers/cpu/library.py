@@ -33,7 +33,7 @@ from pathlib import Path
 import structlog
 import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels bind to)
 
-from vlmd.layers.native import variants
+from vlmd.layers.cpu import variants
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmd.layers.native.library import load_functions
+from vlmd.layers.cpu.library import load_functions
 
 _ERRORS = {-1: "heads not a multiple of KV heads", -2: "a head size without a copy", -3: "a size or stride",
            -5: "out of memory", -6: "a block id outside the cache"}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmd.layers.native.library import load_functions
+from vlmd.layers.cpu.library import load_functions
 
 PANEL_WIDTHS = (64, 32, 128, 16)  # tried in this order; the kernel takes multiples of its chunk
 _ERRORS = {-1: "a panel width the kernel cannot tile", -2: "padded K shorter than K", -3: "a size or stride"}

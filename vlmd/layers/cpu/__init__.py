@@ -1,6 +1,6 @@
-"""The CPU kernels: C built with the package (``setup.py``), one library per instruction-set
-variant (``variants.py``), the variant for this CPU chosen and loaded at run time
-(``library.py``) and called through ctypes.
+"""The CPU backend room: C kernels built with the package (``setup.py``), one library per
+instruction-set variant (``variants.py``), the variant for this CPU chosen and loaded at
+run time (``library.py``) and called through ctypes.
 
 Each kernel is one C file with a Python binding beside it (``paged_decode.c`` /
 ``paged_decode.py``: decode attention through block tables; ``paged_prefill``: a prefill
