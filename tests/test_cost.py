@@ -132,3 +132,40 @@ def test_a_config_only_directory_needs_no_weights_or_tokenizer():
     assert cache["num_kv_blocks"] == left // (16 * report["kv_bytes_per_token"])
     assert cache["requests_held"] == cache["num_kv_blocks"] // report["requests"][0]["kv_blocks"]
     assert cache["full_length_requests"] == cache["num_kv_blocks"] // (4096 // 16)
+
+
+def test_the_settings_cost_shares_with_serve_are_serve_s():
+    """--dtype, --block-size, --kv-cache-gb, --max-num-batched-tokens, ...: one definition
+    (vlmd/config.py:ServeConfig) for both commands' flags and for ``CostOptions``."""
+    from vlmd.cli import _parser
+    from vlmd.config import serve_setting, setting_default
+    from vlmd.cost import _DTYPE_BYTES, SHARED_SERVE_SETTINGS
+
+    _, commands = _parser()
+    cost_flags = {action.dest: action for action in commands["cost"]._actions}
+    serve_flags = {action.dest: action for action in commands["serve"]._actions}
+    options = CostOptions()
+    assert {"dtype", "block_size", "kv_cache_gb", "max_num_batched_tokens"} <= set(SHARED_SERVE_SETTINGS)
+    for name in SHARED_SERVE_SETTINGS:
+        spec = serve_setting(name)
+        cost, serve = cost_flags[name], serve_flags[name]
+        assert cost.default == serve.default == setting_default(spec) == getattr(options, name), name
+        assert (cost.option_strings, cost.help, cost.choices) == (serve.option_strings, serve.help, serve.choices), name
+        assert cost.choices == spec.metadata["choices"], name
+    assert set(_DTYPE_BYTES) == set(serve_setting("dtype").metadata["choices"])
+
+
+def test_the_cache_is_sized_in_the_server_s_order():
+    """--num-kv-blocks, then --kv-cache-gb, then --memory-gb's plan, else a CPU server's default."""
+    from conftest import REPO
+    from vlmd.config import DEFAULT_CPU_KV_CACHE_GB
+
+    model = str(REPO / "docs/examples/llava-1.5-7b-config")
+    items = [parse_image("640x480")]
+    default = compute_cost(model, items, CostOptions())
+    block_bytes = 16 * default["kv_bytes_per_token"]
+    assert default["cache"]["source"] == "kv-cache-gb"
+    assert default["cache"]["num_kv_blocks"] == int(DEFAULT_CPU_KV_CACHE_GB * 2**30) // block_bytes
+    given = compute_cost(model, items, CostOptions(kv_cache_gb=2, memory_gb=80))
+    assert (given["cache"]["source"], given["cache"]["num_kv_blocks"]) == ("kv-cache-gb", 2 * 2**30 // block_bytes)
+    assert compute_cost(model, items, CostOptions(memory_gb=80))["cache"]["source"] == "utilization"

@@ -11,9 +11,9 @@ import argparse
 import os
 import types
 import typing
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, fields
 
-from vlmd.config import ServeConfig
+from vlmd.config import ServeConfig, setting_default
 
 # Flags other servers take that vlmd refuses, with the reason (a vLLM user will try them).
 REFUSED_FLAGS = {
@@ -35,17 +35,9 @@ def _value_type(spec: Field) -> type:
     return annotation if annotation in (int, float, str, bool) else str
 
 
-def _default(spec: Field):
-    if spec.default is not MISSING:
-        return spec.default
-    if spec.default_factory is not MISSING:
-        return spec.default_factory()
-    return None
-
-
 def _shown_default(spec: Field) -> str:
     env = spec.metadata.get("env")
-    value = _default(spec)
+    value = setting_default(spec)
     if value is None or value == {} or value == ():
         shown = "unset"
     elif isinstance(value, bool):
@@ -75,32 +67,37 @@ def _parser_for(parse, value_type: type, flag: str):
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for spec in fields(ServeConfig):
-        meta = spec.metadata
-        if meta.get("positional"):
-            parser.add_argument(spec.name, nargs="?", metavar="MODEL_DIR", help=meta["help"])
+        if spec.metadata.get("positional"):
+            parser.add_argument(spec.name, nargs="?", metavar="MODEL_DIR", help=spec.metadata["help"])
             continue
-        flag = "--" + spec.name.replace("_", "-")
-        value_type = _value_type(spec)
-        help_text = meta["help"]
-        if "(default:" not in help_text:
-            help_text += f" (default: {_shown_default(spec)})"
-        elif meta.get("env"):
-            help_text = help_text[:-1] + f"; env {meta['env']})"
-        if value_type is bool:
-            action = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
-            parser.add_argument(flag, dest=spec.name, action=action, default=_default(spec), help=help_text)
-            continue
-        default = _default(spec)
-        if meta.get("env"):
-            default = os.environ.get(meta["env"], default)
-        parser.add_argument(
-            flag, dest=spec.name, default=default, help=help_text,
-            metavar=meta.get("metavar") or (None if meta.get("choices") else _METAVARS.get(value_type, "TEXT")),
-            choices=meta.get("choices"), type=_parser_for(meta.get("parse"), value_type, flag),
-        )
+        add_setting_flag(parser, spec)
     for flag, reason in REFUSED_FLAGS.items():
         parser.add_argument(flag, dest="refused_" + flag.strip("-").replace("-", "_"), action="store_true",
                             help=f"refused: {reason}")
+
+
+def add_setting_flag(parser: argparse.ArgumentParser, spec: Field) -> None:
+    """The ``--flag`` of one ``ServeConfig`` setting; ``vlmd cost`` adds the serve flags it shares this way."""
+    meta = spec.metadata
+    flag = "--" + spec.name.replace("_", "-")
+    value_type = _value_type(spec)
+    help_text = meta["help"]
+    if "(default:" not in help_text:
+        help_text += f" (default: {_shown_default(spec)})"
+    elif meta.get("env"):
+        help_text = help_text[:-1] + f"; env {meta['env']})"
+    if value_type is bool:
+        action = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
+        parser.add_argument(flag, dest=spec.name, action=action, default=setting_default(spec), help=help_text)
+        return
+    default = setting_default(spec)
+    if meta.get("env"):
+        default = os.environ.get(meta["env"], default)
+    parser.add_argument(
+        flag, dest=spec.name, default=default, help=help_text,
+        metavar=meta.get("metavar") or (None if meta.get("choices") else _METAVARS.get(value_type, "TEXT")),
+        choices=meta.get("choices"), type=_parser_for(meta.get("parse"), value_type, flag),
+    )
 
 
 def refused_flag(args: argparse.Namespace) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 from vlmd.errors import BadRequestError
 from vlmd.layers.cpu import variants as cpu_kernel_variants
@@ -27,6 +27,24 @@ def setting(default, help: str, *, parse=None, metavar: str | None = None, choic
     return field(default=default, metadata=metadata)
 
 
+def setting_default(spec: Field):
+    """A setting's default value (a fresh one for the ``default_factory`` kinds)."""
+    if spec.default is not MISSING:
+        return spec.default
+    if spec.default_factory is not MISSING:
+        return spec.default_factory()
+    return None
+
+
+def serve_setting(name: str) -> Field:
+    """The ``ServeConfig`` field ``name``, for a command that takes one of serve's settings
+    (``vlmd cost``): its default, help and choices are then defined here only."""
+    for spec in fields(ServeConfig):
+        if spec.name == name:
+            return spec
+    raise KeyError(f"ServeConfig has no setting {name!r}")
+
+
 def _comma_list(text: str) -> tuple[str, ...] | None:
     items = tuple(item.strip() for item in text.split(",") if item.strip())
     return items or None
@@ -36,6 +54,10 @@ def _comma_list(text: str) -> tuple[str, ...] | None:
 # take them validate against these.
 LINEAR_KERNEL_MODES = ("auto", "plain", "packed", "native")
 ATTENTION_KERNEL_MODES = ("auto", "torch")
+
+# The KV cache of a CPU server given no size and no --memory-utilization (engine/sizing.py);
+# `vlmd cost` without --memory-gb sizes its cache the same way.
+DEFAULT_CPU_KV_CACHE_GB = 4.0
 
 
 @dataclass
@@ -70,7 +92,7 @@ class ServeConfig:
         parse=lambda text: parse_device(text), metavar="DEVICE")
     kv_cache_gb: float | None = setting(
         None, "memory for the KV cache, GiB; overrides the utilisation settings "
-        "(default: 4 on CPU, what --gpu-memory-utilization leaves on CUDA)", minimum=0)
+        f"(default: {DEFAULT_CPU_KV_CACHE_GB:g} on CPU, what --gpu-memory-utilization leaves on CUDA)", minimum=0)
     num_kv_blocks: int | None = setting(None, "exact number of KV blocks (overrides --kv-cache-gb)", minimum=1)
     gpu_memory_utilization: float = setting(
         0.9, "CUDA: fraction of the GPU's memory this server may use; the KV cache gets what weights, the "

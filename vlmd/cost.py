@@ -16,11 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmd.config import media_policy_fields
+from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, media_policy_fields, serve_setting, setting_default
 from vlmd.engine.memory_plan import GIB, blocks_for_bytes, blocks_for_tokens, kv_budget_bytes
 from vlmd.processing.base import ItemSize, ProcessingContext
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
+# Serve's settings that mean the same here: their flags, defaults, help and choices are
+# serve's (vlmd/config.py:ServeConfig), so the two commands cannot drift apart.
+SHARED_SERVE_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs", "dtype", "block_size", "max_model_len",
+                         "kv_cache_gb", "num_kv_blocks", "max_num_batched_tokens", "encoder_cache_size")
 _IMAGE = re.compile(r"^(\d+)x(\d+)$")
 _VIDEO = re.compile(r"^(\d+(?:\.\d+)?)(s?)x(\d+)x(\d+)$")
 
@@ -60,24 +64,28 @@ def audio_clip(seconds: float) -> ItemSpec:
     return ItemSpec("audio", f"audio {seconds:g}s", ItemSize(seconds=seconds))
 
 
+def _serve_default(name: str):
+    return setting_default(serve_setting(name))
+
+
 @dataclass
 class CostOptions:
     prompt: str = "Describe this."
     max_tokens: int = 0
-    mm_processor_kwargs: dict = field(default_factory=dict)
-    media_io_kwargs: dict = field(default_factory=dict)
+    mm_processor_kwargs: dict = field(default_factory=lambda: _serve_default("mm_processor_kwargs"))
+    media_io_kwargs: dict = field(default_factory=lambda: _serve_default("media_io_kwargs"))
     language: str | None = None
     timestamps: bool = False
-    dtype: str = "float32"
-    block_size: int = 16
-    max_model_len: int | None = None
-    kv_cache_gb: float = 4.0
-    num_kv_blocks: int | None = None
+    dtype: str = _serve_default("dtype")
+    block_size: int = _serve_default("block_size")
+    max_model_len: int | None = _serve_default("max_model_len")
+    kv_cache_gb: float | None = _serve_default("kv_cache_gb")  # unset: as a CPU server, unless memory_gb is set
+    num_kv_blocks: int | None = _serve_default("num_kv_blocks")
     memory_gb: float | None = None  # with memory_utilization: size the cache as the server would
     memory_utilization: float = 0.9
     activation_gb: float = 0.0  # the start-up profile's figure (logged by `vlmd serve`)
-    max_num_batched_tokens: int = 2048
-    encoder_cache_size: int | None = None
+    max_num_batched_tokens: int = _serve_default("max_num_batched_tokens")
+    encoder_cache_size: int | None = _serve_default("encoder_cache_size")
 
 
 def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) -> dict[str, Any]:
@@ -188,11 +196,14 @@ def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> 
 
 
 def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config) -> dict:
+    """The cache's blocks in the server's order (engine/sizing.py:plan_kv_cache): --num-kv-blocks,
+    --kv-cache-gb, the memory plan (here --memory-gb), else a CPU server's default size."""
     if options.num_kv_blocks is not None:
         return {"source": "num-kv-blocks", "num_kv_blocks": options.num_kv_blocks,
                 "kv_bytes": options.num_kv_blocks * per_block}
-    if options.memory_gb is None:
-        blocks = blocks_for_bytes(options.kv_cache_gb * GIB, per_block)
+    if options.kv_cache_gb is not None or options.memory_gb is None:
+        kv_cache_gb = DEFAULT_CPU_KV_CACHE_GB if options.kv_cache_gb is None else options.kv_cache_gb
+        blocks = blocks_for_bytes(kv_cache_gb * GIB, per_block)
         return {"source": "kv-cache-gb", "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
     weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype)
     text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -267,7 +278,9 @@ def _size(count: int) -> str:
 
 
 def add_parser(commands) -> None:
-    """The ``vlmd cost`` subcommand's flags (serve's names where they mean the same)."""
+    """The ``vlmd cost`` subcommand's flags (serve's own, from ``ServeConfig``, where they mean the same)."""
+    from vlmd.cli_flags import add_setting_flag
+
     cost = commands.add_parser("cost", help="tokens and KV memory of an image, video or clip (no weights loaded)")
     cost.add_argument("model", help="checkpoint directory (config and processor files are enough)")
     cost.add_argument("--image", action="append", default=[], help="WIDTHxHEIGHT, repeatable: items of one prompt")
@@ -279,33 +292,23 @@ def add_parser(commands) -> None:
     cost.add_argument("--max-tokens", type=int, default=0, help="output tokens to add to the KV figure")
     cost.add_argument("--language", help="speech: the clip's language (else a detection request is counted)")
     cost.add_argument("--timestamps", action="store_true", help="speech: segment timestamps")
-    cost.add_argument("--mm-processor-kwargs", default="", help="server-wide processor settings, JSON")
-    cost.add_argument("--media-io-kwargs", default="", help='media decode settings, JSON, e.g. {"video": {"num_frames": 16}}')
-    cost.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_BYTES))
-    cost.add_argument("--block-size", type=int, default=16)
-    cost.add_argument("--max-model-len", type=int)
-    cost.add_argument("--kv-cache-gb", type=float, default=4.0)
-    cost.add_argument("--num-kv-blocks", type=int)
+    for name in SHARED_SERVE_SETTINGS:
+        add_setting_flag(cost, serve_setting(name))
     cost.add_argument("--memory-gb", type=float, help="device memory: size the cache from a memory plan instead")
     cost.add_argument("--memory-utilization", type=float, default=0.9)
     cost.add_argument("--activation-gb", type=float, default=0.0,
                       help="activation peak to reserve (vlmd serve logs the measured one at start-up)")
-    cost.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    cost.add_argument("--encoder-cache-size", type=int)
     cost.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cost.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return cost
 
 
 def run(args) -> str:
-    from vlmd.config import parse_json_object
-
     items = [parse_image(text) for text in args.image] + [parse_video(text, args.video_fps) for text in args.video]
     items += [audio_clip(seconds) for seconds in args.audio_seconds]
     options = CostOptions(
         prompt=args.prompt, max_tokens=args.max_tokens, language=args.language, timestamps=args.timestamps,
-        mm_processor_kwargs=parse_json_object(args.mm_processor_kwargs, "--mm-processor-kwargs"),
-        media_io_kwargs=parse_json_object(args.media_io_kwargs, "--media-io-kwargs"),
+        mm_processor_kwargs=args.mm_processor_kwargs, media_io_kwargs=args.media_io_kwargs,
         dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, memory_gb=args.memory_gb,
         memory_utilization=args.memory_utilization, activation_gb=args.activation_gb,

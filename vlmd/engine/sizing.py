@@ -7,7 +7,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from vlmd.config import ServeConfig
+from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, ServeConfig
 from vlmd.engine.memory_plan import (
     GIB,
     MemoryPlan,
@@ -19,8 +19,6 @@ from vlmd.engine.profile import ProfileResult
 from vlmd.runner.device import DeviceMemory
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_CPU_KV_CACHE_GB = 4.0
 
 
 def check_items_fit(largest: dict, max_model_len: int, config: ServeConfig) -> None:
