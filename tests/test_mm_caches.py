@@ -202,3 +202,19 @@ def test_processor_cache_is_an_lru_bounded_by_bytes():
     cache.put("huge", item(1000))  # larger than the cache: not kept, nothing evicted
     assert cache.get("huge") is None and cache.nbytes == 200
     assert (cache.queries, cache.hits) == (5, 3)
+
+
+def test_decode_steps_are_counted_by_the_path_the_start_up_log_names(server):
+    # Which path a decode step takes is chosen at start-up by timing (and by what the host's
+    # kernels read): the test asserts no path, only that /metrics agrees with the log line.
+    before = server.metrics()
+    answer = _ask(server, "Count the decode steps.", random_image(92), max_tokens=9)
+    after = server.metrics()
+    decodes = answer["usage"]["completion_tokens"] - 1
+    fused = _delta(before, after, 'vlmd_decode_steps_total{path="fused"}')
+    modules = _delta(before, after, 'vlmd_decode_steps_total{path="modules"}')
+    assert fused + modules == decodes
+    logged = [line for line in server.log_path.read_text().splitlines() if "decode steps" in line]
+    assert len(logged) == 1, logged  # one decoder, one line
+    one_row_fused = "fused" in logged[0] and "M<=4" in logged[0]  # a lone request decodes one row a step
+    assert (fused, modules) == ((decodes, 0) if one_row_fused else (0, decodes)), logged[0]

@@ -15,6 +15,7 @@ from vlmd.layers.attention import SequenceChunk, attention_backend_for
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.layers.linear.kernels import SelectedKernel
 from vlmd.layers.cpu import decoder_step
+from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.models.llama import LlamaForCausalLM
 
 BLOCK = 16
@@ -69,7 +70,7 @@ def _both(model, chunks, embeds, positions, num_decodes, kernels="auto", monkeyp
     with torch.inference_mode():
         stepped_cache = _caches(model, 1)
         stepped = model(embeds, positions, backend.prepare_metadata(chunks, num_decodes), stepped_cache)
-        monkeypatch.setattr(LlamaForCausalLM, "_native_decode_step", lambda *a: None)
+        monkeypatch.setattr(FusedDecodeSteps, "run", lambda *a: None)
         module_cache = _caches(model, 1)
         module = model(embeds, positions, backend.prepare_metadata(chunks, num_decodes), module_cache)
     return stepped, stepped_cache, module, module_cache, len(calls)
@@ -115,7 +116,7 @@ def test_a_slot_outside_the_cache_raises_instead_of_writing_there():
     caches = _caches(model, 1)
     backend = attention_backend_for("cpu", BLOCK, "auto")
     meta = backend.prepare_metadata(chunks, 1)
-    decoder, _ = model._native_decoder(caches)
+    decoder, _ = FusedDecodeSteps().decoder(model.decoder_structure, caches)
     assert decoder is not None
     cos, sin = model.rotary.cos_sin(torch.tensor([40]), torch.float32)
     with pytest.raises(ValueError, match="slot outside the cache"):
@@ -143,12 +144,13 @@ def test_a_batch_past_the_native_buckets_keeps_the_module_path(monkeypatch):
 def test_new_kernels_rebuild_the_step(monkeypatch):
     model = _model(False)
     caches = _caches(model, 1)
-    first, _ = model._native_decoder(caches)
-    assert model._native_decoder(caches)[0] is first  # kept while nothing changed
+    steps = FusedDecodeSteps()
+    first, _ = steps.decoder(model.decoder_structure, caches)
+    assert steps.decoder(model.decoder_structure, caches)[0] is first  # kept while nothing changed
     # A product given another kernel (in general another packed weight): the step must not
     # keep reading the old one's address.
     down = model.layers[1].mlp.down_proj
     old = down.kernel
     down.kernel = SelectedKernel(old.choices, old.weight, old.packed, old.panels)
-    rebuilt, kernels = model._native_decoder(caches)
+    rebuilt, kernels = steps.decoder(model.decoder_structure, caches)
     assert rebuilt is not first and down.kernel in kernels

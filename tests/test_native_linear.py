@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vlmd.layers.decoder_structure import DecoderStructure, PreNormLayer
 from vlmd.layers.linear import kernels, selection
 from vlmd.layers.linear.kernels import M_BUCKETS, NATIVE, PACKED, SelectedKernel, pack_weight, packing_available
 from vlmd.layers.linear.layers import ReplicatedLinear
+from vlmd.layers.norm import RMSNorm
 from vlmd.layers.cpu import library
 from vlmd.layers.cpu import packed_linear as native_linear
 from vlmd.layers.cpu.packed_linear import PackedPanels, packed_linear
@@ -349,16 +351,18 @@ def test_no_step_is_timed_when_one_of_its_products_has_no_panels():
 
 
 class _StepModel(torch.nn.Module):
-    """A model whose (stand-in) native decode step runs its first two products."""
+    """A model whose described decoder (one stand-in layer) has a and b as its products:
+    a fused decode step would run those two, not the head."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b, self.head = ReplicatedLinear(64, 128), ReplicatedLinear(128, 64), ReplicatedLinear(64, 64)
         for layer in (self.a, self.b, self.head):
             layer.weight.data.normal_()
-
-    def native_step_products(self):
-        return [self.a, self.b]
+        norm = RMSNorm(64, 1e-6)
+        self.decoder_structure = DecoderStructure(
+            layers=(PreNormLayer(norm, self.a, self.b, norm, self.a, self.b),), final_norm=norm, heads=2,
+            kv_heads=1, head_dim=32, intermediate=64, scale=32**-0.5, eps=1e-6, activation="silu")
 
 
 def _select_with_plain_shapes(monkeypatch, **options):

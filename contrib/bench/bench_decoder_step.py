@@ -30,15 +30,15 @@ def main() -> None:
 
     from vlmd.config import ServeConfig
     from vlmd.engine.builder import build_engine
-    from vlmd.models import llama
+    from vlmd.layers.cpu.fused_step import FusedDecodeSteps
     from vlmd.types import EngineRequest, SamplingParams
 
     built = build_engine(ServeConfig(model=str(Path(args.model_dir).expanduser())))
-    core, native_step = built.core, llama.LlamaForCausalLM._native_decode_step
+    core, native_step = built.core, FusedDecodeSteps.run
     vocab = built.tokenizer.vocab_size
 
     def run(native: bool, seed: int) -> tuple[dict, float]:
-        llama.LlamaForCausalLM._native_decode_step = native_step if native else (lambda *a, **k: None)
+        FusedDecodeSteps.run = native_step if native else (lambda *a, **k: None)
         rng = random.Random(seed)
         tokens: dict[str, list[int]] = {}
         for i in range(args.batch):
@@ -63,7 +63,7 @@ def main() -> None:
         equal &= results[True][0] == results[False][0]
         module_ms.append(round(results[False][1], 2))
         native_ms.append(round(results[True][1], 2))
-    llama.LlamaForCausalLM._native_decode_step = native_step
+    FusedDecodeSteps.run = native_step
     print(json.dumps({"bench": "decoder_step", "batch": args.batch, "prompt_tokens": args.prompt_tokens,
                       "tokens_equal": equal, "module_step_ms": module_ms, "native_step_ms": native_ms,
                       "module_median_ms": round(statistics.median(module_ms), 2),

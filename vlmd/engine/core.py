@@ -37,6 +37,7 @@ class EngineStats:
     num_failed_steps: int = 0  # steps that raised and were re-run without their culprits
     num_requests_failed: int = 0  # requests a failed step was traced to
     num_prompt_tokens: int = 0  # prompt tokens of every request added (placeholders included)
+    decode_steps: dict[str, int] = field(default_factory=dict)  # steps of decodes alone, by path
 
 
 @dataclass
@@ -157,6 +158,7 @@ class EngineCore:
             kv_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_encoder_forwards=self.executor.num_encoder_forwards,
+            decode_steps=self.executor.decode_steps,
             encoder_cache_usage=self.scheduler.encoder_cache.usage,
             encoder_cache_queries=self.scheduler.encoder_cache.num_queries,
             encoder_cache_hits=self.scheduler.encoder_cache.num_hits,

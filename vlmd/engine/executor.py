@@ -41,6 +41,9 @@ class Executor(Protocol):
     @property
     def num_encoder_forwards(self) -> int: ...
 
+    @property
+    def decode_steps(self) -> dict[str, int]: ...  # steps of decodes alone, by path ("fused", "modules")
+
     def on_failure(self, callback: Callable[[str], None]) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -64,6 +67,10 @@ class InProcessExecutor:
     @property
     def num_encoder_forwards(self) -> int:
         return self.runner.num_encoder_forwards
+
+    @property
+    def decode_steps(self) -> dict[str, int]:
+        return dict(self.runner.attention.decode_steps)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Nothing to lose: one process, whose own errors are the engine's."""

@@ -153,6 +153,10 @@ class MultiprocExecutor:
         return self.runner.num_encoder_forwards
 
     @property
+    def decode_steps(self) -> dict[str, int]:  # rank 0's: every rank takes the same path
+        return dict(self.runner.attention.decode_steps)
+
+    @property
     def step_channel_stats(self):
         return self.channel.stats
 

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from vlmd.layers.cpu import elementwise
+
 
 def rope_parameters(config) -> tuple[float, dict]:
     """(theta, scaling dict) from a transformers 5 ``rope_parameters`` or 4.x fields."""
@@ -102,3 +104,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused q/k/v product's rows [T, (H + 2 Hkv) * D] split into q [T, H, D], k and v
+    [T, Hkv, D], with rotate-half rotary applied to q and k; ``cos``/``sin`` [T, 1, D].
+    Float32 CPU rows take the CPU room's kernel, which rotates q's and k's adjacent heads
+    in one pass in place (``layers/cpu/elementwise.c``); anything else torch ops, with the
+    same result to float rounding."""
+    tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if elementwise.serves(qkv):
+        elementwise.rotary_(qkv, num_heads + num_kv_heads, head_dim, cos[:, 0], sin[:, 0])
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, num_heads, head_dim)
+        k = k.view(tokens, num_kv_heads, head_dim)
+    else:
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, num_heads, head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, num_kv_heads, head_dim), cos, sin)
+    return q, k, v.view(tokens, num_kv_heads, head_dim)

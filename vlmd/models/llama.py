@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vlmd.layers.activation import check_activation, gated_activation
 from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
+from vlmd.layers.decoder_structure import DecoderStructure, PreNormLayer
 from vlmd.layers.linear import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -23,12 +24,9 @@ from vlmd.layers.linear import (
     RowParallelLinear,
     TPGroup,
 )
-from vlmd.layers.cpu import decoder_step, elementwise
 from vlmd.layers.norm import RMSNorm
-from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from vlmd.layers.rotary import RotaryEmbedding, rope_parameters, rotate_qkv
 from vlmd.models.base import KVSpec
-
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def _head_dim(config) -> int:
@@ -56,18 +54,7 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata, outputs: OutputRows | None = None):
         """[T, hidden] -> [T, hidden], or with ``outputs`` -> [R, hidden] for its rows alone."""
         tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        if elementwise.serves(qkv):
-            # q's and k's heads are adjacent in each row: one in-place pass rotates both.
-            elementwise.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos[:, 0], sin[:, 0])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(tokens, self.num_heads, self.head_dim)
-            k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = rotate_qkv(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
         if outputs is not None:
             # Every row's K/V go to the cache (later tokens attend to them); only the used
             # rows' queries attend. The q columns of the other rows are still computed: a
@@ -91,14 +78,10 @@ class LlamaMLP(nn.Module):
         )
         self.intermediate = self.gate_up_proj.output_sizes[0]
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp=tp)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.activation = check_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.act is F.silu and elementwise.serves(gate_up):
-            return self.down_proj(elementwise.silu_mul(gate_up, self.intermediate))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated_activation(self.gate_up_proj(x), self.intermediate, self.activation))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -160,9 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
-        # The native decode step's parts (``_native_decoder``): (key, decoder or None), the
-        # key naming the caches and the products' kernels it was built from.
-        self._native_built: tuple | None = None
+        self.decoder_structure = self._describe(tp)
         self.kv_spec = KVSpec(
             num_layers=config.num_hidden_layers,
             num_kv_heads=self.layers[0].self_attn.num_kv_heads,
@@ -179,8 +160,9 @@ class LlamaForCausalLM(nn.Module):
         last layer runs only those rows (in a prefill of n tokens, 1/n of its work but the
         K/V product; the small LLaVA's last layer is ~1/9 of its decoder)."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        if outputs is None:
-            stepped = self._native_decode_step(inputs_embeds, cos, sin, meta, kv_caches)
+        if outputs is None:  # every row is used: the backend may run the whole step itself
+            stepped = meta.backend.decode_step(self.decoder_structure, inputs_embeds, cos[:, 0], sin[:, 0], meta,
+                                               kv_caches)
             if stepped is not None:
                 return stepped
         hidden, residual = inputs_embeds, None
@@ -189,68 +171,16 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, outputs if index == last else None)
         return self.norm.add_forward(residual, hidden)[0]
 
-    def _native_decode_step(self, embeds, cos, sin, meta, kv_caches) -> torch.Tensor | None:
-        """A step of decodes alone through every layer in one native call
-        (``layers/cpu/decoder_step.c``: the same kernels, in the same order, as the
-        layers below would call), or None where the step is not that: prefill rows, a
-        product or attention that would not take the native kernels, tensor parallelism,
-        another activation."""
-        rows = embeds.shape[0]
-        backend = getattr(meta, "backend", None)
-        if getattr(meta, "num_decodes", 0) != rows or not hasattr(backend, "decodes_natively"):
-            return None
-        first = self.layers[0]
-        if not backend.decodes_natively(meta, kv_caches[0][0], first.self_attn.num_heads):
-            return None
-        decoder, kernels = self._native_decoder(kv_caches)
-        if decoder is None or not all(kernel.native_panels(rows) is not None for kernel in kernels):
-            return None
-        cos, sin = cos[:, 0], sin[:, 0]
-        if not decoder.accepts(embeds, cos, sin, meta.slot_mapping):
-            return None
-        return decoder(embeds, cos, sin, meta.slot_mapping, meta.decode_tables)
-
-    def native_step_products(self) -> list:
-        """The products ``_native_decode_step`` runs in its one native call (every layer's
-        q/k/v, output, gate/up and down), or [] where this model cannot take that step on
-        this host. For the kernel selection (``layers/linear/selection.py``), which times
-        them as that step runs them: with no Python around each product."""
+    def _describe(self, tp: TPGroup) -> DecoderStructure:
+        """This decoder as data, for a backend that runs a whole decode step itself."""
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        if not decoder_step.available() or attn.qkv_proj.tp.size != 1 or mlp.act is not F.silu:
-            return []
-        return [p for products in self._products() for p in products]
-
-    def _products(self):
-        for layer in self.layers:
-            yield layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-    def _native_decoder(self, kv_caches) -> tuple["decoder_step.NativeDecoder | None", list]:
-        """(The native step for these caches and the products' current kernels, or None
-        where this model cannot take it; those kernels.) Built on first use, rebuilt when the
-        caches or a kernel change: the step reads the kernels' packed weights by address, and
-        the kept kernels keep those weights alive."""
-        kernels = [p.kernel for products in self._products() for p in products]
-        key = (tuple(cache.data_ptr() for pair in kv_caches for cache in pair), tuple(map(id, kernels)))
-        if self._native_built is not None and self._native_built[0] == key:
-            return self._native_built[1], self._native_built[2]
-        decoder = None
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        # The native step is float32: bfloat16 panels serve the module path's products only.
-        usable = all(kernel is not None and kernel.panels is not None and kernel.panels.dtype == torch.float32
-                     for kernel in kernels)
-        if usable and attn.qkv_proj.tp.size == 1 and mlp.act is F.silu and len(kv_caches) == len(self.layers):
-            parts = []
-            for layer, products, (k_cache, v_cache) in zip(self.layers, self._products(), kv_caches):
-                parts.append(decoder_step.DecoderLayerParts(
-                    layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                    tuple((p.kernel.panels, None if p.bias is None else p.bias.detach()) for p in products),
-                    k_cache, v_cache))
-            decoder = decoder_step.NativeDecoder.of(
-                parts, self.norm.weight.detach(), heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim, intermediate=mlp.intermediate, eps=self.layers[0].input_layernorm.eps,
-                scale=attn.scale)
-        self._native_built = (key, decoder, kernels)
-        return decoder, kernels
+        return DecoderStructure(
+            layers=tuple(PreNormLayer(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                      layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                         for layer in self.layers),
+            final_norm=self.norm, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=mlp.intermediate, scale=attn.scale, eps=self.layers[0].input_layernorm.eps,
+            activation=mlp.activation, tensor_parallel=tp.size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

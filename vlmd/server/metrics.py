@@ -102,6 +102,12 @@ class _EngineCollector:
             counters["vlmd_preprocess_timeouts"] = ("Requests past --preprocess-timeout", admission.num_timeouts)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        paths = CounterMetricFamily(
+            "vlmd_decode_steps", "Steps of decodes alone, by path: fused (every layer in one native call, "
+            "layers/cpu/fused_step.py) or modules (the model's layers one by one)", labels=["path"])
+        for path in ("fused", "modules"):
+            paths.add_metric([path], stats.decode_steps.get(path, 0))
+        yield paths
         if self.memory_plan is not None:
             yield from self._plan_metrics()
 

@@ -14,8 +14,12 @@ slot = block_id * block_size + offset.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vlmd.layers.decoder_structure import DecoderStructure
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class AttentionBackend:
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # Steps of decodes alone, by the path they took: "fused" (one call through every
+        # layer, ``run_decode_step``) or "modules" (the model's layers one by one).
+        self.decode_steps = {"fused": 0, "modules": 0}
 
     def prepare_metadata(self, chunks: list[SequenceChunk], num_decodes: int) -> AttentionMetadata:
         """``chunks`` in batch order; the first ``num_decodes`` are decodes (count 1, start > 0)."""
@@ -72,6 +79,25 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         raise NotImplementedError
+
+    def decode_step(self, structure: "DecoderStructure", embeds: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor | None:
+        """A step of decodes alone through every layer of ``structure`` (a model's decoder,
+        described as data: ``layers/decoder_structure.py``) in one call, returning the final
+        norm's output, or None: then the model runs its modules, each layer calling
+        ``forward``. ``cos`` / ``sin`` [rows, head_dim] are the model's rotary tables for the
+        step's positions. Steps with prefill rows are None (and not counted)."""
+        if meta.num_decodes != embeds.shape[0]:
+            return None
+        stepped = self.run_decode_step(structure, embeds, cos, sin, meta, kv_caches)
+        self.decode_steps["modules" if stepped is None else "fused"] += 1
+        return stepped
+
+    def run_decode_step(self, structure: "DecoderStructure", embeds: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor | None:
+        """``decode_step`` for a step of decodes alone: a backend with a fused kernel for the
+        structure overrides this; this base has none."""
+        return None
 
     def prepare_output_rows(self, used: list[tuple[int, SequenceChunk]], num_rows: int) -> OutputRows | None:
         """``used``: (row, its chunk) for each row whose output is used, the row being its

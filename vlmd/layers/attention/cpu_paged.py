@@ -50,6 +50,7 @@ from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, S
 from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes, shared_groups
 from vlmd.layers.attention.segments import ContextSegments, context_segments
 from vlmd.layers.cpu import paged_decode as native_decode
+from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.layers.cpu import paged_prefill as native_prefill
 from vlmd.layers.cpu.paged_decode import DecodeTables
 
@@ -208,6 +209,7 @@ class CPUPagedBackend(AttentionBackend):
             raise ValueError(f"attention kernels {kernels!r} is not one of {', '.join(ATTENTION_KERNEL_MODES)}")
         self.native_decode = kernels == "auto" and native_decode.available()
         self.native_prefill = kernels == "auto" and native_prefill.available()
+        self.fused_steps = FusedDecodeSteps()
 
     def prepare_metadata(self, chunks: list[SequenceChunk], num_decodes: int) -> CPUPagedMetadata:
         for chunk in chunks[:num_decodes]:
@@ -231,10 +233,17 @@ class CPUPagedBackend(AttentionBackend):
         )
 
     def decodes_natively(self, meta: CPUPagedMetadata, k_cache: torch.Tensor, heads: int) -> bool:
-        """Whether ``forward`` takes the native kernel for this step's decodes (the caller
-        that runs the kernel itself, ``layers/cpu/decoder_step.py``, asks the same)."""
+        """Whether ``forward`` takes the native kernel for this step's decodes (and so
+        whether ``decode_step`` may run the step natively)."""
         return bool(meta.num_decodes and self.native_decode and native_decode.supports(k_cache, heads)
                     and meta.longest_shared_tokens < NATIVE_SHARED_TOKENS)
+
+    def run_decode_step(self, structure, embeds, cos, sin, meta: CPUPagedMetadata, kv_caches) -> torch.Tensor | None:
+        """Every layer in one native call (``layers/cpu/fused_step.py``) where this
+        backend's own kernel would serve the step's attention; else None."""
+        if not self.decodes_natively(meta, kv_caches[0][0], structure.heads):
+            return None
+        return self.fused_steps.run(structure, embeds, cos, sin, meta.slot_mapping, meta.decode_tables, kv_caches)
 
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)

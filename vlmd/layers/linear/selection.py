@@ -13,6 +13,7 @@ import functools
 import statistics
 import time
 
+import structlog
 import torch
 from torch import nn
 
@@ -30,9 +31,13 @@ from vlmd.layers.linear.kernels import (
     pack_weight,
     packing_available,
 )
-from vlmd.layers.linear.layers import LinearBase
+from vlmd.layers.cpu import fused_step
 from vlmd.layers.cpu import packed_linear as native_linear
 from vlmd.layers.cpu.packed_linear import PackedPanels
+from vlmd.layers.decoder_structure import DecoderStructure
+from vlmd.layers.linear.layers import LinearBase
+
+log = structlog.get_logger(__name__)
 
 _DECISIONS: dict[tuple, tuple[KernelChoice, ...]] = {}
 
@@ -71,6 +76,7 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     report["streamed"] = streamed
     # Products a native decode step would run (see choose_small_products). Only where the
     # weights fit in the cache: streamed from memory, a product outlasts its Python by far.
+    attention_runs_natively = native_steps
     native_steps = native_steps and mode == "auto" and not streamed and native_linear.available()
     step_ids = _native_step_products(model) if native_steps else set()
     for layer in layers:
@@ -117,6 +123,7 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         step = [layer for layer in selected if id(layer) in step_ids]
         report.update(choose_small_products(selected, budget_s=remaining, step_layers=step))
     report["seconds"] = round(time.perf_counter() - started, 3)
+    _log_decode_paths(model, attention_runs_natively)
     return report
 
 
@@ -147,8 +154,8 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
     - At M = 1 also: oneDNN's product of fewer rows computed on 4 or 6 rows
       (``kernels.padded_rows``), kept where it beats no padding by ``PAD_MARGIN``; it
       applies to every layer left on oneDNN.
-    - ``step_layers``: the products a model's native decode step runs (its
-      ``native_step_products``), every one with verified panels. That step runs them from
+    - ``step_layers``: the products a fused decode step of the model's decoder runs
+      (``layers/cpu/fused_step.py``), every one with verified panels. That step runs them from
       C, so vlmd's kernel is also timed the way it runs them there (``bind``, default
       ``packed_linear.bound_product``: one ctypes call each, no Python around it), the
       other layers as above; where that beats the rest by ``NATIVE_MARGIN`` every layer
@@ -270,15 +277,40 @@ def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.
     return tuple(chosen)
 
 
-def _native_step_products(model: nn.Module) -> set[int]:
-    """Ids of the products that the model's native decode steps run (every module that
-    offers ``native_step_products``: a family's decoder)."""
-    found: set[int] = set()
+def _decoder_structures(model: nn.Module) -> list[DecoderStructure]:
+    """The decoders ``model`` describes as data (a family's language model does)."""
+    found = []
     for module in model.modules():
-        offer = getattr(module, "native_step_products", None)
-        if callable(offer):
-            found.update(id(layer) for layer in offer())
+        structure = getattr(module, "decoder_structure", None)
+        if isinstance(structure, DecoderStructure):
+            found.append(structure)
     return found
+
+
+def _native_step_products(model: nn.Module) -> set[int]:
+    """Ids of the products that a fused decode step of the model's decoders runs
+    (``layers/cpu/fused_step.py``)."""
+    return {id(layer) for structure in _decoder_structures(model) for layer in fused_step.products(structure)}
+
+
+def _log_decode_paths(model: nn.Module, attention_runs_natively: bool) -> None:
+    """One line per decoder: at which batch sizes its decode steps take one fused native
+    call (every product's kernel there is vlmd's, on float32 panels), and if at none, why.
+    ``vlmd_decode_steps{path}`` on /metrics then counts the steps that did."""
+    for structure in _decoder_structures(model):
+        reason = fused_step.unsupported(structure)
+        buckets = []
+        for largest, rows in M_BUCKETS[:-1]:
+            if all(p.kernel is not None and p.kernel.native_panels(rows) is not None for p in structure.products()):
+                buckets.append(f"M<={largest}")
+        if reason is None and not attention_runs_natively:
+            reason = "torch attention (--attention-kernels torch)"
+        if reason is None and not buckets:
+            reason = "no batch size has every product on vlmd's kernel (timed slower, or not float32 panels)"
+        if reason is None:
+            log.info("decode steps", path="fused", layers=len(structure.layers), batch_sizes=buckets)
+        else:
+            log.info("decode steps", path="modules", layers=len(structure.layers), reason=reason)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

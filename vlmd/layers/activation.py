@@ -1,0 +1,28 @@
+"""Gated activations: ``act(gate) * up`` over a fused [gate | up] product's rows.
+
+Float32 CPU rows with SiLU take the CPU room's kernel (``layers/cpu/elementwise.c``: one
+pass, no [T, 2I] temporaries); anything else torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vlmd.layers.cpu import elementwise
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def check_activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not one of {', '.join(ACTIVATIONS)}")
+    return name
+
+
+def gated_activation(gate_up: torch.Tensor, width: int, name: str) -> torch.Tensor:
+    """``act(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor."""
+    if name == "silu" and elementwise.serves(gate_up):
+        return elementwise.silu_mul(gate_up, width)
+    gate, up = gate_up[..., :2 * width].split(width, dim=-1)
+    return ACTIVATIONS[name](gate) * up

@@ -1,0 +1,60 @@
+"""A decoder's layer structure as data: what a backend needs to run a whole decode step itself.
+
+A model describes its decoder once (``LlamaForCausalLM.decoder_structure``) and hands the
+description to the step's attention backend (``AttentionBackend.decode_step``); a backend
+with a fused kernel for that structure runs every layer in one call (the CPU room:
+``layers/cpu/fused_step.py``), any other returns None and the model's modules run. So the
+model never imports a kernel, and a new family's layer either matches a structure a
+backend runs or says what differs (the fields below), instead of silently falling off a
+fast path it was never taught.
+
+The layers' modules are referenced, not copied: a backend reads their weights and
+kernels when it builds its step, after the linear selection has chosen them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class PreNormLayer:
+    """Llama's layer: h = x + o(attend(rotary(qkv(norm(x))))); out = h + down(act(gate) * up),
+    with [gate, up] = gate_up(post_norm(h)). q/k/v and gate/up are fused products."""
+
+    input_norm: nn.Module  # RMSNorm
+    qkv: nn.Module  # LinearBase: [q | k | v] columns
+    o: nn.Module
+    post_norm: nn.Module  # RMSNorm
+    gate_up: nn.Module  # LinearBase: [gate | up] columns
+    down: nn.Module
+
+    def products(self) -> tuple[nn.Module, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+@dataclass(frozen=True)
+class DecoderStructure:
+    """Every layer of a pre-norm decoder, then its final RMSNorm. ``heads`` and
+    ``kv_heads`` are this rank's; attention is causal over the paged cache, rotate-half
+    rotary on q and k. The fields after ``tensor_parallel`` name what a family's layer
+    adds to Llama's, so a backend that does not run them can say so."""
+
+    layers: tuple[PreNormLayer, ...]
+    final_norm: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # this rank's columns of gate (and of up)
+    scale: float
+    eps: float  # every RMSNorm's
+    activation: str  # of the gate: "silu", "gelu", "gelu_pytorch_tanh"
+    tensor_parallel: int = 1  # ranks the products are split over
+    query_key_norm: bool = False  # an RMSNorm of q and of k before rotary (Qwen3, Gemma 3)
+    sliding_window: int | None = None  # tokens a layer attends back (Gemma 3's local layers)
+
+    def products(self) -> list[nn.Module]:
+        """Every layer's products in the order a step runs them."""
+        return [product for layer in self.layers for product in layer.products()]
