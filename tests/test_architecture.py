@@ -166,6 +166,18 @@ def test_family_rules_catch_a_sibling_import():
     assert any(name.split(".")[0].startswith("vlmd_") and name.split(".")[0] != "vlmd_llava" for name in names)
 
 
+def test_the_cache_directory_is_resolved_in_one_place():
+    """vlmd/config.py:cache_dir is the one reader of the cache directory's variable; the server,
+    the tests and the benches ask it, so they cannot disagree on where the built models are."""
+    from vlmd.config import CACHE_DIR_ENV, cache_dir
+
+    named_by = [str(path.relative_to(REPO)) for directory in (VLMD, PLUGINS, TESTS, REPO / "contrib")
+                for path in source_files(directory) if CACHE_DIR_ENV in path.read_text(encoding="utf-8")]
+    assert named_by == ["vlmd/config.py"]
+    assert cache_dir({CACHE_DIR_ENV: "/srv/vlmd-cache"}) == Path("/srv/vlmd-cache")
+    assert cache_dir({}) == cache_dir({CACHE_DIR_ENV: ""}) == Path.home() / ".cache" / "vlmd"
+
+
 # ---- hooks ------------------------------------------------------------------------------
 
 

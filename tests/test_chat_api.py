@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from conftest import Server, free_port, image_message, random_image
+from vlmd.config import CACHE_DIR_ENV, cache_dir
 
 
 def _stream_events(server: Server, body: dict) -> list[dict]:
@@ -131,7 +132,7 @@ def test_api_key_guards_every_route_but_health(tiny_llava_dir, tmp_path):
 
 def test_serve_without_a_model_builds_and_serves_the_embedded_default(tmp_path):
     port = free_port()
-    env = {**os.environ, "VLMD_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, CACHE_DIR_ENV: str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / "serve.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "vlmd", "serve", "--port", str(port)], env=env,
                                stdout=log, stderr=subprocess.STDOUT)
@@ -147,7 +148,7 @@ def test_serve_without_a_model_builds_and_serves_the_embedded_default(tmp_path):
                 assert time.monotonic() < deadline, "the default server did not start"
                 time.sleep(0.3)
         assert models["data"][0]["id"] == "vlmd-tiny-llava"
-        assert (tmp_path / "cache" / "models" / "tiny-llava-seed0" / "config.json").exists()
+        assert (cache_dir(env) / "models" / "tiny-llava-seed0" / "config.json").exists()
     finally:
         process.terminate()
         process.wait(15)

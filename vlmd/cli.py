@@ -30,7 +30,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import structlog  # noqa: E402
 
 from vlmd.cli_flags import add_serve_flags, config_from_flags, refused_flag
-from vlmd.config import ServeConfig
+from vlmd.config import ServeConfig, cache_dir
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +101,7 @@ def default_model_dir() -> Path:
     """The embedded default: a tiny LLaVA built once into the cache directory."""
     from vlmd.testing.tiny import build_tiny
 
-    cache = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd"))
+    cache = cache_dir()
     target = cache / "models" / "tiny-llava-seed0"
     if not (target / "config.json").exists():
         log.info("building the embedded default model (a tiny random LLaVA) once", path=str(target))

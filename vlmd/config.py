@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
 
 from vlmd.errors import BadRequestError
 from vlmd.layers.cpu import variants as cpu_kernel_variants
@@ -25,6 +27,17 @@ def setting(default, help: str, *, parse=None, metavar: str | None = None, choic
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+CACHE_DIR_ENV = "VLMD_CACHE_DIR"
+
+
+def cache_dir(environ=os.environ) -> Path:
+    """Where vlmd keeps what it builds once (the embedded default model, bench checkpoints):
+    ``$VLMD_CACHE_DIR``, else ``~/.cache/vlmd``. The only reader of the variable, so a server,
+    its tests and the benches agree on the place; ``environ`` lets a test ask about a child's."""
+    configured = environ.get(CACHE_DIR_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "vlmd"
 
 
 def setting_default(spec: Field):
@@ -192,8 +205,6 @@ def parse_device(text: str) -> str:
 
 def resolve_chat_template(value: str) -> str:
     """``--chat-template``: a file's text, or the argument itself when it is a template."""
-    import os
-
     import jinja2
 
     if os.path.isfile(value):

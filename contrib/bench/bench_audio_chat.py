@@ -15,10 +15,8 @@ import argparse
 import asyncio
 import base64
 import io
-import os
 import statistics
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -83,9 +81,10 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
+        from vlmd.config import cache_dir
         from vlmd.testing.tiny import build_tiny
 
-        cache = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd")) / "bench"
+        cache = cache_dir() / "bench"
         target = cache / f"qwen2_audio-{args.size}-seed0"
         if not (target / "config.json").exists():
             build_tiny("qwen2_audio", target, seed=0, size=args.size)

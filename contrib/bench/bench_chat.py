@@ -141,9 +141,10 @@ def main() -> None:
     if url is None:
         model_dir = args.model_dir
         if model_dir is None:
+            from vlmd.config import cache_dir
             from vlmd.testing.tiny import build_tiny
 
-            cache = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd")) / "bench"
+            cache = cache_dir() / "bench"
             target = cache / f"llava-{args.size}-seed0"
             if not (target / "config.json").exists():
                 build_tiny("llava", target, seed=0, size=args.size)

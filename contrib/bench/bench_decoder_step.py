@@ -20,8 +20,10 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as `vlmd serve` sets it
 
 
 def main() -> None:
+    from vlmd.config import cache_dir
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", default=str(Path.home() / ".cache/vlmd/bench/llava-small-seed0"))
+    parser.add_argument("--model-dir", default=str(cache_dir() / "bench" / "llava-small-seed0"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=610)
     parser.add_argument("--output-tokens", type=int, default=48)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -77,9 +76,10 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model_dir
     if model_dir is None:
+        from vlmd.config import cache_dir
         from vlmd.testing.tiny import build_tiny
 
-        target = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd")) / "bench" / f"llava-{args.size}-seed0"
+        target = cache_dir() / "bench" / f"llava-{args.size}-seed0"
         if not (target / "config.json").exists():
             build_tiny("llava", target, seed=0, size=args.size)
         model_dir = str(target)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -148,9 +147,10 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
+        from vlmd.config import cache_dir
         from vlmd.testing.tiny import build_tiny
 
-        model_dir = Path(os.environ.get("VLMD_CACHE_DIR", Path.home() / ".cache" / "vlmd")) / "bench" / f"llava-{args.size}-seed0"
+        model_dir = cache_dir() / "bench" / f"llava-{args.size}-seed0"
         if not (model_dir / "config.json").exists():
             build_tiny("llava", model_dir, seed=0, size=args.size)
     config = AutoConfig.from_pretrained(str(model_dir))
