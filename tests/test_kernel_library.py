@@ -116,3 +116,48 @@ def test_the_variant_is_forced_from_the_environment_and_a_bad_one_is_refused():
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                               env={**os.environ, library.ENV: unrunnable[0]})
         assert done.returncode != 0 and "cannot run" in done.stderr
+
+
+RUNNABLE_BUILT = [v.name for v in variants.runnable(HOST_FLAGS) if v.name in BUILT]
+
+
+@pytest.mark.skipif(len(RUNNABLE_BUILT) < 2, reason="this CPU runs only one built kernel variant")
+def test_a_lower_variant_forced_serves_the_oracle_s_tokens(tiny_llava_dir, tmp_path):
+    # The AVX2 library on an AVX-512 host (here: the next level down from the best), with
+    # every small product on vlmd's kernel: transformers' greedy tokens, two requests at once.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import Server, image_message, random_image
+    from oracle import assert_greedy_match, hf_llava_generate
+
+    forced = "x86-64-v3" if "x86-64-v3" in RUNNABLE_BUILT[1:] else RUNNABLE_BUILT[1]
+    server = Server(tiny_llava_dir, "--cpu-kernels", forced, "--linear-kernels", "native", log_dir=tmp_path)
+    try:
+        images = [random_image(131), random_image(132)]
+
+        def ask(image):
+            status, body = server.chat({"messages": image_message("What is this?", image), "max_tokens": 10,
+                                        "temperature": 0, "return_token_ids": True})
+            assert status == 200, body
+            return body
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, images))
+        assert f'"variant": "{forced}"' in server.log_path.read_text()
+        for image, answer in zip(images, answers):
+            reference = hf_llava_generate(tiny_llava_dir, [{"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": "What is this?"}]}], [image], 10)
+            assert answer["prompt_token_ids"] == reference["prompt_token_ids"]
+            assert_greedy_match(answer["choices"][0]["token_ids"], reference)
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_a_variant_this_cpu_cannot_run(tiny_llava_dir):
+    unrunnable = [v.name for v in variants.for_machine() if v.name not in RUNNABLE_BUILT]
+    if not unrunnable:
+        pytest.skip("this CPU runs every variant built for its machine")
+    done = subprocess.run([sys.executable, "-m", "vlmd", "serve", str(tiny_llava_dir), "--port", "1",
+                           "--cpu-kernels", unrunnable[0]], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"vlmd serve: --cpu-kernels {unrunnable[0]}: this CPU cannot run it" in done.stderr, done.stderr

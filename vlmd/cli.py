@@ -206,7 +206,10 @@ def _serve_command(args: argparse.Namespace) -> None:
     from vlmd.layers.cpu import library
 
     os.environ[library.ENV] = config.cpu_kernels  # for this process and the tensor-parallel ranks it starts
-    library.load()  # a variant this CPU cannot run, or one not built, is refused here
+    try:
+        library.load()  # a variant this CPU cannot run, or one not built, is refused here
+    except library.VariantError as exc:
+        raise ValueError(f"--cpu-kernels {exc.requested}: {exc.reason}") from None
     if args.model is not None:
         check_model_dir(args.model)
     if config.node_rank > 0:  # ranks only, no HTTP: MODEL_DIR must be the same checkpoint as node 0's

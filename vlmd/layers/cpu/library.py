@@ -105,6 +105,14 @@ def built_variants(directory: Path = _HERE) -> dict[str, Path]:
     return found
 
 
+class VariantError(ValueError):
+    """A variant asked for that cannot be loaded here; ``reason`` says why."""
+
+    def __init__(self, requested: str, reason: str):
+        super().__init__(f"{ENV}={requested}: {reason}")
+        self.requested, self.reason = requested, reason
+
+
 def choose(requested: str, built: dict[str, Path], flags: frozenset[str]) -> str | None:
     """The variant to load: ``requested`` if not "auto" (it must be built and runnable
     here), else the best built one the CPU runs; None if there is none."""
@@ -112,11 +120,11 @@ def choose(requested: str, built: dict[str, Path], flags: frozenset[str]) -> str
     if requested == "auto":
         return next((name for name in runnable if name in built), None)
     if requested not in variants.NAMES:
-        raise ValueError(f"{ENV}={requested!r}: not a kernel variant ({', '.join(('auto',) + variants.NAMES)})")
+        raise VariantError(requested, f"not a kernel variant ({', '.join(('auto',) + variants.NAMES)})")
     if requested not in runnable:
-        raise ValueError(f"{ENV}={requested}: this CPU cannot run it (runs {', '.join(runnable) or 'none'})")
+        raise VariantError(requested, f"this CPU cannot run it (it runs {', '.join(runnable) or 'none'})")
     if requested not in built:
-        raise ValueError(f"{ENV}={requested}: not built in this install (built: {', '.join(built) or 'none'})")
+        raise VariantError(requested, f"not built in this install (built: {', '.join(built) or 'none'})")
     return requested
 
 
