@@ -14,8 +14,9 @@ except command lines, below):
 - **symbols** must be defined in a .py, .c or .h file of the repository (``def NAME``,
   ``class NAME``, ``NAME =`` or ``NAME: type``, ``self.NAME =``; a C function, struct,
   struct field, typedef or ``#define``): a CamelCase name, a call ``name(...)``,
-  ``Class.attr`` (both), ``module.attr`` where ``module.py`` exists (``attr`` in that
-  file), ``vlmd.a.b`` (a module, or an attribute of one). Plain ``snake_case`` and
+  ``Class.attr`` (``attr`` in the file that defines ``Class``: a method a class only
+  inherits is named on the class that defines it), ``module.attr`` where ``module.py``
+  exists (``attr`` in that file), ``vlmd.a.b`` (a module, or an attribute of one). Plain ``snake_case`` and
   ``UPPER_CASE`` names (often request fields, config keys or environment variables) need
   only occur as a word somewhere in that code.
 - **flags**: every ``--flag`` must be one of ``vlmd``'s (serve's are generated from
@@ -130,6 +131,13 @@ def defined_in(path: Path) -> frozenset[str]:
         for match in pattern.finditer(text):
             names.update(part.strip() for part in match.group(1).split(","))
     return frozenset(names)
+
+
+@lru_cache(maxsize=None)
+def classes_in(path: Path) -> frozenset[str]:
+    """The classes (C: structs) ``path`` defines."""
+    pattern = PY_DEFS[1] if path.suffix == ".py" else C_DEFS[1]
+    return frozenset(pattern.findall(path.read_text(errors="replace")))
 
 
 @lru_cache(maxsize=None)
@@ -273,8 +281,13 @@ def check_symbol(name: str, call: bool = False) -> str | None:
             return None
         if parts[0] == "vlmd" or parts[0].startswith("vlmd_"):
             return check_module_path(parts)
-        if CAMEL.match(parts[0]):  # Class.attr: both defined
-            missing = [p for p in parts if p not in all_definitions()]
+        if CAMEL.match(parts[0]):  # Class.attr: attr defined in the file that defines Class
+            homes = [p for p in code_files() if parts[0] in classes_in(p)]
+            if not homes:
+                return f"{parts[0]} not defined" if parts[0] not in all_definitions() else None
+            if not any(parts[1] in defined_in(p) for p in homes):
+                return f"{parts[1]} not defined beside class {parts[0]}"
+            missing = [p for p in parts[2:] if p not in all_definitions()]
             return f"{', '.join(missing)} not defined" if missing else None
         modules = [p for p in code_files() if p.stem == parts[0]]
         if modules:
@@ -437,6 +450,7 @@ def test_checker_finds_made_up_names():
         ("`select_linear_kernels()`", "`select_linear_kernelz()`"),
         ("`native_buckets`", "`no_such_bucketz`"),
         ("`CPUPagedBackend.prepare_metadata`", "`CPUPagedBackend.no_such_method`"),
+        ("`AttentionBackend.decode_step`", "`CPUPagedBackend.decode_step`"),  # inherited, not defined there
         ("`selection.py:select_linear_kernels`", "`selection.py:no_such_function`"),
         ("`registry.py:attention_backend_for(\"cpu\", block_size)`", "`registry.py:no_backend_for(\"cpu\", 16)`"),
         ("`sampler.sample`", "`sampler.no_such_sample`"),
