@@ -35,6 +35,10 @@ def _chat(server, **extra):
         ({"reasoning_effort": "high"}, ("reasoning_effort",)),
         ({"echo": True}, ("echo", "/v1/completions")),
         ({"include_stop_str_in_output": True}, ("include_stop_str_in_output",)),
+        ({"no_stop_trim": True}, ("no_stop_trim", "always cut")),
+        ({"continue_final_message": True}, ("continue_final_message", "new assistant turn")),
+        ({"return_hidden_states": True}, ("return_hidden_states", "hidden states")),
+        ({"include_reasoning": "yes"}, ("include_reasoning",)),
         ({"store": True}, ("store",)),
         ({"service_tier": "flex"}, ("service_tier",)),
         ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, ("continuous_usage_stats",)),
@@ -67,6 +71,23 @@ def test_no_effect_fields_are_accepted(llava_server):
     )
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+def test_the_fields_a_router_adds_are_accepted_at_their_no_op_values(llava_server):
+    # What vllm-router 0.1.17 adds to every chat body it forwards (captured from its traffic
+    # in an earlier session; issue 33): vlmd must answer as it would without them.
+    router_fields = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                     "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+                     "return_hidden_states": False, "include_reasoning": True}
+    base = {"temperature": 0, "max_tokens": 4}
+    _, plain = _chat(llava_server, **base)
+    for stream in (False, True):
+        status, body = llava_server.request(
+            "POST", "/v1/chat/completions",
+            orjson.dumps({"model": llava_server.model, "messages": TEXT, **base, **router_fields, "stream": stream}))
+        assert status == 200, body
+        if not stream:
+            assert orjson.loads(body)["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
 
 
 def test_logit_bias_token_outside_the_vocabulary(llava_server, tiny_llava_dir):

@@ -27,6 +27,19 @@ NO_EFFECT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "prompt_cache_key": lambda value: value is None or isinstance(value, str),
     "store": lambda value: value in (None, False),
     "service_tier": lambda value: value in (None, "auto", "default"),
+    # vLLM's and SGLang's extensions at the values that leave the answer as vlmd gives it:
+    # routers add them to every body they forward (vllm-router 0.1.17 sends
+    # no_stop_trim, separate_reasoning, stream_reasoning, include_reasoning,
+    # return_hidden_states and continue_final_message, besides fields vlmd reads), so a
+    # router in front of vlmd works. A value that would change the answer stays a 400.
+    "no_stop_trim": lambda value: value in (None, False),  # stop strings are always cut
+    "continue_final_message": lambda value: value in (None, False),  # a new assistant turn
+    "return_hidden_states": lambda value: value in (None, False),
+    # Reasoning output: the served families have no reasoning mode, so any boolean is the
+    # same answer. (A family with one must read these fields instead.)
+    "separate_reasoning": lambda value: value is None or isinstance(value, bool),
+    "stream_reasoning": lambda value: value is None or isinstance(value, bool),
+    "include_reasoning": lambda value: value is None or isinstance(value, bool),
 }
 
 # Fields we know and refuse, with the reason a user needs.
@@ -50,6 +63,9 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "best_of": "best_of is a text-completions field (/v1/completions)",
     "echo": "echo is a text-completions field (/v1/completions)",
     "include_stop_str_in_output": "stop strings are always cut from the output",
+    "no_stop_trim": "stop strings are always cut from the output",
+    "continue_final_message": "a request always starts a new assistant turn (add_generation_prompt)",
+    "return_hidden_states": "responses carry tokens and text, not hidden states",
     "chat_template": "the checkpoint's own chat template is always used",
     "chunking_strategy": "audio is always cut into windows of at most 30 s at quiet points",
     "known_speaker_names": "no speaker diarization",
@@ -110,7 +126,7 @@ class RequestFields:
             if check is not None:
                 if check(value):
                     continue
-                raise BadRequestError(f"'{name}' with value {value!r} is not supported", param=name)
+                raise BadRequestError(_reason(name, f"'{name}' with value {value!r} is not supported"), param=name)
             raise BadRequestError(unsupported_field_message(name), param=name)
 
 
