@@ -126,7 +126,7 @@ def test_the_backend_decodes_through_the_kernel_and_torch_mode_does_not(monkeypa
 @needs_kernel
 def test_one_openmp_runtime_is_mapped_after_loading(each_kernel_variant):
     # The kernel's libgomp.so.1 must resolve to torch's: a second runtime would start a
-    # second team of threads (docs/architecture.md, "One OpenMP team per process").
+    # second team of threads (docs/decisions.md D10, "One OpenMP team per process").
     code = (
         "import torch\n"
         "from vlmd.layers.cpu import paged_decode as n\n"

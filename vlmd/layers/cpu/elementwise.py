@@ -18,7 +18,7 @@ _NAMES = ("vlmd_add_rms_norm", "vlmd_rotary", "vlmd_silu_mul")  # signatures: ke
 def _kernel() -> dict | None:
     # Holding the GIL: a call takes microseconds, less than waiting to take the GIL back
     # from the event loop's thread (c8, one image repeated, servers alternated five times:
-    # 10.9 against 10.4 req/s, medians; docs/architecture.md).
+    # 10.9 against 10.4 req/s, medians; docs/decisions.md D51).
     return load_functions(_NAMES, hold_gil=True)
 
 

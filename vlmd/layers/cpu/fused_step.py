@@ -1,7 +1,7 @@
 """A decode step through every layer of a ``DecoderStructure`` in one native call.
 
 The CPU attention backend (``layers/attention/cpu_paged.py``) hands a step of decodes
-here (``CPUPagedBackend.decode_step``) when its own kernel would serve that step's
+here (``CPUPagedBackend.run_decode_step``) when its own kernel would serve that step's
 attention; this runs ``decoder_step.c`` over the structure's layers, the same kernels in
 the same order as the modules would call them, so the result is the module path's bit
 for bit. It returns None wherever it cannot, and the model's modules run: a structure it

@@ -17,7 +17,7 @@ table lacks is an error at load, not a misread argument at run time.
 
 OpenMP: the library is linked with ``-fopenmp`` and loaded after torch, so its
 ``libgomp.so.1`` resolves to the runtime torch already holds (same soname): one runtime,
-and a calling thread reuses its own team (docs/architecture.md, "One OpenMP team per
+and a calling thread reuses its own team (docs/decisions.md D10, "One OpenMP team per
 process"). ``tests/test_native_kernels.py`` checks that one libgomp is mapped.
 """
 
