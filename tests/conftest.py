@@ -67,18 +67,25 @@ class Server:
     """A real ``vlmd serve`` subprocess, talked to over HTTP."""
 
     def __init__(self, model_dir: Path, *flags: str, name: str = "tiny", log_dir: Path | None = None,
-                 kv_cache_gb: str | None = "0.25"):
+                 kv_cache_gb: str | None = "0.25", faults: dict | None = None):
+        """``faults``: the settings of the test-only fault injection (vlmd/testing/faults.py);
+        the server then runs under the launcher that installs it, its ranks too."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = name
         log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
         self.log_path = log_dir / f"vlmd-{self.port}.log"
+        launcher = ("-m", "vlmd") if faults is None else ("-m", "vlmd.testing.run_with_faults", "vlmd")
         command = [
-            sys.executable, "-m", "vlmd", "serve", str(model_dir), "--port", str(self.port),
+            sys.executable, *launcher, "serve", str(model_dir), "--port", str(self.port),
             "--served-model-name", name, *server_device_flags(),
             *(("--kv-cache-gb", kv_cache_gb) if kv_cache_gb is not None else ()), *flags,
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        if faults is not None:
+            from vlmd.testing.faults import ENV as FAULTS_ENV
+
+            env[FAULTS_ENV] = orjson.dumps(faults).decode()
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()

@@ -166,6 +166,20 @@ def test_family_rules_catch_a_sibling_import():
     assert any(name.split(".")[0].startswith("vlmd_") and name.split(".")[0] != "vlmd_llava" for name in names)
 
 
+def test_production_code_never_uses_vlmd_testing():
+    """vlmd.testing holds test support (fault injection, soak clients); a server that imported
+    it, or a docstring that sent a reader there for production behaviour, would make it part
+    of vlmd. Checked on imports and on the text, docstrings included, of vlmd/ and plugins/."""
+    testing = VLMD / "testing"
+    production = [path for path in source_files(VLMD) if not path.is_relative_to(testing)]
+    assert violations(production, REPO, lambda name: within(name, "vlmd.testing")) == []
+    for package, (directory, root) in family_packages().items():
+        assert violations(source_files(directory), root, lambda name: within(name, "vlmd.testing")) == [], package
+    mentions = [str(path.relative_to(REPO)) for path in production + source_files(PLUGINS)
+                for word in ("vlmd.testing", "vlmd/testing") if word in path.read_text(encoding="utf-8")]
+    assert mentions == []
+
+
 def test_the_cache_directory_is_resolved_in_one_place():
     """vlmd/config.py:cache_dir is the one reader of the cache directory's variable; the server,
     the tests and the benches ask it, so they cannot disagree on where the built models are."""

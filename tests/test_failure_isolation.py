@@ -1,7 +1,7 @@
 """A step that raises fails only the request that made it raise (engine level, in process).
 
-The fault-injection hook (vlmd.testing.faults, on only when VLMD_FAULT_INJECTION is set)
-makes the image encoder raise for a solid-colour image and the decoder forward raise, after
+The fault-injection hook (vlmd.testing.faults, installed here on the models the engine
+loads, on only when VLMD_FAULT_INJECTION is set) makes the image encoder raise for a solid-colour image and the decoder forward raise, after
 writing K/V, for a batch holding the ``<pad>`` token. Both are mixed into a batch of good
 requests with chunked prefill (token budget 256 < one image's 576 placeholders) and
 preemption (64 KV blocks for three ~600-token image requests) active. The good requests
@@ -26,15 +26,17 @@ FAULTS = json.dumps({"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 40
 
 
 def build(model_dir, monkeypatch, faults: bool):
-    from vlmd.engine.builder import build_engine
+    from vlmd.engine import builder
+    from vlmd.testing.faults import loading_with_faults
 
+    monkeypatch.setattr(builder, "load_model", loading_with_faults(builder.load_model))
     if faults:
         monkeypatch.setenv(ENV, FAULTS)
     else:
         monkeypatch.delenv(ENV, raising=False)
     config = ServeConfig(model=str(model_dir), max_model_len=1024, max_num_batched_tokens=256, num_kv_blocks=64,
                          mm_processor_cache_gb=0)
-    return build_engine(config)
+    return builder.build_engine(config)
 
 
 def image_request(built, request_id: str, image, text: str, max_tokens: int = 12) -> EngineRequest:

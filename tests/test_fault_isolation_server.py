@@ -1,7 +1,7 @@
 """A poisoned request fails alone, over HTTP, and a bounded fault-and-load soak.
 
-The server runs with the test-only fault injection (VLMD_FAULT_INJECTION, see
-vlmd.testing.faults): the image encoder raises for a solid-grey-13 image and the decoder
+The server runs with the test-only fault injection (vlmd/testing/faults.py, installed by
+the launcher conftest.Server starts it with): the image encoder raises for a solid-grey-13 image and the decoder
 forward raises, after writing K/V, for a batch holding ``<pad>``. Chunked prefill (256
 tokens per step, an image is 576) and preemption (64 KV blocks, an image request needs ~38)
 are active. Good answers must equal transformers' greedy tokens.
@@ -10,7 +10,6 @@ are active. Good answers must equal transformers' greedy tokens.
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -19,9 +18,9 @@ from PIL import Image
 import oracle
 from conftest import Server, image_message, random_image
 from test_bad_input import assert_error
-from vlmd.testing.faults import ENV
 from vlmd.testing.soak import POISON_PIXEL, POISON_TEXT, run_soak
 
+FAULTS = {"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 4095}  # 4095 = <pad>
 FLAGS = ("--max-model-len", "1024", "--max-num-batched-tokens", "256", "--num-kv-blocks", "64",
          "--mm-processor-cache-gb", "0.05", "--max-request-bytes", str(8 * 2**20))
 MAX_TOKENS = 10
@@ -29,15 +28,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def faulty_server(tiny_llava_dir, tmp_path_factory):
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = json.dumps({"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 4095})
-    try:
-        server = Server(tiny_llava_dir, *FLAGS, log_dir=tmp_path_factory.mktemp("logs"))
-    finally:
-        if saved is None:
-            os.environ.pop(ENV)
-        else:
-            os.environ[ENV] = saved
+    server = Server(tiny_llava_dir, *FLAGS, faults=FAULTS, log_dir=tmp_path_factory.mktemp("logs"))
     yield server
     server.stop()
 

@@ -286,19 +286,15 @@ def test_health_turns_503_when_a_rank_dies_while_idle(tiny_llava_dir, tmp_path):
         server.stop()
 
 
-def test_a_poisoned_request_fails_alone_under_tp2(tiny_llava_dir, tmp_path, monkeypatch):
+def test_a_poisoned_request_fails_alone_under_tp2(tiny_llava_dir, tmp_path):
     """A step that raises on every rank is re-run over parts of it on every rank (the re-runs
     are messages too), so the culprit fails alone and the ranks stay in step."""
-    from test_fault_isolation_server import FLAGS
+    from test_fault_isolation_server import FAULTS, FLAGS
     from test_fault_isolation_server import (
         test_poisoned_requests_fail_alone_and_good_ones_match_transformers as poisoned_requests_fail_alone,
     )
-    from vlmd.testing.faults import ENV
-    from vlmd.testing.soak import POISON_PIXEL
 
-    monkeypatch.setenv(ENV, orjson.dumps({"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 4095}).decode())
-    server = Server(tiny_llava_dir, *TP2, *FLAGS, log_dir=tmp_path)
-    monkeypatch.delenv(ENV)
+    server = Server(tiny_llava_dir, *TP2, *FLAGS, faults=FAULTS, log_dir=tmp_path)
     try:
         poisoned_requests_fail_alone(server, tiny_llava_dir)
         assert server.request("GET", "/health")[0] == 200

@@ -99,7 +99,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def default_model_dir() -> Path:
     """The embedded default: a tiny LLaVA built once into the cache directory."""
-    from vlmd.testing.tiny import build_tiny
+    from vlmd.tiny import build_tiny
 
     cache = cache_dir()
     target = cache / "models" / "tiny-llava-seed0"

@@ -3,8 +3,8 @@
     python contrib/bench/bench_grammar.py TOKENIZER_DIR [TOKENIZER_DIR ...] [--steps 60]
 
 Each directory holds a Hugging Face tokenizer (e.g. a tiny checkpoint built by
-``python -m vlmd.testing.tiny``, or a large-vocabulary one from
-``vlmd.testing.tokenizer_builder.build_bpe_tokenizer``). For each library and tokenizer:
+``python -m vlmd.tiny``, or a large-vocabulary one from
+``vlmd.tiny.tokenizer_builder.build_bpe_tokenizer``). For each library and tokenizer:
 
 * ``tokenizer setup``: building the library's view of the vocabulary (once per server);
 * ``compile``: one realistic JSON schema (a document-extraction schema with nested objects,

@@ -77,7 +77,7 @@ def main() -> None:
     model_dir = args.model_dir
     if model_dir is None:
         from vlmd.config import cache_dir
-        from vlmd.testing.tiny import build_tiny
+        from vlmd.tiny import build_tiny
 
         target = cache_dir() / "bench" / f"llava-{args.size}-seed0"
         if not (target / "config.json").exists():

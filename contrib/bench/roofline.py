@@ -148,7 +148,7 @@ def main() -> None:
     model_dir = args.model_dir
     if model_dir is None:
         from vlmd.config import cache_dir
-        from vlmd.testing.tiny import build_tiny
+        from vlmd.tiny import build_tiny
 
         model_dir = cache_dir() / "bench" / f"llava-{args.size}-seed0"
         if not (model_dir / "config.json").exists():

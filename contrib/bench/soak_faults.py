@@ -26,7 +26,7 @@ from pathlib import Path
 
 from vlmd.testing.faults import ENV
 from vlmd.testing.soak import POISON_PIXEL, run_soak
-from vlmd.testing.tiny import build_tiny
+from vlmd.tiny import build_tiny
 
 
 def free_port() -> int:
@@ -48,8 +48,10 @@ def main() -> None:
     max_request_bytes = 8 * 2**20
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            ENV: json.dumps({"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 4095})}
-    command = [sys.executable, "-m", "vlmd", "serve", str(model_dir), "--port", str(port), "--served-model-name",
-               "tiny", "--max-model-len", "1024", "--max-num-batched-tokens", "256", "--num-kv-blocks", "64",
+    # The test-only launcher installs the fault-injection hook; vlmd never does.
+    command = [sys.executable, "-m", "vlmd.testing.run_with_faults", "vlmd", "serve", str(model_dir),
+               "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024",
+               "--max-num-batched-tokens", "256", "--num-kv-blocks", "64",
                "--mm-processor-cache-gb", "0.05", "--max-request-bytes", str(max_request_bytes)]
     log = open(work / "server.log", "wb")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -37,7 +37,6 @@ from vlmd.runner.kv_cache import bytes_per_block
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.structured.compiler import GrammarCompiler
-from vlmd.testing.faults import install_from_env as install_fault_injection
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +88,6 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
              native_buckets=kernels.get("native_buckets"), native_step_buckets=kernels.get("native_step_buckets"),
              pad_rows=kernels.get("pad_rows"),
              decode_products_ms=kernels.get("sequence_ms"))
-    install_fault_injection(model)  # a no-op unless a test set VLMD_FAULT_INJECTION (every rank alike)
     return model
 
 

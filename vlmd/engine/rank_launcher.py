@@ -54,6 +54,11 @@ class RankSpec:
         return WorldSpec(**self.world)
 
 
+def rank_command(spec: RankSpec) -> list[str]:
+    """A rank's command line: a fresh interpreter running ``rank_process`` on ``spec``."""
+    return [sys.executable, "-m", "vlmd.engine.rank_process", spec.to_json()]
+
+
 class RankProcesses:
     """This host's rank processes (not rank 0's own)."""
 
@@ -71,8 +76,7 @@ class RankProcesses:
             bind_thread(sorted(mask))
         try:
             for spec in self.specs:
-                command = [sys.executable, "-m", "vlmd.engine.rank_process", spec.to_json()]
-                self.procs.append((spec.rank, subprocess.Popen(command, env=env)))
+                self.procs.append((spec.rank, subprocess.Popen(rank_command(spec), env=env)))
         finally:
             if pinned is not None:
                 bind_thread(sorted(pinned))

@@ -32,7 +32,8 @@ def vlmd_register_tiny_builders(builders):
 
     ``builders[family] = "module:function"``, where the function is
     ``f(out_dir, seed=..., size=...) -> Path`` and writes a checkpoint that transformers
-    loads offline (``python -m vlmd.testing.tiny --family FAMILY`` finds it here).
+    loads offline (``python -m vlmd.tiny --family FAMILY`` finds it here, and ``vlmd serve``
+    without MODEL_DIR builds its default with the ``llava`` one).
     """
 
 

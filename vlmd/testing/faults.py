@@ -1,7 +1,10 @@
 """Fault injection for tests: a model whose encoder or forward raises on a marked input.
 
-Off unless the ``VLMD_FAULT_INJECTION`` environment variable is set (tests set it on the
-server they start; production never does), e.g.
+vlmd never installs it: a test does, on the models ``vlmd.engine.builder.load_model``
+loads, either in its own process (``loading_with_faults``) or in a server it starts as
+``python -m vlmd.testing.run_with_faults vlmd serve ...`` (whose tensor-parallel ranks start
+the same way). Installed, it is still off unless the ``VLMD_FAULT_INJECTION`` environment
+variable is set, e.g.
 ``VLMD_FAULT_INJECTION='{"encoder_pixel_value": 13, "forward_token_id": 4242}'``:
 
 - ``encoder_pixel_value``: the image encoder raises for a batch holding an item whose
@@ -29,6 +32,19 @@ ENV = "VLMD_FAULT_INJECTION"
 
 class InjectedFault(RuntimeError):
     pass
+
+
+def loading_with_faults(load_model):
+    """``load_model`` (``vlmd.engine.builder.load_model``), installing the faults of
+    ``VLMD_FAULT_INJECTION`` on every model it returns: after its kernels are chosen, as the
+    server then runs it."""
+
+    def load_model_with_faults(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        install_from_env(model)
+        return model
+
+    return load_model_with_faults
 
 
 def install_from_env(model) -> None:

@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from vlmd.testing.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import save_model
 
 __all__ = ["SIZES", "build_tiny_llava", "LLAVA_CHAT_TEMPLATE"]
 
@@ -106,7 +106,7 @@ _EXTRA_WORDS = ("USER:", "ASSISTANT:", "USER", "ASSISTANT", "What", "Describe", 
 
 
 def _build_tokenizer(seed: int, vocab_size: int):
-    from vlmd.testing.tokenizer_builder import build_bpe_tokenizer
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
         seed=seed,

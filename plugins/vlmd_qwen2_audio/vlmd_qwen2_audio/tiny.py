@@ -21,7 +21,7 @@ import json
 import math
 from pathlib import Path
 
-from vlmd.testing.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import save_model
 
 __all__ = ["SIZES", "QWEN2_AUDIO_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_qwen2_audio"]
 
@@ -85,7 +85,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _build_tokenizer(seed: int, vocab_size: int):
-    from vlmd.testing.tokenizer_builder import build_bpe_tokenizer
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
         seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,

@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from vlmd.testing.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import save_model
 
 __all__ = ["SIZES", "QWEN2_VL_CHAT_TEMPLATE", "build_tiny_qwen2_vl", "qwen2_vl_config"]
 
@@ -102,7 +102,7 @@ _EXTRA_WORDS = ("system", "user", "assistant", "You", "are", "helpful", "What", 
 
 
 def _build_tokenizer(seed: int, vocab_size: int):
-    from vlmd.testing.tokenizer_builder import build_bpe_tokenizer
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
         seed=seed,

@@ -22,7 +22,7 @@ import math
 import random
 from pathlib import Path
 
-from vlmd.testing.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import save_model
 
 __all__ = ["SIZES", "build_tiny_whisper", "special_token_names"]
 
@@ -162,7 +162,7 @@ def build_tiny_whisper(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    from vlmd.testing.tokenizer_builder import build_bpe_tokenizer
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     spec = SIZES[size]
     out = Path(out_dir)

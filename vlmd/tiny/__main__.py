@@ -1,0 +1,5 @@
+import sys
+
+from vlmd.tiny import main
+
+sys.exit(main())
