@@ -172,3 +172,42 @@ def test_bfloat16_serves_an_image_chat_through_the_native_products(tiny_llava_di
         assert metrics['vlmd_decode_steps_total{path="modules"}'] == 5
     finally:
         server.stop()
+
+
+def _time_to_first_chunk(server: Server, path: str, body: dict) -> float:
+    """Seconds from sending a streaming request to reading its first ``data:`` line (the
+    whole stream is then read to its end)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        started = time.perf_counter()
+        connection.request("POST", path, orjson.dumps({"model": server.model, **body, "stream": True}),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        while not response.readline().startswith(b"data: "):
+            pass
+        first = time.perf_counter() - started
+        response.read()
+        return first
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a long story. " * 150}]}),
+    ("/v1/completions", {"prompt": "Tell me a long story about a lighthouse keeper. " * 70, "echo": True}),
+])
+def test_no_chunk_leaves_before_the_first_token_exists(llava_server, path, body):
+    # Nothing is streamed before the prefill step has made the first token (as vLLM does),
+    # so a client that stamps time to first token at the first chunk (vLLM's benchmark)
+    # measures the prefill. The engine records a step before it hands out its tokens, so
+    # the prefill steps' own time is a lower bound of the time to the first chunk.
+    before = llava_server.metrics()
+    first = _time_to_first_chunk(llava_server, path, {**body, "max_tokens": 3, "temperature": 0})
+    after = llava_server.metrics()
+    name = 'vlmd_engine_step_seconds_sum{kind="prefill"}'
+    prefill = after[name] - before.get(name, 0.0)
+    assert prefill > 0
+    assert first >= prefill, (first, prefill)

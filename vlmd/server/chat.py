@@ -104,13 +104,24 @@ async def _stream(request: web.Request, state: ServerState, chat: ChatCompletion
         await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
     first_extra = {"prompt_token_ids": generations[0].engine_request.prompt_token_ids} if chat.return_token_ids else {}
-    try:
+    roles_sent = False
+
+    async def send_roles() -> None:
+        """Each choice's role chunk, sent when the first token exists (as vLLM does): a
+        client that stamps its time to first token at the first chunk (vLLM's own
+        benchmark) then measures the prefill, not the preprocessing alone."""
+        nonlocal roles_sent
+        roles_sent = True
         for g in generations:
             await send(responses.chunk(request_id, created, model, g.index, {"role": "assistant", "content": ""},
                                        **(first_extra if g.index == 0 else {})))
+
+    try:
         try:
             async with aclosing(merged_deltas(generations)) as deltas:
                 async for delta in deltas:
+                    if not roles_sent:
+                        await send_roles()
                     if not delta.text and not delta.finish_reason and not chat.return_token_ids and not chat.logprobs:
                         continue
                     await send(
@@ -125,6 +136,8 @@ async def _stream(request: web.Request, state: ServerState, chat: ChatCompletion
         except VlmdError as exc:  # the status line is sent: the error goes in the stream
             await send(exc.to_dict())
         else:
+            if not roles_sent:
+                await send_roles()
             if chat.include_usage:
                 await send(responses.usage_chunk(request_id, created, model, usage(generations)))
         await response.write(b"data: [DONE]\n\n")

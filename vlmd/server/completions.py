@@ -124,14 +124,24 @@ async def _stream(request: web.Request, state: ServerState, completion: Completi
     async def send(body: dict) -> None:
         await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
-    try:
+    echoed = False
+
+    async def send_echoes() -> None:
+        """The prompts echoed, when the first token exists: nothing leaves before it (as
+        with vLLM), so a client's time to first chunk includes the prefill."""
+        nonlocal echoed
+        echoed = True
         for g, echo in zip(generations, echoes):
             if echo:
                 await send(responses.text_completion(request_id, created, model,
                                                      [responses.text_choice(g.index, echo, None, None)], None, True))
+
+    try:
         try:
             async with aclosing(merged_deltas(generations)) as deltas:
                 async for delta in deltas:
+                    if not echoed:
+                        await send_echoes()
                     if not delta.text and not delta.finish_reason and completion.logprobs is None:
                         continue
                     logprobs = _logprobs(state, completion, delta.logprobs or [], offsets[delta.index])
@@ -144,6 +154,8 @@ async def _stream(request: web.Request, state: ServerState, completion: Completi
         except VlmdError as exc:  # the status line is sent: the error goes in the stream
             await send(exc.to_dict())
         else:
+            if not echoed:
+                await send_echoes()
             if completion.include_usage:
                 await send(responses.usage_chunk(request_id, created, model, usage(generations), "text_completion"))
         await response.write(b"data: [DONE]\n\n")
