@@ -32,7 +32,7 @@ from vlmd.engine.memory_plan import MemoryPlan
 from vlmd.engine.profile import profile_peak, unprofiled, worst_case_runs
 from vlmd.host import last_level_cache_bytes
 from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
-from vlmd.runner.device import resolve_device
+from vlmd.runner.device import make_current_on_this_thread, resolve_device
 from vlmd.runner.kv_cache import bytes_per_block
 from vlmd.runner.model_runner import ModelRunner
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
@@ -158,6 +158,9 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
     device = resolve_device(config.device)
+    # The load, the profile and the warm-up run on this thread (vlmd serve's engine thread, which
+    # then steps the engine): it works on cuda:N as its current device (a no-op on the CPU).
+    make_current_on_this_thread(device)
     if device.type == "cuda" and dtype == torch.float32:
         # float32 means float32: TF32 matmuls and convolutions (cuDNN's default) would drift
         # from the CPU oracle after a few tokens.

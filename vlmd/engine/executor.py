@@ -39,6 +39,9 @@ class Executor(Protocol):
     def encoder_outputs(self) -> dict: ...  # rank 0's, by identifier (every rank holds the same)
 
     @property
+    def device(self): ...  # rank 0's runner's torch.device, which the engine thread makes current
+
+    @property
     def num_encoder_forwards(self) -> int: ...
 
     @property
@@ -63,6 +66,10 @@ class InProcessExecutor:
     @property
     def encoder_outputs(self) -> dict:
         return self.runner.encoder_outputs
+
+    @property
+    def device(self):
+        return self.runner.device
 
     @property
     def num_encoder_forwards(self) -> int:

@@ -149,6 +149,10 @@ class MultiprocExecutor:
         return self.runner.encoder_outputs
 
     @property
+    def device(self):
+        return self.runner.device
+
+    @property
     def num_encoder_forwards(self) -> int:
         return self.runner.num_encoder_forwards
 

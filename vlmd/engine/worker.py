@@ -73,8 +73,12 @@ class EngineWorker:
     def _run(self) -> None:
         import torch
 
+        from vlmd.runner.device import make_current_on_this_thread
+
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        # This thread steps the runner: --device cuda:N must be its current device (a no-op on the CPU).
+        make_current_on_this_thread(self.core.executor.device)
         while not self._stopping:
             try:
                 deltas = self._drain(block=not self.core.has_work())

@@ -38,6 +38,29 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def cuda_index_to_make_current(device: torch.device, current_index: int) -> int | None:
+    """The CUDA device a thread that runs on ``device`` must make current (``current_index``
+    is current now), or None when there is nothing to set: a CPU device, plain ``cuda`` (the
+    current one), or ``cuda:N`` already current."""
+    if device.type != "cuda" or device.index is None or device.index == current_index:
+        return None
+    return device.index
+
+
+def make_current_on_this_thread(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device; a no-op on the CPU.
+
+    What names no device goes to the current one (the host staging's ``torch.cuda.Event``
+    records on the current stream), and CUDA keeps the current device per host thread: so the
+    thread that builds and steps the runner sets it, else ``--device cuda:1`` would order its
+    copies on cuda:0's stream."""
+    if device.type != "cuda":
+        return  # before any torch.cuda call: a CPU build of torch has no CUDA to ask
+    index = cuda_index_to_make_current(device, torch.cuda.current_device())
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
 class DeviceMemory:
     """Total, current and peak memory of one device, for the start-up memory plan."""
 

@@ -44,16 +44,6 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoder_forwards = 0
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-            # The engine thread's current device: streams and events of cuda:N are created there.
-            torch.cuda.set_device(self.device)
-        self.apply_schedule(out)
-        if out.is_empty:
-            return RunnerOutput()
-        return self.run(out, list(out.num_scheduled_tokens))
-
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
         encoder outputs). Exactly once per SchedulerOutput: it is not idempotent."""
