@@ -136,7 +136,17 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     if config.warmup:
         engine_thread.call(lambda: warm_up(built))
     engine = AsyncEngine(loop)
-    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan)
+    pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess",
+                              initializer=single_threaded_torch)
+    admission = Admission(
+        pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
+        max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
+        media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
+    )
+    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan,
+                      admission=admission)
+    # Observed from here on, not from construction: the start-up profile and the warm-up run
+    # the same processor, and the histograms count clients' work only.
     if built.grammar_compiler is not None:
         built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
@@ -152,19 +162,13 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         tokenizer=built.tokenizer,
         eos_token_ids=built.eos_token_ids,
         max_model_len=built.max_model_len,
-        pool=ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess",
-                                initializer=single_threaded_torch),
+        pool=pool,
+        metrics=metrics,
+        admission=admission,
         created=int(time.time()),
+        transcriber=built.transcriber,
+        grammar_compiler=built.grammar_compiler,
     )
-    state.metrics = metrics
-    state.transcriber = built.transcriber
-    state.grammar_compiler = built.grammar_compiler
-    state.admission = Admission(
-        state.pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
-        max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
-        media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
-    )
-    metrics.admission = state.admission
     app = create_app(state)
     executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
     log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
@@ -176,7 +180,7 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         # Last: the tensor-parallel ranks were started from this thread, and the kernel kills
         # a child whose parent thread ends (rank_process._die_with_parent, PR_SET_PDEATHSIG).
         engine_thread.close(timeout=10.0)
-        state.pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)
         log.info("shut down", model=config.model_name)
     if state.fatal_error is not None:
         log.error("exiting after a tensor-parallel failure", reason=state.fatal_error)

@@ -117,9 +117,9 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     dtype = DTYPES[config.dtype]
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if config.chat_template is not None:  # already the template's text (config.py:resolve_chat_template)
-        tokenizer.chat_template = config.chat_template
+    # --chat-template (already the template's text: config.py:resolve_chat_template) replaces the checkpoint's.
+    template = {} if config.chat_template is None else {"chat_template": config.chat_template}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **template)
     text_config = text_config_of(hf_config)
 
     # Whisper's config names its decoder length max_target_positions.
@@ -232,6 +232,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     )
     preprocessor = InputPreprocessor(processor, policy, config.limit_mm_per_prompt, max_model_len)
     if config.mm_processor_cache_gb > 0:
+        # Given to the family's processor (the plugin builds it from its info alone) only now:
+        # the profile's worst-case items above must neither fill the cache nor count in its lookups.
         processor.cache = ProcessorCache(int(config.mm_processor_cache_gb * 2**30))
     transcriber = None
     if isinstance(processor, SpeechToTextProcessor):

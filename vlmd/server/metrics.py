@@ -29,10 +29,10 @@ _PLAN_BYTES = {
 
 
 class _EngineCollector:
-    def __init__(self, engine, processor_cache, owner, grammar_compiler=None, memory_plan=None):
+    def __init__(self, engine, processor_cache, admission=None, grammar_compiler=None, memory_plan=None):
         self.engine = engine
         self.processor_cache = processor_cache
-        self.owner = owner  # Metrics: its ``admission`` is set once the server has one
+        self.admission = admission
         self.grammar_compiler = grammar_compiler
         self.memory_plan = memory_plan
 
@@ -63,7 +63,7 @@ class _EngineCollector:
         cache = self.processor_cache
         if cache is not None:
             gauges["vlmd_processor_cache_bytes"] = ("Bytes of processed media cached", cache.nbytes)
-        admission = self.owner.admission
+        admission = self.admission
         if admission is not None:
             gauges["vlmd_preprocess_in_flight"] = ("Requests taken by or queued for a preprocessing thread",
                                                    admission.num_preprocessing)
@@ -113,10 +113,10 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine, processor_cache=None, grammar_compiler=None, memory_plan=None):
+    def __init__(self, engine, processor_cache=None, grammar_compiler=None, memory_plan=None, admission=None):
+        """``admission``: the server's vlmd.server.admission.Admission, whose bounds are reported."""
         self.registry = CollectorRegistry()
-        self.admission = None  # vlmd.server.admission.Admission, set by the server
-        self.registry.register(_EngineCollector(engine, processor_cache, self, grammar_compiler, memory_plan))
+        self.registry.register(_EngineCollector(engine, processor_cache, admission, grammar_compiler, memory_plan))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)

@@ -18,14 +18,14 @@ class ServerState:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     pool: ThreadPoolExecutor
-    metrics: object = None
+    metrics: object  # vlmd.server.metrics.Metrics
+    # Bounds on waiting work, preprocessing time and decoded media in flight.
+    admission: object  # vlmd.server.admission.Admission
     created: int = 0
     # Speech-to-text front end (vlmd_whisper's transcriber); None for other models.
     transcriber: object = None
     # vlmd.structured.compiler.GrammarCompiler: structured outputs, compiled on the pool.
     grammar_compiler: object = None
-    # Bounds on waiting work, preprocessing time and decoded media in flight.
-    admission: object = None  # vlmd.server.admission.Admission
     # Set when the model can no longer run (a tensor-parallel rank was lost): /health answers
     # 503 with it and the server exits non-zero.
     fatal_error: str | None = None
