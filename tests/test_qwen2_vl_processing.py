@@ -115,8 +115,8 @@ def test_prompt_and_mrope_positions_equal_transformers(tiny_qwen2_vl_dir):
         inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
         video_grid_thw=inputs["video_grid_thw"],
     )
-    assert np.array_equal(ours.mrope_positions, positions[:, 0].numpy())
-    assert ours.mrope_position_delta == int(delta) < 0
+    assert np.array_equal(ours.family_state.table, positions[:, 0].numpy())
+    assert ours.family_state.delta == int(delta) < 0
 
 
 def test_text_resumes_after_the_largest_position():

@@ -143,10 +143,9 @@ class EngineRequest:
     mm_items: list[MultiModalItem] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
-    # M-RoPE (Qwen2-VL): (t, h, w) position of every prompt token, shape [3, len(prompt)],
-    # and the offset that continues them for generated tokens (position = index + delta).
-    mrope_positions: Any = None
-    mrope_position_delta: int = 0
+    # The family's own per-request object (processing/base.py ``family_state``): carried
+    # unread through the scheduler to the runner, which hands it to the model.
+    family_state: Any = None
 
 
 class FinishReason(str, enum.Enum):

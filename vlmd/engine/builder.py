@@ -310,7 +310,7 @@ def warm_up(built: BuiltEngine) -> None:
             continue
         request = EngineRequest(
             f"warmup-{modality}", output.prompt_token_ids, SamplingParams(max_tokens=2), output.items,
-            mrope_positions=output.mrope_positions, mrope_position_delta=output.mrope_position_delta,
+            family_state=output.family_state,
         )
         core.add_request(request)
         while core.has_work():

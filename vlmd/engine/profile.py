@@ -77,7 +77,7 @@ def worst_case_runs(
 
 def _request(request_id: str, prompt: list[int], items: list[MultiModalItem], output) -> EngineRequest:
     return EngineRequest(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True), items,
-                         mrope_positions=output.mrope_positions, mrope_position_delta=output.mrope_position_delta)
+                         family_state=output.family_state)
 
 
 def _filler(tokens: int, longest: int, filler_token: int, prefix: str) -> list[EngineRequest]:

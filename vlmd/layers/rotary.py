@@ -100,6 +100,16 @@ def mrope_section(config) -> list[int] | None:
     return None
 
 
+def rotary_for(config, head_dim: int) -> RotaryEmbedding:
+    """The rotary embedding a text config asks for: M-RoPE where it names sections
+    (Qwen2-VL), else plain RoPE with its theta and scaling."""
+    theta, scaling = rope_parameters(config)
+    section = mrope_section(config)
+    if section is not None:
+        return MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, section)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

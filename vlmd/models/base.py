@@ -32,7 +32,12 @@ class MultimodalModel(Protocol):
       batch order.
     Optional for any model:
     - ``process_logits(logits, states) -> logits``: the model's own constraints on the next
-      token (Whisper's timestamp rules), applied after the request's own constraints.
+      token (Whisper's timestamp rules), applied after the request's own constraints;
+    - ``slice_positions(family_state, start, end, num_prompt_tokens) -> [rows, end - start]
+      int64 or None``: the positions of a request's tokens [start, end) where they are not
+      plain ones (Qwen2-VL's 3-D table). ``family_state`` is the object the family's
+      processor made for the request (``BaseMultiModalProcessor.family_state``), which the
+      core carries without reading; None from this means plain positions for that slice.
     """
 
     kv_spec: KVSpec

@@ -66,9 +66,10 @@ class ItemTokens:
 class ProcessorOutput:
     prompt_token_ids: list[int]
     items: list[MultiModalItem]
-    # M-RoPE families (Qwen2-VL): [3, len(prompt)] positions and the decode-time delta.
-    mrope_positions: Any = None
-    mrope_position_delta: int = 0
+    # What the family's model needs for this request beyond token ids and items (a position
+    # table, ...): created by ``BaseMultiModalProcessor.family_state``, carried unread by
+    # the core, handed back to the model (``MultimodalModel.slice_positions``).
+    family_state: Any = None
 
 
 class BaseProcessingInfo(ABC):
@@ -143,12 +144,11 @@ class BaseMultiModalProcessor(ABC):
     def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         """Turn one decoded item into encoder inputs and its placeholder tokens."""
 
-    def positions(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> tuple[Any, int] | None:
-        """(positions [3, len(prompt)], delta) for a family with 3-D (M-RoPE) positions.
-
-        Called once the placeholders are expanded; None (the default) means plain 1-D
-        positions. Generated tokens get ``index + delta`` in all three rows.
-        """
+    def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> Any:
+        """What this family's model needs for the request beyond its token ids and items
+        (e.g. Qwen2-VL's 3-D position table), or None (the default): one object, created
+        here once the placeholders are expanded, that the scheduler and runner carry
+        without reading and the model consumes (``MultimodalModel.slice_positions``)."""
         return None
 
     def identifier(self, modality: str, media: Any, kwargs: dict[str, Any]) -> str:
@@ -195,10 +195,7 @@ class BaseMultiModalProcessor(ABC):
             )
             output.extend(processed.replacement)
         output.extend(prompt_token_ids[previous:])
-        positions = self.positions(output, items_out)
-        if positions is None:
-            return ProcessorOutput(output, items_out)
-        return ProcessorOutput(output, items_out, positions[0], int(positions[1]))
+        return ProcessorOutput(output, items_out, self.family_state(output, items_out))
 
 
 class BaseDummyInputsBuilder(ABC):

@@ -127,8 +127,7 @@ class TranscriptionPreprocessor:
             begin_suppress_token_ids=constraints.begin_suppress_token_ids,
         )
         return EngineRequest(request_id, prompt, sampling, output.items, eos_token_ids=eos_token_ids,
-                             arrival_time=time.time(), mrope_positions=output.mrope_positions,
-                             mrope_position_delta=output.mrope_position_delta)
+                             arrival_time=time.time(), family_state=output.family_state)
 
     def detection_request(self, request_id: str, window: PreparedWindow) -> EngineRequest:
         """One step that picks the likeliest language token (transformers' detect_language)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,9 +40,17 @@ class StepBatch:
     outputs: OutputRows | None = None
 
 
-def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: AttentionBackend) -> StepBatch:
+# A model's positions for tokens [start, end) of a request, from its family state:
+# ``slice_positions(family_state, start, end, num_prompt_tokens)`` -> [rows, end - start]
+# int64, or None for plain positions (MultimodalModel.slice_positions).
+SlicePositions = Callable[[Any, int, int, int], "torch.Tensor | None"]
+
+
+def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: AttentionBackend,
+                slice_positions: SlicePositions | None = None) -> StepBatch:
     """Decodes (one new token after some context) first, then prefill chunks; the
-    attention backend turns the same order into its metadata, once for every layer."""
+    attention backend turns the same order into its metadata, once for every layer.
+    ``slice_positions``: the model's, where its positions are not plain ones."""
     decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
     prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
 
@@ -59,9 +69,10 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
     meta = attention.prepare_metadata(chunks, num_decodes=len(decodes))
     sampled = [(piece, chunk) for piece, chunk in zip(slices, chunks) if piece.samples]
     used = [(piece.row + piece.count - 1, chunk) for piece, chunk in sampled]
-    if any(piece.state.mrope_positions is not None for piece in slices):
-        position_tensor = torch.cat([mrope_positions(piece) for piece in slices], dim=1)
-    else:
+    position_tensor = None
+    if slice_positions is not None:
+        position_tensor = _model_positions(slices, slice_positions)
+    if position_tensor is None:
         position_tensor = torch.tensor(positions, dtype=torch.long)
     return StepBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -74,19 +85,14 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
     )
 
 
-def mrope_positions(piece: ScheduledSlice) -> torch.Tensor:
-    """[3, count] M-RoPE positions: precomputed for the prompt, index + delta after it.
-
-    A request without M-RoPE data (text only) uses (p, p, p), which is plain RoPE.
-    """
-    state = piece.state
-    table = state.mrope_positions
-    prompt_end = min(piece.end, state.num_prompt_tokens) if table is not None else piece.start
-    parts = []
-    if piece.start < prompt_end:
-        parts.append(torch.as_tensor(table[:, piece.start : prompt_end], dtype=torch.long))
-    first_generated = max(piece.start, prompt_end)
-    if first_generated < piece.end:
-        delta = state.mrope_position_delta if table is not None else 0
-        parts.append(torch.arange(first_generated, piece.end).add_(delta).expand(3, -1))
-    return torch.cat(parts, dim=1)
+def _model_positions(slices: list[ScheduledSlice], slice_positions: SlicePositions) -> torch.Tensor | None:
+    """[rows, T]: each slice's positions as the model gives them, plain ones (the same in
+    every row) for a slice it gives none; None where it gives none for any slice."""
+    parts = [slice_positions(piece.state.family_state, piece.start, piece.end, piece.state.num_prompt_tokens)
+             for piece in slices]
+    given = [part for part in parts if part is not None]
+    if not given:
+        return None
+    rows = given[0].shape[0]
+    return torch.cat([part if part is not None else torch.arange(piece.start, piece.end).expand(rows, -1)
+                      for piece, part in zip(slices, parts)], dim=1)

@@ -43,6 +43,9 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoder_forwards = 0
+        # The model's positions for a request's tokens from its family state, where they
+        # are not plain ones (Qwen2-VL's 3-D table): optional (models/base.py).
+        self.slice_positions = getattr(model, "slice_positions", None)
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -64,7 +67,7 @@ class ModelRunner:
         encoder_seconds = time.perf_counter() - started
 
         scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
-        batch = build_batch(scheduled, self.attention)
+        batch = build_batch(scheduled, self.attention, self.slice_positions)
         input_ids, positions, meta, outputs = self.staging.to_device(
             (batch.input_ids, batch.positions, batch.meta, batch.outputs)
         )

@@ -23,8 +23,7 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
-    mrope_positions: Any = None
-    mrope_position_delta: int = 0
+    family_state: Any = None  # the family's per-request object (the model reads it)
     # Encoder-decoder models: what the decoder attends to (e.g. Whisper's cross-attention
     # K/V), derived once from the encoder output and kept for the request's life.
     cross_state: Any = None
@@ -44,8 +43,7 @@ class RunnerRequestState:
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
             stop_token_ids=data.stop_token_ids,
-            mrope_positions=data.mrope_positions,
-            mrope_position_delta=data.mrope_position_delta,
+            family_state=data.family_state,
             # Rebuilt from scratch on every (re)admission: after a preemption the request
             # brings back the tokens it generated, and the matcher replays them.
             grammar=GrammarState(data.sampling.grammar, data.token_ids[data.num_prompt_tokens :])

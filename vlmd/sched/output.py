@@ -20,8 +20,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]  # eos + stop ids, masked out until min_tokens
-    mrope_positions: Any = None  # [3, num_prompt_tokens] or None
-    mrope_position_delta: int = 0
+    family_state: Any = None  # the family's per-request object, for the model
 
 
 @dataclass

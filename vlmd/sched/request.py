@@ -31,8 +31,7 @@ class Request:
         self.all_token_ids: list[int] = list(engine_request.prompt_token_ids)
         self.arrival_time = engine_request.arrival_time
         # Carried to the runner untouched; the scheduler never looks inside.
-        self.mrope_positions = engine_request.mrope_positions
-        self.mrope_position_delta = engine_request.mrope_position_delta
+        self.family_state = engine_request.family_state  # the model's, never read here
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_hashes: list[bytes] = []  # of full blocks, filled lazily by the KV manager

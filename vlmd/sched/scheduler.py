@@ -282,8 +282,7 @@ class Scheduler:
             block_ids=list(self.kv.block_ids(request.request_id)),
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids=stop_ids + tuple(request.sampling.stop_token_ids),
-            mrope_positions=request.mrope_positions,
-            mrope_position_delta=request.mrope_position_delta,
+            family_state=request.family_state,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -54,8 +54,7 @@ def choice_requests(
             mm_items=processed.items,
             eos_token_ids=state.eos_token_ids,
             arrival_time=time.time(),
-            mrope_positions=processed.mrope_positions,
-            mrope_position_delta=processed.mrope_position_delta,
+            family_state=processed.family_state,
         )
         for choice in range(sampling.n)
     ]

@@ -20,6 +20,7 @@ from torch import nn
 from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
+from vlmd_qwen2_vl.positions import MRopeState
 from vlmd_qwen2_vl.settings import VisionSettings, read_settings
 
 # Checkpoint prefixes (transformers 5 and 4.x layouts) -> ours.
@@ -118,6 +119,12 @@ class Qwen2VLModel(nn.Module):
         merged = self.visual(torch.cat(patches).to(dtype), grid_thw=grids).pooler_output
         sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
         return list(merged.split(sizes))
+
+    def slice_positions(self, state: MRopeState | None, start: int, end: int,
+                        num_prompt_tokens: int) -> torch.Tensor | None:
+        """[3, end - start] M-RoPE positions from the request's table; None (plain
+        positions, which are M-RoPE's (p, p, p)) for a request without media."""
+        return None if state is None else state.positions(start, end, num_prompt_tokens)
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)

@@ -25,7 +25,7 @@ from vlmd.processing.base import (
     ProcessedItem,
 )
 from vlmd.types import MultiModalItem
-from vlmd_qwen2_vl.positions import mrope_positions
+from vlmd_qwen2_vl.positions import MRopeState, mrope_positions
 from vlmd_qwen2_vl.settings import VisionSettings, num_tokens, read_settings, smart_resize
 
 DEFAULT_NUM_FRAMES = 32  # vlmd.media.policy.MediaPolicy.video_num_frames
@@ -88,11 +88,11 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
             replacement=[self.info.marker_token_id(modality)] * tokens.replacement,
         )
 
-    def positions(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> tuple[np.ndarray, int] | None:
+    def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> MRopeState | None:
         if not items:
             return None  # text only: plain positions are M-RoPE's (p, p, p)
         grids = [item.encoder_inputs["grid_thw"] for item in items]
-        return mrope_positions(len(prompt_token_ids), items, grids, self.info.merge_size)
+        return MRopeState(*mrope_positions(len(prompt_token_ids), items, grids, self.info.merge_size))
 
 
 def resize_frames(frames: list[Image.Image], settings: VisionSettings) -> np.ndarray:
