@@ -90,6 +90,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except socket.gaierror as exc:  # the name, not the port: another port would not help
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: --host {host!r} does not resolve ({exc.strerror})") from None
     except OSError as exc:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)") from None
@@ -206,6 +209,10 @@ def _serve_command(args: argparse.Namespace) -> None:
     refused = refused_flag(args)
     if refused:
         raise ValueError(refused)
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            raise ValueError(f"MODEL_DIR {args.model!r} and --model {args.model_flag!r} differ: give one")
+        args.model = args.model_flag
     config = config_from_flags(args, model=args.model or "")  # validates every setting
     from vlmd.layers.cpu import library
 

@@ -69,6 +69,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for spec in fields(ServeConfig):
         if spec.metadata.get("positional"):
             parser.add_argument(spec.name, nargs="?", metavar="MODEL_DIR", help=spec.metadata["help"])
+            # vLLM's `vllm serve --model DIR` habit: the same value, by flag.
+            parser.add_argument("--" + spec.name, dest=spec.name + "_flag", metavar="MODEL_DIR",
+                                help="the same as MODEL_DIR")
             continue
         add_setting_flag(parser, spec)
     for flag, reason in REFUSED_FLAGS.items():

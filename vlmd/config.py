@@ -12,6 +12,7 @@ from vlmd.layers.cpu import variants as cpu_kernel_variants
 
 def setting(default, help: str, *, parse=None, metavar: str | None = None, choices=None,
             negatable: bool = False, env: str | None = None, minimum: float | None = None,
+            maximum: float | None = None,
             default_factory=None):
     """One serve setting: its default, its ``--flag`` help, and how the flag's text becomes the value.
 
@@ -19,11 +20,12 @@ def setting(default, help: str, *, parse=None, metavar: str | None = None, choic
     setting is defined once: name (the flag is ``--name-with-dashes``), type, default, help.
     ``parse`` turns the flag's text into the value (default: the field's type); ``negatable``
     gives a boolean both ``--x`` and ``--no-x``; ``env`` names an environment variable that
-    supplies the default; ``minimum`` is the smallest value accepted (checked by
+    supplies the default; ``minimum`` / ``maximum`` bound the values accepted (checked by
     ``ServeConfig.validate``).
     """
     metadata = {"help": help, "parse": parse, "metavar": metavar, "choices": choices,
-                "negatable": negatable, "env": env, "minimum": minimum}
+                "negatable": negatable, "env": env, "minimum": minimum,
+                "maximum": maximum}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -79,7 +81,7 @@ class ServeConfig:
                                  "positional": True})
     served_model_name: str | None = setting(None, "the model name clients send (default: MODEL_DIR)")
     host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(8000, "TCP port to listen on (bound before the model loads)", minimum=0)
+    port: int = setting(8000, "TCP port to listen on (bound before the model loads)", minimum=0, maximum=65535)
     dtype: str = setting("float32", "weights and activations dtype", choices=("float32", "bfloat16", "float16"))
     linear_kernels: str = setting(
         "auto", "how linear layers pick their kernel: auto (timed at start-up), plain (F.linear), "
@@ -182,11 +184,13 @@ class ServeConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag of the first setting out of its range."""
         for spec in fields(self):
-            minimum = spec.metadata.get("minimum")
+            minimum, maximum = spec.metadata.get("minimum"), spec.metadata.get("maximum")
             value = getattr(self, spec.name)
+            flag = "--" + spec.name.replace("_", "-")
             if minimum is not None and value is not None and value < minimum:
-                flag = "--" + spec.name.replace("_", "-")
                 raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+            if maximum is not None and value is not None and value > maximum:
+                raise ValueError(f"{flag} must be at most {maximum}, got {value}")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} is not a multiple of --nnodes {self.nnodes}")
         if self.node_rank >= self.nnodes:
