@@ -15,16 +15,40 @@ SSE data line once a stream has started) and ``headers``. Torch-free.
 
 from __future__ import annotations
 
+import re
+
+# Where a library's message turns into its internals: a Rust panic's backtrace (llguidance
+# put one, frames and all, in a 400's body: issue 36), a Python traceback, or a frame list.
+_INTERNALS = re.compile(r"\n?\s*(stack backtrace:|Traceback \(most recent call last\)|note: run with `RUST_BACKTRACE"
+                        r"|\n\s*\d+:\s+0x[0-9a-f]+|\n\s*at \S+\.rs:\d+)")
+_PANIC_LOCATION = re.compile(r"panicked at \S+:\d+:\d+:\s*")  # a Rust source file and line
+MESSAGE_LIMIT = 1000  # characters of a message a client is shown
+
+
+def client_message(message: str) -> str:
+    """``message`` as a client may see it: cut where a backtrace or frame list starts, and
+    at ``MESSAGE_LIMIT`` characters (a library's message may quote the whole input)."""
+    found = _INTERNALS.search(message)
+    if found is not None:
+        message = message[: found.start()].rstrip()
+    message = _PANIC_LOCATION.sub("", message)
+    if len(message) > MESSAGE_LIMIT:
+        message = message[: MESSAGE_LIMIT - 1].rstrip() + "\u2026"
+    return message or "the request failed; the server's log has the details"
+
 
 class VlmdError(Exception):
-    """Base class: a client-visible error with an HTTP status."""
+    """Base class: a client-visible error with an HTTP status. ``message`` is what the
+    client sees (``client_message``: no internals); ``detail`` the text as raised, for
+    the log."""
 
     status = 400
     type = "invalid_request_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.message = message
+        self.detail = message
+        self.message = client_message(message)
         self.param = param
         self.code = code
 

@@ -50,6 +50,8 @@ async def errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except VlmdError as exc:
+        if exc.detail != exc.message:  # the client got a trimmed message: the log keeps it whole
+            log.info("error message trimmed for the client", path=request.path, status=exc.status, detail=exc.detail)
         return vlmd_error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
