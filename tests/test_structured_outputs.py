@@ -195,6 +195,15 @@ def test_bad_constraints_are_400s(client):
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "one output constraint"),
         ({"response_format": {"type": "xml"}}, "xml"),
         ({"response_format": {"type": "json_schema"}}, "json_schema"),
+        # Refused before any compile (issue 36): references that only lead back to
+        # themselves (they compiled, then failed inside the engine as a 500), and lists
+        # past the server's bounds (100,000 options held a thread for 51 s).
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}},
+         "lead back to themselves"),
+        ({"guided_choice": [f"option {i}" for i in range(10_001)]}, "--max-structured-output-choices"),
+        ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(25_000)}}},
+         "--max-structured-output-bytes"),
     ]
     for body, reason in bad:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -176,3 +176,33 @@ def test_json_never_allows_free_whitespace(compiler, tokenizer):
         row = _row(compiled, tokenizer.encode(prefix, add_special_tokens=False))
         allowed_blank = {tokenizer.decode([t]) for t in _allowed(row, vocab) & blank}
         assert allowed_blank <= ({" "} if prefix.endswith((",", ":")) else set()), (prefix, allowed_blank)
+
+
+@pytest.mark.parametrize("schema,cycle", [
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+     ["#/$defs/b", "#/$defs/a", "#/$defs/b"]),
+    ({"$ref": "#"}, ["#", "#"]),
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/a", "description": "d"}},
+      "$defs": {"a": {"$ref": "#/$defs/a"}}}, ["#/$defs/a", "#/$defs/a"]),
+    # Recursion through a constraint is a tree, not a cycle; an unused definition is never judged.
+    ({"type": "object", "properties": {"child": {"$ref": "#"}}}, None),
+    ({"type": "array", "items": {"$ref": "#/definitions/n"}, "definitions": {"n": {"type": "object",
+      "properties": {"kids": {"type": "array", "items": {"$ref": "#/definitions/n"}}}}}}, None),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "type": "string"}, None),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}}, None),
+])
+def test_reference_cycles_are_found(schema, cycle):
+    from vlmd.structured.spec import reference_cycle
+
+    assert reference_cycle(schema) == cycle
+
+
+def test_constraints_past_the_bounds_are_400s_naming_the_flag():
+    from vlmd.server.structured_output import check_bounds
+
+    choices = StructuredOutputSpec("choice", json.dumps(["a", "b", "c"]), "guided_choice")
+    check_bounds(choices, max_choices=3, max_bytes=100)
+    with pytest.raises(BadRequestError, match="--max-structured-output-choices"):
+        check_bounds(choices, max_choices=2, max_bytes=100)
+    with pytest.raises(BadRequestError, match="--max-structured-output-bytes"):
+        check_bounds(StructuredOutputSpec("regex", "a" * 101, "guided_regex"), max_choices=3, max_bytes=100)

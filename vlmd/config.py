@@ -153,6 +153,14 @@ class ServeConfig:
         None, 'media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, "audio": {"max_duration_s": 600}}\'',
         parse=lambda text: parse_json_object(text, "--media-io-kwargs"), metavar="JSON", default_factory=dict)
     max_request_bytes: int = setting(64 * 2**20, "largest request body, in bytes", minimum=1)
+    # Structured outputs: a grammar's compile time grows faster than its size (llguidance,
+    # tiny LLaVA's tokenizer, AMD EPYC fam 25 model 1: 1,000 / 4,000 / 16,000 choices in
+    # 0.02 / 0.08 / 0.87 s; 100,000 took 51 s and then panicked, issue 36).
+    max_structured_output_choices: int = setting(
+        10_000, "most options in one structured-output choice list (more is a 400)", minimum=1)
+    max_structured_output_bytes: int = setting(
+        512 * 2**10, "largest structured-output constraint (JSON schema, regex, grammar or choice list, as "
+        "canonical text), in bytes (more is a 400)", minimum=1)
     preprocess_timeout: float = setting(
         5.0, "seconds one request may hold a preprocessing thread; past it the work is abandoned "
         "between stages and the client gets 503", minimum=0.001)

@@ -8,6 +8,18 @@ from vlmd.errors import BadRequestError
 from vlmd.server.state import ServerState
 
 
+def check_bounds(spec, max_choices: int, max_bytes: int) -> None:
+    """A constraint past the server's bounds is a 400 naming the bound, before any compile:
+    compile time grows faster than the grammar (vlmd/config.py)."""
+    size = len(spec.source.encode())
+    if size > max_bytes:
+        raise BadRequestError(f"the {spec.kind} constraint is {size} bytes; this server takes at most {max_bytes} "
+                              "(--max-structured-output-bytes)", param=spec.param)
+    if spec.kind == "choice" and len(spec.choices) > max_choices:
+        raise BadRequestError(f"{len(spec.choices)} choices; this server takes at most {max_choices} "
+                              "(--max-structured-output-choices)", param=spec.param)
+
+
 async def compile_structured_output(state: ServerState, spec):
     """The compiled grammar for a request's constraint: from the cache, or compiled on the
     preprocessing pool (never on the event loop or the engine thread). Bad input is a 400
@@ -15,6 +27,7 @@ async def compile_structured_output(state: ServerState, spec):
     compiler = state.grammar_compiler
     if compiler is None:
         raise BadRequestError("this model does not support structured outputs", param=spec.param)
+    check_bounds(spec, state.config.max_structured_output_choices, state.config.max_structured_output_bytes)
     cached = compiler.cached(spec)
     if cached is not None:
         return cached

@@ -129,6 +129,57 @@ def _structured_outputs(value: Any) -> StructuredOutputSpec:
     return _constraint(key, value[key], "structured_outputs")
 
 
+# Keys that only annotate a schema: a node with "$ref" and nothing else but these is a
+# pure reference, whose meaning is wholly its target's.
+_ANNOTATIONS = {"$ref", "title", "description", "$comment", "examples", "default", "deprecated", "$id", "$anchor"}
+
+
+def reference_cycle(schema: Any) -> list[str] | None:
+    """The ``$ref`` chain of a schema whose references lead back to themselves without
+    reaching any constraint (``#/$defs/a`` -> ``#/$defs/b`` -> ``#/$defs/a``): no value can
+    ever match it, and the grammar library compiles it only to fail inside the engine
+    (issue 36). None where there is no such cycle. Local references (``#/...``) only."""
+
+    def resolve(pointer: str) -> Any:
+        node = schema
+        for part in pointer[2:].split("/") if pointer != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def pure_reference(node: Any) -> str | None:
+        if isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") \
+                and set(node) <= _ANNOTATIONS:
+            return node["$ref"]
+        return None
+
+    # The nodes a value is checked against: from the root through sub-schemas and local
+    # references (definitions nothing refers to are never used, so never judged).
+    stack, followed = [schema], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(value for key, value in node.items() if key not in ("$defs", "definitions"))
+            target = node.get("$ref")
+            if isinstance(target, str) and target.startswith("#") and target not in followed:
+                followed.add(target)
+                stack.append(resolve(target))
+        elif isinstance(node, list):
+            stack.extend(node)
+        chain, pointer = [], pure_reference(node)
+        while pointer is not None:
+            if pointer in chain:
+                return chain[chain.index(pointer):] + [pointer]
+            chain.append(pointer)
+            pointer = pure_reference(resolve(pointer))
+    return None
+
+
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutputSpec:
     if kind == "json":
         if isinstance(value, str):
@@ -138,6 +189,10 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutputSpec:
                 raise BadRequestError(f"the JSON schema in '{param}' is not valid JSON: {exc}", param=param) from None
         if not isinstance(value, (dict, bool)):
             raise BadRequestError(f"the JSON schema in '{param}' must be an object", param=param)
+        cycle = reference_cycle(value)
+        if cycle is not None:
+            raise BadRequestError(f"the JSON schema in '{param}' can match nothing: its references "
+                                  f"{' -> '.join(cycle)} lead back to themselves", param=param)
         return StructuredOutputSpec("json", orjson.dumps(value).decode(), param)
     if kind in ("regex", "grammar"):
         if not isinstance(value, str) or not value:
