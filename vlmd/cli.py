@@ -176,7 +176,8 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
     log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
     try:
-        web.run_app(app, sock=sock, loop=loop, handler_cancellation=True, access_log=None, print=None)
+        web.run_app(app, sock=sock, loop=loop, handler_cancellation=True, access_log=None, print=None,
+                    keepalive_timeout=config.keepalive_timeout)
     finally:
         worker.stop()
         executor.shutdown()

@@ -153,6 +153,12 @@ class ServeConfig:
         None, 'media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, "audio": {"max_duration_s": 600}}\'',
         parse=lambda text: parse_json_object(text, "--media-io-kwargs"), metavar="JSON", default_factory=dict)
     max_request_bytes: int = setting(64 * 2**20, "largest request body, in bytes", minimum=1)
+    request_read_timeout: float = setting(
+        30.0, "seconds a request body may take to arrive once its headers have (a slower one is a 408 and the "
+        "connection is closed)", minimum=0.001)
+    keepalive_timeout: float = setting(
+        5.0, "seconds an idle keep-alive connection stays open between requests (uvicorn's default, so vLLM's)",
+        minimum=0)
     # Structured outputs: a grammar's compile time grows faster than its size (llguidance,
     # tiny LLaVA's tokenizer, AMD EPYC fam 25 model 1: 1,000 / 4,000 / 16,000 choices in
     # 0.02 / 0.08 / 0.87 s; 100,000 took 51 s and then panicked, issue 36).

@@ -98,6 +98,13 @@ class PayloadTooLargeError(VlmdError):
     status = 413
 
 
+class RequestTimeoutError(VlmdError):
+    """A body that did not arrive within the read deadline (a trickle, or a Content-Length
+    the client never sends): 408, and the connection is closed."""
+
+    status = 408
+
+
 class ServiceUnavailableError(VlmdError):
     """Overload: the server is healthy but full; the client should retry after a pause."""
 

@@ -79,9 +79,12 @@ def _unhandled(request: web.Request, exc: Exception) -> web.Response:
 
 def vlmd_error_response(exc: VlmdError) -> web.Response:
     """The one rendering of vlmd.errors: status, JSON body, headers (Retry-After)."""
-    return web.Response(
+    response = web.Response(
         body=orjson.dumps(exc.to_dict()), status=exc.status, content_type="application/json", headers=exc.headers
     )
+    if exc.status == 408:  # the rest of that body may never come: the connection is not reused
+        response.force_close()
+    return response
 
 
 def _auth_middleware(api_key: str):

@@ -24,6 +24,7 @@ from aiohttp import web
 from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
 from vlmd.processing.speech import TranscriptionOptions
 from vlmd.server.audio_form import TranscriptionForm, read_transcription_form
+from vlmd.server.body import within_read_deadline
 from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.state import ServerState
 from vlmd.server.transcript_formats import Segment, join_texts, render, usage
@@ -50,7 +51,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
             param="model",
         )
     with state.admission.reading_body(request.content_length):
-        form = await read_transcription_form(request, transcriber.policy.max_audio_bytes)
+        form = await within_read_deadline(request, read_transcription_form(request, transcriber.policy.max_audio_bytes))
     if form.model != state.config.model_name:
         raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)

@@ -15,9 +15,11 @@ are parsed as usual and the exact character bound is checked on the parsed messa
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
-from vlmd.errors import BadRequestError
+from vlmd.errors import BadRequestError, RequestTimeoutError
 
 _DATA = b"data:"
 # OpenAI's ``input_audio`` carries its clip as bare base64 under the key ``data``: the run
@@ -79,8 +81,25 @@ class _RunScanner:
                 f"or input_audio data, so {self.describe}", param="messages")
 
 
+async def within_read_deadline(request: web.Request, reading):
+    """Await ``reading`` (a coroutine reading the body) within --request-read-timeout: a
+    client that trickles its body, or sends less than its Content-Length and waits, gets a
+    408 instead of holding the connection (and a pool slot) for as long as it likes."""
+    timeout = request.app["state"].config.request_read_timeout
+    try:
+        return await asyncio.wait_for(reading, timeout)
+    except asyncio.TimeoutError:
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} s "
+                                  "(--request-read-timeout)") from None
+
+
 async def read_body(request: web.Request, max_run_bytes: int | None = None, describe: str = "") -> bytes | memoryview:
-    """The body, refused early (400) when a run outside data URLs passes ``max_run_bytes``."""
+    """The body, within the read deadline, refused early (400) when a run outside data URLs
+    passes ``max_run_bytes``."""
+    return await within_read_deadline(request, _read_body(request, max_run_bytes, describe))
+
+
+async def _read_body(request: web.Request, max_run_bytes: int | None, describe: str) -> bytes | memoryview:
     length = request.content_length
     if max_run_bytes is None or length is None or length <= max_run_bytes or length > request.client_max_size:
         return await request.read()  # aiohttp enforces --max-request-bytes (413)

@@ -1,0 +1,86 @@
+"""Clients that cannot hold a connection forever (issue 36, item 3): a body that does not
+arrive within --request-read-timeout is a 408 and the connection closes; an idle keep-alive
+connection is closed after --keepalive-timeout; a good request beside them is answered."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import orjson
+import pytest
+
+from conftest import Server
+
+READ_TIMEOUT_S, KEEPALIVE_S = 1.0, 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava_dir, tmp_path_factory):
+    server = Server(tiny_llava_dir, "--request-read-timeout", str(READ_TIMEOUT_S), "--keepalive-timeout",
+                    str(KEEPALIVE_S), "--no-warmup", log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+def _connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (the socket's timeout
+    bounds the wait: a server that never closes fails the test, it does not hang it)."""
+    received = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return received
+        received += chunk
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(server):
+    body = orjson.dumps({"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    with _connect(server) as sock:
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body) + 1000}\r\n\r\n").encode()
+        sock.sendall(head + body)  # 1000 bytes short, and then silence
+        # Meanwhile a good request is answered.
+        status, answer = server.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200, answer
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"--request-read-timeout" in reply
+
+
+def test_a_trickled_body_is_cut_off_at_the_deadline(server):
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n")
+        sent = 0
+        sock.settimeout(0.2)
+        started = time.monotonic()
+        reply = b""
+        while sent < 100 and not reply:  # 10 bytes every 0.1 s: past the deadline long before the end
+            try:
+                sock.sendall(b" " * 10)
+            except OSError:
+                break
+            sent += 1
+            try:
+                reply = sock.recv(65536)
+            except socket.timeout:
+                pass
+        sock.settimeout(30)
+        if reply:
+            reply += _read_until_closed(sock)  # and the server closes the connection
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert sent < 100, f"still reading after {time.monotonic() - started:.1f} s"
+
+
+def test_an_idle_keep_alive_connection_is_closed(server):
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        assert _read_until_closed(sock) == b""  # closed by the server after KEEPALIVE_S idle
