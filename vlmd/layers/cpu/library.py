@@ -7,7 +7,7 @@ compiler. The variant loaded is the best one the CPU executes (its ``/proc/cpuin
 flags), or the one ``VLMD_CPU_KERNELS`` names (``vlmd serve --cpu-kernels``, which sets
 it for the tensor-parallel ranks too): the AVX2 library on an AVX-512 host, say, to
 compare the two. Where no library was built (a source tree used without ``pip install``,
-or an install whose compiler built none), ``functions()`` returns None, every caller
+or an install whose compiler built none), ``load_functions()`` returns None, every caller
 keeps its torch ops, and one log line says so.
 
 Signatures: ``kernels.h`` declares every exported function once; the compiler checks each
