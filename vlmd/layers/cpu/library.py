@@ -27,7 +27,7 @@ import ctypes
 import importlib.machinery
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -69,28 +69,24 @@ class Signature:
         return cls(name, restype, tuple(argtypes))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Library:
     variant: str
     path: Path
     signatures: dict[str, Signature]
     released: ctypes.CDLL  # calls release the GIL
     holding: ctypes.PyDLL  # calls keep the GIL
-    _bound: dict = field(default_factory=dict)  # (names, hold_gil) -> bound functions: bindings ask per call
 
     def bind(self, names: tuple[str, ...], hold_gil: bool) -> dict:
-        key = (names, hold_gil)
-        if key not in self._bound:
-            handle = self.holding if hold_gil else self.released
-            bound = {}
-            for name in names:
-                if name not in self.signatures:
-                    raise RuntimeError(f"{self.path.name} declares no {name}: the binding and the build disagree")
-                function = getattr(handle, name)
-                function.argtypes, function.restype = self.signatures[name].argtypes, self.signatures[name].restype
-                bound[name] = function
-            self._bound[key] = bound
-        return self._bound[key]
+        handle = self.holding if hold_gil else self.released
+        bound = {}
+        for name in names:
+            if name not in self.signatures:
+                raise RuntimeError(f"{self.path.name} declares no {name}: the binding and the build disagree")
+            function = getattr(handle, name)
+            function.argtypes, function.restype = self.signatures[name].argtypes, self.signatures[name].restype
+            bound[name] = function
+        return bound
 
 
 def built_variants(directory: Path = _HERE) -> dict[str, Path]:
@@ -139,22 +135,31 @@ def open_library(variant: str, path: Path) -> Library:
 
 
 _loaded: list[Library | None] = []  # empty until the first load: then the library or None
+# (names, hold_gil) -> the loaded library's bound functions, or None without a library.
+# Bindings ask per kernel call (~40 times a decode step): one dict lookup, cleared with the library.
+_bound: dict[tuple, dict | None] = {}
+
+
+def _open_variant(requested: str) -> Library | None:
+    """The library ``requested`` ("auto" or a variant name) names here, opened and
+    checked, or None where none is built for this CPU; logged either way."""
+    built = built_variants()
+    chosen = choose(requested, built, variants.cpu_flags())
+    if chosen is None:
+        log.warning("no native kernel library was built for this install or CPU: torch ops serve instead",
+                    built=sorted(built), runnable=[v.name for v in variants.runnable(variants.cpu_flags())])
+        return None
+    library = open_library(chosen, built[chosen])
+    _warn_if_stale(library.path)
+    log.info("native kernels", variant=library.variant, library=library.path.name)
+    return library
 
 
 def load() -> Library | None:
-    """This process's kernel library (chosen, opened and checked on first call), or None."""
+    """This process's kernel library (chosen from ``VLMD_CPU_KERNELS``, opened and checked
+    on first call), or None."""
     if not _loaded:
-        built = built_variants()
-        chosen = choose(os.environ.get(ENV, "auto") or "auto", built, variants.cpu_flags())
-        library = None if chosen is None else open_library(chosen, built[chosen])
-        if library is not None:
-            _warn_if_stale(library.path)
-        if library is None:
-            log.warning("no native kernel library was built for this install or CPU: torch ops serve instead",
-                        built=sorted(built), runnable=[v.name for v in variants.runnable(variants.cpu_flags())])
-        else:
-            log.info("native kernels", variant=library.variant, library=library.path.name)
-        _loaded.append(library)
+        _loaded.append(_open_variant(os.environ.get(ENV, "auto") or "auto"))
     return _loaded[0]
 
 
@@ -172,24 +177,15 @@ def _warn_if_stale(path: Path) -> None:
 def reset() -> None:
     """Forget the loaded library: the next ``load()`` chooses again (from ``VLMD_CPU_KERNELS``)."""
     _loaded.clear()
+    _bound.clear()
 
 
 def use(variant: str | None) -> Library | None:
     """Load ``variant`` ("auto", a name, or None for no library) in place of the current
-    one, for what is bound from now on: the tests run each runnable variant's kernels."""
-    _loaded.clear()
-    if variant is None:
-        _loaded.append(None)
-        return None
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = variant
-    try:
-        return load()
-    finally:
-        if previous is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = previous
+    one, for every binding from now on: the tests run each runnable variant's kernels."""
+    reset()
+    _loaded.append(None if variant is None else _open_variant(variant))
+    return _loaded[0]
 
 
 def load_functions(names: tuple[str, ...], hold_gil: bool = False) -> dict | None:
@@ -199,5 +195,9 @@ def load_functions(names: tuple[str, ...], hold_gil: bool = False) -> dict | Non
     a released GIL is taken by the event loop's thread (streaming the last token's
     chunks), and the engine thread then waits for that thread's turn to end before its
     next op."""
-    library = load()
-    return None if library is None else library.bind(names, hold_gil)
+    key = (names, hold_gil)
+    found = _bound.get(key, _bound)  # _bound itself: not looked up yet (None is an answer)
+    if found is _bound:
+        library = load()
+        found = _bound[key] = None if library is None else library.bind(names, hold_gil)
+    return found
