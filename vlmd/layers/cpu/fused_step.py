@@ -40,6 +40,12 @@ def products(structure: DecoderStructure) -> list:
     return [] if unsupported(structure) is not None else structure.products()
 
 
+def every_product_native(kernels, rows: int) -> bool:
+    """Whether each of a step's products (their ``SelectedKernel``s) takes vlmd's kernel on
+    float32 panels at ``rows`` rows: the fused step runs only then."""
+    return all(kernel is not None and kernel.native_panels(rows) is not None for kernel in kernels)
+
+
 class FusedDecodeSteps:
     """The native steps of the structures a backend has seen, each built on first use
     and rebuilt when its caches or a product's kernel change: the step reads the kernels'
@@ -54,7 +60,7 @@ class FusedDecodeSteps:
         step cannot run natively. ``cos``/``sin`` [rows, head_dim]."""
         decoder, kernels = self.decoder(structure, kv_caches)
         rows = embeds.shape[0]
-        if decoder is None or not all(kernel.native_panels(rows) is not None for kernel in kernels):
+        if decoder is None or not every_product_native(kernels, rows):
             return None
         if not decoder.accepts(embeds, cos, sin, slots):
             return None

@@ -301,7 +301,7 @@ def _log_decode_paths(model: nn.Module, attention_runs_natively: bool) -> None:
         reason = fused_step.unsupported(structure)
         buckets = []
         for largest, rows in M_BUCKETS[:-1]:
-            if all(p.kernel is not None and p.kernel.native_panels(rows) is not None for p in structure.products()):
+            if fused_step.every_product_native([p.kernel for p in structure.products()], rows):
                 buckets.append(f"M<={largest}")
         if reason is None and not attention_runs_natively:
             reason = "torch attention (--attention-kernels torch)"
