@@ -27,8 +27,8 @@ async def compile_structured_output(state: ServerState, spec):
     compiler = state.grammar_compiler
     if compiler is None:
         raise BadRequestError("this model does not support structured outputs", param=spec.param)
-    check_bounds(spec, state.config.max_structured_output_choices, state.config.max_structured_output_bytes)
     cached = compiler.cached(spec)
-    if cached is not None:
+    if cached is not None:  # it was within the bounds when it was compiled
         return cached
+    check_bounds(spec, state.config.max_structured_output_choices, state.config.max_structured_output_bytes)
     return await asyncio.get_running_loop().run_in_executor(state.pool, compiler.compile, spec)
