@@ -99,11 +99,6 @@ def test_each_runnable_variant_declares_what_the_bindings_bind(name):
 
 
 @needs_library
-def test_the_loaded_variant_is_the_best_this_cpu_runs():
-    assert library.load().variant == library.choose("auto", BUILT, HOST_FLAGS)
-
-
-@needs_library
 def test_the_variant_is_forced_from_the_environment_and_a_bad_one_is_refused():
     runnable = [v.name for v in variants.runnable(HOST_FLAGS) if v.name in BUILT]
     code = "from vlmd.layers.cpu import library\nprint(library.load().variant)\n"
