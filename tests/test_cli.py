@@ -139,4 +139,27 @@ def test_operator_lines_start_serving_and_shutdown(tiny_llava_dir, tmp_path):
     assert all(line.startswith("{") for line in lines if line.strip()), lines  # no progress bar glued to a record
     assert any('"weights read"' in line for line in events)
     assert any('"serving"' in line for line in events)
+    assert any('"ready"' in line for line in events)
+    assert any('"loading"' in line for line in events[:3]), events[:3]  # before the weights are read
     assert any('"shut down"' in line for line in events)
+
+
+def test_text_log_format_gives_readable_lines_and_a_ready_line(tiny_llava_dir, tmp_path):
+    """--log-format text on a pipe (auto would pick JSON there): no JSON records, and a line
+    saying where the server listens is written once it accepts requests."""
+    server = Server(tiny_llava_dir, "--no-warmup", "--log-format", "text", log_dir=tmp_path)
+    try:
+        status, _ = server.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert status == 200
+    finally:
+        server.stop()
+    lines = [line for line in server.log_path.read_text().splitlines() if line.strip()]
+    assert not any(line.startswith("{") for line in lines), lines
+    ready = [line for line in lines if "] ready " in line]
+    assert len(ready) == 1 and f"url=http://127.0.0.1:{server.port}" in ready[0], lines
+    assert any(" loading " in line for line in lines[:3]), lines[:3]  # said before the weights are read
+
+
+def test_log_format_is_checked_by_the_parser():
+    result = vlmd("serve", "some/dir", "--log-format", "yaml")
+    assert result.returncode == 2 and "--log-format" in result.stderr and "Traceback" not in result.stderr

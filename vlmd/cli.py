@@ -31,6 +31,7 @@ import structlog  # noqa: E402
 
 from vlmd.cli_flags import add_serve_flags, config_from_flags, refused_flag
 from vlmd.config import ServeConfig, cache_dir
+from vlmd.logs import LOG_FORMATS
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     cost = add_cost_parser(commands)
     for command in (serve, convert):
         command.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log threshold (default: info)")
+        command.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
+                             help="text (readable lines), json (one object a line), or auto: text when "
+                                  "stderr is a terminal, json otherwise (default: auto)")
     return parser, {"serve": serve, "convert": convert, "cost": cost}
 
 
@@ -134,6 +138,8 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     # Built and stepped on one thread, the only one whose torch ops run in parallel
     # (engine_thread.py: a second OpenMP team slows every step by a quarter).
     engine_thread = EngineThread()
+    # Said at once: reading weights, profiling and warming up take seconds with nothing else to say.
+    log.info("loading", model_dir=config.model, listening=_url(config))
     built = engine_thread.call(lambda: build_engine(config, log_level))
     executor = built.core.executor
     if config.warmup:
@@ -173,8 +179,9 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         grammar_compiler=built.grammar_compiler,
     )
     app = create_app(state)
+    app.on_startup.append(_announce_ready(config))
     executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
-    log.info("serving", model=config.model_name, url=f"http://{config.host}:{config.port}")
+    log.info("serving", model=config.model_name, url=_url(config))
     try:
         web.run_app(app, sock=sock, loop=loop, handler_cancellation=True, access_log=None, print=None,
                     keepalive_timeout=config.keepalive_timeout)
@@ -191,6 +198,18 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a process group that lost a peer aborts there
+
+
+def _url(config: ServeConfig) -> str:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"http://{host}:{config.port}"
+
+
+def _announce_ready(config: ServeConfig):
+    """The line an operator waits for: the event loop is running and the first request is served."""
+    async def announce(app) -> None:
+        log.info("ready", url=_url(config), model=config.model_name)
+    return announce
 
 
 # Seconds between a fatal engine failure and the exit: in-flight requests get their errors first.
@@ -249,8 +268,11 @@ def main(argv: list[str] | None = None) -> None:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from vlmd.logs import configure_logging
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "log_format", None))
     if args.command == "serve":
+        from vlmd.logs import FORMAT_ENV, resolve_format
+
+        os.environ[FORMAT_ENV] = resolve_format(args.log_format)  # the rank processes log as we do
         try:
             _serve_command(args)
         except (ValueError, LookupError, OSError) as exc:  # configuration the operator can fix

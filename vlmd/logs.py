@@ -1,16 +1,32 @@
-"""structlog set-up: JSON lines when not on a terminal, readable lines when on one."""
+"""structlog set-up: readable lines for a person at a terminal, JSON lines for a log collector."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
 
+LOG_FORMATS = ("auto", "text", "json")
+# Read by the tensor-parallel rank processes, which log to the same stderr in the same format.
+FORMAT_ENV = "VLMD_LOG_FORMAT"
 
-def configure_logging(level: str = "info") -> None:
+
+def resolve_format(log_format: str) -> str:
+    """`auto` is text when stderr is a terminal (a person reads it) and JSON otherwise (a collector does)."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
+    if log_format == "auto":
+        return "text" if sys.stderr.isatty() else "json"
+    return log_format
+
+
+def configure_logging(level: str = "info", log_format: str | None = None) -> None:
+    chosen = resolve_format(log_format or os.environ.get(FORMAT_ENV, "auto"))
     renderer = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if chosen == "text"
+        else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[
