@@ -642,3 +642,18 @@ def test_a_blocked_head_of_queue_is_not_counted_again_at_every_retry():
     runner.run()
     cache = sched.encoder_cache
     assert (cache.num_queries, cache.num_hits) == (2, 1)  # a's miss; b's hit, at admission
+
+
+def test_a_refused_grammar_ends_its_request_alone_with_a_client_error():
+    """The runner reports a request whose grammar refused its sampled token: that request ends
+    with a 400-class error and frees its blocks; the other one in the step gets its token."""
+    sched = make_scheduler()
+    sched.add_request(make_request("bad", 4))
+    sched.add_request(make_request("good", 4))
+    out = sched.schedule()
+    result = RunnerOutput(sampled_token_ids={"good": 5}, grammar_rejected={"bad": "the grammar refused token 9"})
+    deltas = {d.request_id: d for d in sched.update_from_output(out, result)}
+    assert deltas["bad"].finish_reason is FinishReason.ERROR and deltas["bad"].error_status == 400
+    assert deltas["bad"].new_token_ids == [] and "refused" in deltas["bad"].error
+    assert deltas["good"].new_token_ids == [5] and deltas["good"].finish_reason is None
+    assert set(sched.requests) == {"good"} and "bad" in sched.schedule().dropped_request_ids

@@ -137,8 +137,8 @@ def test_mask_allows_exactly_the_grammar_and_completes(compiler, tokenizer):
     unconstrained = SimpleNamespace(request_id="u", grammar=None)
     for index, token in enumerate(tokens):
         assert token in _allowed(row, vocab)
-        done = advance_grammars([row, unconstrained], [token, 5])
-        assert done == ({"r"} if index == len(tokens) - 1 else set())
+        done, refused = advance_grammars([row, unconstrained], [token, 5])
+        assert done == ({"r"} if index == len(tokens) - 1 else set()) and refused == {}
 
 
 def test_unconstrained_rows_are_untouched(compiler):
@@ -151,13 +151,26 @@ def test_unconstrained_rows_are_untouched(compiler):
     assert torch.isinf(logits[1]).sum() > compiler.vocab_size // 2
 
 
+def test_a_refused_token_fails_its_row_alone(compiler, tokenizer):
+    """The mask and the matcher disagreeing (here: a token outside the mask reaches the matcher)
+    ends that request with a reason naming its constraint; the other rows advance as usual."""
+    digits = _row(compiler.compile(StructuredOutputSpec("regex", "[0-9]+")))
+    letters = SimpleNamespace(request_id="ok", grammar=GrammarState(
+        compiler.compile(StructuredOutputSpec("choice", json.dumps(["cat", "dog"]))), []))
+    (letter,) = tokenizer.encode("x", add_special_tokens=False)[-1:]
+    (first,) = tokenizer.encode("cat", add_special_tokens=False)[:1]
+    done, refused = advance_grammars([digits, letters], [letter, first])
+    assert set(refused) == {"r"} and "structured-output constraint" in refused["r"] and str(letter) in refused["r"]
+    assert done == set() and letters.grammar.next_mask is not None  # the good row's next mask is ready
+
+
 def test_a_replayed_matcher_equals_the_one_that_walked(compiler, tokenizer):
     # After preemption the runner rebuilds the matcher from the request's tokens.
     compiled = compiler.compile(StructuredOutputSpec("json", json.dumps(SCHEMA)))
     tokens = tokenizer.encode('{"a": 7, "b": "', add_special_tokens=False)
     walked = _row(compiled)
     for token in tokens:
-        advance_grammars([walked], [token])
+        assert advance_grammars([walked], [token])[1] == {}
     replayed = _row(compiled, tokens)
     assert _allowed(replayed, compiler.vocab_size) == _allowed(walked, compiler.vocab_size)
     with pytest.raises(RuntimeError, match="rejects"):

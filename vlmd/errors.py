@@ -150,7 +150,7 @@ class HttpError(VlmdError):
 
 # How an engine-side failure is marked in a RequestDelta (plain data, no exception objects
 # cross the engine boundary): the HTTP status it maps to.
-ENGINE_REJECTED = 400  # the request was refused on arrival (RequestRejected)
+ENGINE_REJECTED = 400  # refused on arrival (RequestRejected), or its grammar could not be followed
 ENGINE_FAILED = 500  # a step that computed this request raised
 
 

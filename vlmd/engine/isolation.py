@@ -39,6 +39,8 @@ def find_culprits(runner, out: SchedulerOutput, first_error: BaseException) -> t
             else:
                 merged.sampled_token_ids.update(result.sampled_token_ids)
                 merged.logprobs.update(result.logprobs)
+                merged.grammar_completed.update(result.grammar_completed)
+                merged.grammar_rejected.update(result.grammar_rejected)
                 merged.encoder_seconds += result.encoder_seconds
 
     search(list(out.num_scheduled_tokens), first_error)

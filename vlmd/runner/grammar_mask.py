@@ -45,19 +45,31 @@ def apply_grammar_masks(logits: torch.Tensor, states: Sequence) -> None:
     apply_bitmask(logits, rows, bitmask)
 
 
-def advance_grammars(states: Sequence, tokens: Sequence[int]) -> set[str]:
-    """Feed each constrained row its sampled token; return the requests whose grammar is
-    complete (a stop token was accepted, or nothing but a stop token may follow)."""
+def advance_grammars(states: Sequence, tokens: Sequence[int]) -> tuple[set[str], dict[str, str]]:
+    """Feed each constrained row its sampled token. Returns the requests whose grammar is
+    complete (a stop token was accepted, or nothing but a stop token may follow) and those
+    whose grammar refused the sampled token (id -> reason).
+
+    A refusal means the mask and the matcher disagree (a grammar the library compiled but
+    cannot follow, e.g. one that can never be satisfied). It is that request's problem alone:
+    it ends with a client error naming its constraint, while the step's other rows go on;
+    raising here would fail the whole step and re-run it for nothing.
+    """
     advanced = []
     completed: set[str] = set()
+    rejected: dict[str, str] = {}
     for state, token in zip(states, tokens):
         grammar: GrammarState | None = getattr(state, "grammar", None)
         if grammar is None:
             continue
         grammar.next_mask = None
         if not grammar.matcher.accept(token):
-            raise RuntimeError(f"request {state.request_id}: the grammar rejects sampled token {token}")
-        if grammar.matcher.is_terminated():
+            rejected[state.request_id] = (
+                f"the structured-output constraint cannot be followed: its grammar refused token {token}, "
+                f"which its own mask allowed ({grammar.matcher.error or 'no reason given'}); "
+                "the constraint is likely unsatisfiable"
+            )
+        elif grammar.matcher.is_terminated():
             completed.add(state.request_id)
         else:
             advanced.append((state, grammar))
@@ -67,7 +79,7 @@ def advance_grammars(states: Sequence, tokens: Sequence[int]) -> set[str]:
         for (state, _), still_open in zip(advanced, open_rows):
             if not still_open:
                 completed.add(state.request_id)
-    return completed
+    return completed, rejected
 
 
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:

@@ -88,14 +88,16 @@ class ModelRunner:
             logits = self.model.compute_logits(sampled).float()
             process_logits = getattr(self.model, "process_logits", None)
             tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
-            result.grammar_completed = advance_grammars(batch.sample_states, tokens)
-            for state, token, logprob in zip(batch.sample_states, tokens, logprobs):
+            result.grammar_completed, result.grammar_rejected = advance_grammars(batch.sample_states, tokens)
+            kept = [(state, token, logprob) for state, token, logprob in zip(batch.sample_states, tokens, logprobs)
+                    if state.request_id not in result.grammar_rejected]  # those end with an error, tokenless
+            for state, token, logprob in kept:
                 result.sampled_token_ids[state.request_id] = token
                 if logprob is not None:
                     result.logprobs[state.request_id] = logprob
             # Nothing below can raise: commit the states only now (the token, and its count
             # for a penalized request).
-            for state, token in zip(batch.sample_states, tokens):
+            for state, token, _ in kept:
                 state.append_token(token)
         for piece in batch.slices:
             piece.state.num_computed_tokens = piece.end

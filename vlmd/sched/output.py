@@ -59,4 +59,7 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # Requests whose structured-output grammar is complete: they end with "stop" now.
     grammar_completed: set[str] = field(default_factory=set)
+    # Requests whose grammar refused the token its own mask allowed (id -> reason): they end
+    # with a client error (vlmd.errors.ENGINE_REJECTED), the others in the step go on.
+    grammar_rejected: dict[str, str] = field(default_factory=dict)
     encoder_seconds: float = 0.0

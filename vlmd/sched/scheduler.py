@@ -15,7 +15,7 @@ from vlmd.sched.encoder_cache import EncoderCacheManager
 from vlmd.sched.kv_manager import KVCacheManager
 from vlmd.sched.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from vlmd.sched.request import Request, RequestStatus
-from vlmd.errors import RequestRejected
+from vlmd.errors import ENGINE_REJECTED, RequestRejected
 from vlmd.types import EngineRequest, FinishReason, RequestDelta
 
 
@@ -304,6 +304,15 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             self._release_consumed_encoder_items(request)
+            refusal = result.grammar_rejected.get(request_id)
+            if refusal is not None:  # its KV is sound: only the request ends, its blocks stay cached
+                self.running.remove(request)
+                self._finish(request, FinishReason.ERROR)
+                deltas.append(RequestDelta(request_id, [], FinishReason.ERROR, error=refusal,
+                                           error_status=ENGINE_REJECTED,
+                                           num_prompt_tokens=request.num_prompt_tokens,
+                                           num_cached_tokens=request.num_cached_tokens))
+                continue
             token_id = result.sampled_token_ids.get(request_id)
             if token_id is None:
                 continue
