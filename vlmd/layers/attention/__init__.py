@@ -19,9 +19,11 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the layer's cache, then attend; returns [T, H, D]."""
-    return meta.backend.forward(q, k, v, kv_cache, meta, scale)
+    """Write this step's K/V into the layer's cache, then attend; returns [T, H, D].
+    ``window``: a sliding-window layer's reach in tokens (None: a full-attention layer)."""
+    return meta.backend.forward(q, k, v, kv_cache, meta, scale, window)
 
 
 __all__ = [

@@ -29,6 +29,10 @@ class SequenceChunk:
     block_ids: list[int]  # the sequence's block table (it covers at least start + count)
     start: int  # tokens already in the cache (its context)
     count: int
+    # Bidirectional spans: [first, end) positions whose tokens attend to each other in both
+    # directions (an image's tokens in Gemma 3), the rest causally. A span that reaches this
+    # chunk's queries must end inside it: its later keys are not in the cache otherwise.
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -77,7 +81,10 @@ class AttentionBackend:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
+        """``window``: a sliding-window layer's reach, each query attending to keys at
+        positions ``> position - window`` only (None: the whole context)."""
         raise NotImplementedError
 
     def decode_step(self, structure: "DecoderStructure", embeds: torch.Tensor, cos: torch.Tensor,

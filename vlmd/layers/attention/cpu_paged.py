@@ -35,6 +35,10 @@ the first implementation's gather did for every decode in every layer (47 ms aga
   as ``G * n`` queries of that head, so each K/V head is read once; the causal self part
   uses the kernel's own GQA support.
 - Gathers use ``index_select`` (~4x faster than ``cache[slots]`` on CPU).
+- Sliding-window layers and chunks that bidirectional spans reach (``masked.py``): a
+  windowed layer reads a bounded window per sequence, gathered, in torch; a full layer
+  masks only a spanned chunk's own tokens, also in torch (the native kernels know neither:
+  such layers and chunks never reach them).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from vlmd.config import ATTENTION_KERNEL_MODES
 from vlmd.host import last_level_cache_bytes
 from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
 from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes, shared_groups
+from vlmd.layers.attention.masked import WindowPlan, attend_windowed, check_spans, plan_window, span_mask
 from vlmd.layers.attention.segments import ContextSegments, context_segments
 from vlmd.layers.cpu import paged_decode as native_decode
 from vlmd.layers.cpu.fused_step import FusedDecodeSteps
@@ -98,6 +103,9 @@ class SequencePlan:
     block_ids: list[int]
     context_length: int  # cached tokens it attends to without a mask (then, causally, its own)
     block_size: int
+    # [n, n] additive mask of its own tokens where a bidirectional span reaches them
+    # (masked.span_mask); None: causal.
+    self_mask: torch.Tensor | None = None
     _context: ContextSegments | None = None
     _table: torch.Tensor | None = None
 
@@ -122,6 +130,8 @@ class SequencePlan:
 class CPUPagedMetadata(AttentionMetadata):
     plans: list[SequencePlan]  # the prefill chunks (rows after the decodes)
     decode_chunks: list[SequenceChunk]
+    prefill_chunks: list[SequenceChunk]
+    _window_plans: dict[int, WindowPlan] | None = None
     _decode_plan: DecodePlan | None = None
     _shares: bool | None = None
     _decode_batch: DecodeBatch | None = None
@@ -185,6 +195,15 @@ class CPUPagedMetadata(AttentionMetadata):
         plan = self.decode_plan
         return len(plan.views) == 1 and not plan.gathers and not plan.leftover_rows and not plan.shared
 
+    def window_plan(self, window: int) -> WindowPlan:
+        """The reads of layers with this window: built on first use, then shared by them."""
+        if self._window_plans is None:
+            self._window_plans = {}
+        if window not in self._window_plans:
+            self._window_plans[window] = plan_window(self.decode_chunks, self.prefill_chunks,
+                                                     self.backend.block_size, window)
+        return self._window_plans[window]
+
     @property
     def decode_plan(self) -> DecodePlan:
         """How the decodes read their contexts in place: built on first use, then shared
@@ -215,14 +234,16 @@ class CPUPagedBackend(AttentionBackend):
         for chunk in chunks[:num_decodes]:
             if chunk.count != 1 or chunk.start == 0:
                 raise ValueError("a decode is one new token after some context")
+            check_spans(chunk)
         plans = []
         row = num_decodes
         for chunk in chunks[num_decodes:]:
             if len(chunk.block_ids) * self.block_size < chunk.start:
                 raise ValueError(f"block table of {len(chunk.block_ids)} blocks cannot hold {chunk.start} tokens")
+            check_spans(chunk)
             plans.append(SequencePlan(
                 rows=(row, row + chunk.count), block_ids=chunk.block_ids, context_length=chunk.start,
-                block_size=self.block_size,
+                block_size=self.block_size, self_mask=span_mask(chunk) if chunk.spans else None,
             ))
             row += chunk.count
         # Checks every table (decodes included) against the tokens it must hold.
@@ -230,6 +251,7 @@ class CPUPagedBackend(AttentionBackend):
         decodes = chunks[:num_decodes]
         return CPUPagedMetadata(
             backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, plans=plans, decode_chunks=decodes,
+            prefill_chunks=chunks[num_decodes:],
         )
 
     def decodes_natively(self, meta: CPUPagedMetadata, k_cache: torch.Tensor, heads: int) -> bool:
@@ -245,9 +267,13 @@ class CPUPagedBackend(AttentionBackend):
             return None
         return self.fused_steps.run(structure, embeds, cos, sin, meta.slot_mapping, meta.decode_tables, kv_caches)
 
-    def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache
+        if window is not None:  # no native kernel takes a window: masked.py, in torch
+            if window < 1:
+                raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+            return attend_windowed(q, k_cache, v_cache, meta.window_plan(window), meta.num_decodes, scale)
         heads, kv_heads = q.shape[1], k.shape[1]
         out = torch.empty_like(q)
         decodes = meta.num_decodes
@@ -269,15 +295,16 @@ class CPUPagedBackend(AttentionBackend):
         for plan in meta.plans:
             first, end = plan.rows
             n = end - first
-            if prefill_natively:
+            if prefill_natively and plan.self_mask is None:  # the kernel is causal only
                 native_prefill.paged_prefill(q[first:end], k_cache, v_cache, plan.table, self.block_size,
                                              plan.context_length, scale, out[first:end])
                 continue
             # [H, n, D]; for unmasked segments seen as [1, Hkv, G * n, D] (GQA, see above).
             queries = q[first:end].transpose(0, 1).contiguous()
             grouped = queries.view(1, kv_heads, (heads // kv_heads) * n, q.shape[2])
+            self_mask = None if plan.self_mask is None else plan.self_mask.to(q.dtype)
             if plan.context.count == 0:
-                out[first:end] = _self_attention(queries, k[first:end], v[first:end], scale).transpose(0, 1)
+                out[first:end] = _self_attention(queries, k[first:end], v[first:end], scale, self_mask).transpose(0, 1)
                 continue
             partial: tuple[torch.Tensor, torch.Tensor] | None = None
             for start, stop in plan.context.views:
@@ -285,10 +312,16 @@ class CPUPagedBackend(AttentionBackend):
             for slots in plan.context.gathers:
                 keys, values = _gather(k_cache, slots), _gather(v_cache, slots)
                 partial = _merge(partial, _unmasked(grouped, keys, values, scale, n))
-            self_out, self_lse = _flash(
-                queries.unsqueeze(0), _heads_first(k[first:end]), _heads_first(v[first:end]),
-                0.0, True, scale=scale,
-            )
+            if self_mask is None:
+                self_out, self_lse = _flash(
+                    queries.unsqueeze(0), _heads_first(k[first:end]), _heads_first(v[first:end]),
+                    0.0, True, scale=scale,
+                )
+            else:  # spans reach this chunk: causal or same span, one [n, n] mask for every head
+                self_out, self_lse = _flash(
+                    queries.unsqueeze(0), _heads_first(k[first:end]), _heads_first(v[first:end]),
+                    0.0, False, attn_mask=self_mask.view(1, 1, n, n), scale=scale,
+                )
             partial = _merge(partial, (self_out.reshape(heads, n, -1), self_lse.reshape(heads, n)))
             out[first:end] = partial[0].transpose(0, 1)
         return out
@@ -381,11 +414,13 @@ def _unmasked(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return attended.reshape(heads, n, -1), lse.reshape(heads, n)
 
 
-def _self_attention(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A chunk with no earlier context: causal attention within it. [H, n, D] -> [H, n, D]."""
+def _self_attention(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk with no earlier context: causal attention within it, or under ``mask`` ([n, n]
+    additive: causal or same span). [H, n, D] -> [H, n, D]."""
     attended = F.scaled_dot_product_attention(
-        queries.unsqueeze(0), _heads_first(k), _heads_first(v),
-        is_causal=True, scale=scale, enable_gqa=queries.shape[0] != k.shape[1],
+        queries.unsqueeze(0), _heads_first(k), _heads_first(v), attn_mask=mask,
+        is_causal=mask is None, scale=scale, enable_gqa=queries.shape[0] != k.shape[1],
     )
     return attended[0]
 
