@@ -1,0 +1,134 @@
+"""InternVL image processing: tiles (and a thumbnail) as uint8, and the placeholder run.
+
+The chat template writes ``<IMG_CONTEXT>`` for an image; it becomes ``<img>``, then
+``tokens_per_tile`` ``<IMG_CONTEXT>`` placeholders per tile, then ``</img>``, as
+transformers' ``InternVLProcessor`` writes it. Tiles are cut with PIL exactly as its
+``GotOcr2ImageProcessorPil`` does (bicubic resize of the uint8 image to the grid, then crops;
+the thumbnail is the whole image resized to one tile); rescale and normalisation happen later
+on the device (``model.py``), so the processor cache holds uint8 pixels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from vlmd.errors import BadRequestError
+from vlmd.processing.base import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    ItemSize,
+    ItemTokens,
+    ProcessedItem,
+)
+from vlmd_internvl.settings import read_tile_settings
+from vlmd_internvl.tiling import TileGrid, TileSettings, tile_boxes
+
+
+class InternVLProcessingInfo(BaseProcessingInfo):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.settings = read_tile_settings(ctx.model_dir, ctx.hf_config)
+        tokenizer = ctx.tokenizer
+        self.context_token_id = int(ctx.hf_config.image_token_id)
+        # The run's brackets: the tokenizer names them (a config-only directory has none, and
+        # then only counts are asked of it, which need no ids).
+        self.start_token_id = _token_id(tokenizer, "<img>")
+        self.end_token_id = _token_id(tokenizer, "</img>")
+
+    def supported_mm_limits(self) -> dict[str, int | None]:
+        return {"image": None}
+
+    def marker_token_id(self, modality: str) -> int:
+        return self.context_token_id
+
+    def server_settings(self) -> TileSettings:
+        """The checkpoint's settings under the server-wide --mm-processor-kwargs."""
+        return self.settings.with_kwargs(self.ctx.mm_processor_kwargs)
+
+    def item_grid(self, size: ItemSize, kwargs: dict[str, Any]) -> TileGrid:
+        return self.settings.with_kwargs(kwargs).grid(size.height, size.width)
+
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        """``<img>``, every tile's placeholders (the thumbnail's too), ``</img>``."""
+        grid = self.item_grid(size, kwargs)
+        count = grid.tiles * self.settings.tokens_per_tile
+        layout = {"grid": f"{grid.columns}x{grid.rows}", "tiles": grid.columns * grid.rows,
+                  "thumbnail": int(grid.thumbnail), "tokens_per_tile": self.settings.tokens_per_tile}
+        return ItemTokens(replacement=count + 2, placeholders=count, encoder_tokens=count, layout=layout)
+
+
+class InternVLProcessor(BaseMultiModalProcessor):
+    def __init__(self, info: InternVLProcessingInfo):
+        super().__init__(info)
+        self.ceiling = info.server_settings().max_patches
+
+    def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        if modality != "image":
+            raise BadRequestError(f"InternVL does not take {modality}")
+        settings = self.info.settings.with_kwargs(kwargs)
+        if settings.max_patches > self.ceiling:
+            raise BadRequestError(
+                f"mm_processor_kwargs.max_patches {settings.max_patches} exceeds this server's limit of "
+                f"{self.ceiling} tiles per image",
+                param="mm_processor_kwargs",
+            )
+        width, height = media.size
+        grid = settings.grid(height, width)
+        tiles = cut_tiles(media, grid, settings)
+        tokens = self.info.item_tokens(modality, ItemSize(width, height), kwargs)
+        if len(tiles) * settings.tokens_per_tile != tokens.placeholders:
+            # The tower emits tokens_per_tile vectors per tile; a count from item_tokens that
+            # disagreed with the tiles would misplace every embedding after this item.
+            raise RuntimeError(f"{len(tiles)} tiles do not give the {tokens.placeholders} tokens item_tokens says")
+        info = self.info
+        return ProcessedItem(
+            encoder_inputs={"tiles": tiles},
+            replacement=[info.start_token_id, *[info.context_token_id] * tokens.placeholders, info.end_token_id],
+            placeholder_offset=1,
+            num_placeholders=tokens.placeholders,
+        )
+
+
+def cut_tiles(image: Image.Image, grid: TileGrid, settings: TileSettings) -> np.ndarray:
+    """uint8 ``[tiles, 3, tile_height, tile_width]``: the grid's tiles row by row, then the
+    thumbnail when the grid has one."""
+    image = image.convert("RGB")
+    tile_h, tile_w = settings.tile_height, settings.tile_width
+    canvas = _resized(image, grid.columns * tile_w, grid.rows * tile_h, settings.resample)
+    tiles = [canvas[top:bottom, left:right] for left, top, right, bottom in tile_boxes(grid, tile_h, tile_w)]
+    if grid.thumbnail:
+        tiles.append(_resized(image, tile_w, tile_h, settings.resample))
+    return np.ascontiguousarray(np.stack(tiles).transpose(0, 3, 1, 2))
+
+
+def _resized(image: Image.Image, width: int, height: int, resample: int) -> np.ndarray:
+    if image.size != (width, height):
+        # As transformers' PIL backend: resize the uint8 image, no reducing_gap.
+        image = image.resize((width, height), resample=resample, reducing_gap=None)
+    return np.asarray(image)
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    if tokenizer is None:
+        return None
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"the InternVL tokenizer has no {token} token")
+    return int(token_id)
+
+
+class InternVLDummyInputsBuilder(BaseDummyInputsBuilder):
+    """The costliest image under the server's settings: one whose grid is the most tiles
+    (``max_patches`` in a row, with the thumbnail)."""
+
+    def dummy_item(self, modality: str) -> Image.Image:
+        settings = self.info.server_settings()
+        columns = max(1, settings.max_patches) if settings.crop_to_patches else 1
+        image = Image.new("RGB", (columns * settings.tile_width, settings.tile_height), color=(255, 255, 255))
+        if settings.grid(image.height, image.width).tiles != settings.most_tiles():
+            raise RuntimeError("the dummy image does not take the most tiles")
+        return image

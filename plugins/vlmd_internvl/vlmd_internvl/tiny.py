@@ -1,0 +1,204 @@
+"""Deterministic random InternVL3 checkpoints for tests (``InternVLForConditionalGeneration``).
+
+Layout written to ``out_dir`` (byte-identical for the same seed and size):
+
+* ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, transformers 5 names)
+* ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``
+* ``processor_config.json`` (transformers 5: the processor with its image processor nested) and
+  ``preprocessor_config.json`` (the image processor, what transformers 4.x reads)
+* ``vlmd_tiny.json``: what was built (family, size, seed, parameter count, special token ids)
+
+Architecture as InternVL3: an InternViT tower (CLS + absolute positions, layer scale,
+pre-norm attention and MLP) over square tiles, pixel shuffle 0.5, a LayerNorm + 2-layer MLP
+projector and a Qwen2 text model (q/k/v bias, GQA). Tiles are 112 px (8x8 patches of 14 px, 16
+tokens per tile after the shuffle) and an image takes at most 6 tiles plus the thumbnail, so
+tests are fast while every grid rule (ties, thumbnails, thin strips) is exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from vlmd.tiny.checkpoint_io import save_model
+
+__all__ = ["SIZES", "INTERNVL_CHAT_TEMPLATE", "build_tiny_internvl", "internvl_config"]
+
+TILE_SIZE = 112
+PATCH_SIZE = 14
+MAX_PATCHES = 6
+TOKENS_PER_TILE = (TILE_SIZE // PATCH_SIZE) ** 2 // 4  # pixel shuffle 0.5
+IMAGENET_MEAN = [0.485, 0.456, 0.406]  # what InternVL3 checkpoints normalise with
+IMAGENET_STD = [0.229, 0.224, 0.225]
+
+# After the trained vocabulary, in the order InternVL3's Qwen2 vocabulary has them.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+IMAGE_TOKENS = {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>",
+                "video_token": "<video>"}
+
+SIZES: dict[str, dict] = {
+    "tiny": {
+        "vocab_size": 4096,
+        "vision": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
+        "text": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=4096),
+    },
+    "small": {
+        "vocab_size": 8192,
+        "vision": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, intermediate_size=1536),
+        "text": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=9, num_attention_heads=12,
+                     num_key_value_heads=4, max_position_embeddings=8192),
+    },
+}
+
+# The chat template transformers' InternVL conversion script writes, verbatim.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}{% elif content['type'] == 'text' %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_EXTRA_WORDS = ("system", "user", "assistant", "You", "are", "helpful", "What", "Describe", "image", "Frame")
+
+
+def _build_tokenizer(seed: int, vocab_size: int):
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
+
+    return build_bpe_tokenizer(
+        seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,
+        tokenizer_kwargs=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=IMAGE_TOKENS,
+                              model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
+                              chat_template=INTERNVL_CHAT_TEMPLATE),
+    )
+
+
+def internvl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
+    """The ``InternVLConfig`` of a ``size`` ("tiny" or "small") checkpoint."""
+    from transformers import InternVLConfig
+
+    spec = SIZES[size]
+    config = InternVLConfig(
+        text_config=dict(model_type="qwen2", vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False,
+                         tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"], **spec["text"]),
+        vision_config=dict(image_size=TILE_SIZE, patch_size=PATCH_SIZE, hidden_act="gelu", norm_type="layer_norm",
+                           attention_bias=True, use_qk_norm=False, use_mean_pooling=True, **spec["vision"]),
+        image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=TOKENS_PER_TILE, downsample_ratio=0.5,
+        projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["InternVLForConditionalGeneration"]
+    return config
+
+
+def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
+    """(mean, std) of the normal distribution a parameter is drawn from (see ``_init_weights``)."""
+    if is_norm:
+        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
+    if name.endswith(("lambda_1", "lambda_2")):
+        return 0.5, 0.1  # layer scale: the blocks change the residual stream visibly
+    if name.endswith(("cls_token", "position_embeddings")):
+        return 0.0, 0.5
+    if len(shape) == 1:
+        return 0.0, 0.02  # biases
+    if name.startswith("lm_head"):
+        return 0.0, 2.0 / math.sqrt(text_hidden)
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 1.0
+    fan_in = math.prod(shape[1:])
+    if name.endswith(("q_proj.weight", "k_proj.weight", "projection.weight")) or ".multi_modal_projector." in name:
+        return 0.0, 1.0 / math.sqrt(fan_in)  # sharp attention; image features on the scale of token embeddings
+    return 0.0, 0.5 / math.sqrt(fan_in)
+
+
+def _init_weights(model, seed: int, special_ids: list[int]) -> None:
+    """Overwrite every parameter from a seeded generator, in sorted-name order; the
+    ``lm_head`` rows of special tokens are zeroed so greedy decoding emits ordinary text."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    norm_names: set[str] = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+            norm_names.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
+    text_hidden = model.config.text_config.hidden_size
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            mean, std = _param_std(name, tuple(param.shape), name in norm_names, text_hidden)
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
+        model.get_output_embeddings().weight[special_ids] = 0.0
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _image_processor_settings() -> dict:
+    return {
+        "crop_to_patches": True, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+        "do_resize": True, "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+        "image_processor_type": "GotOcr2ImageProcessor", "max_patches": MAX_PATCHES, "min_patches": 1,
+        "resample": 3, "rescale_factor": 1 / 255, "size": {"height": TILE_SIZE, "width": TILE_SIZE},
+    }
+
+
+def _write_processor_files(out: Path, tokenizer) -> None:
+    """Tokenizer, chat template and processor configs (as JSON: transformers' video processor
+    for InternVL needs torchvision, so the processor is not saved through its class)."""
+    tokenizer.save_pretrained(out)
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["extra_special_tokens"] = IMAGE_TOKENS
+    tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[1:])
+    tok_cfg["chat_template"] = INTERNVL_CHAT_TEMPLATE
+    tok_cfg["add_bos_token"] = False
+    tok_cfg["add_eos_token"] = False
+    _write_json(tok_cfg_path, tok_cfg)
+    (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE, encoding="utf-8")
+    image = _image_processor_settings()
+    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "InternVLProcessor"})
+    _write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor",
+                                                 "image_seq_length": TOKENS_PER_TILE, "image_processor": image})
+
+
+def build_tiny_internvl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """Build a random InternVL3 checkpoint into ``out_dir`` and return its path."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    import torch
+    from transformers import GenerationConfig, InternVLForConditionalGeneration
+
+    spec = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(seed, spec["vocab_size"])
+    vocab = tokenizer.get_vocab()
+    ids = {token: vocab[token] for token in SPECIAL_TOKENS}
+    config = internvl_config(size, vocab_size=len(tokenizer), ids=ids)
+
+    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
+    model = InternVLForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed, sorted(ids.values()))
+    num_params = sum(p.numel() for p in model.parameters())
+    eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
+    )
+    save_model(model, out)
+    for name in ("config.json", "generation_config.json"):  # stable bytes
+        _write_json(out / name, json.loads((out / name).read_text(encoding="utf-8")))
+    _write_processor_files(out, tokenizer)
+    _write_json(out / "vlmd_tiny.json", {
+        "family": "internvl", "size": size, "seed": int(seed), "num_parameters": int(num_params),
+        "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<|endoftext|>"],
+        "image_token_id": ids["<IMG_CONTEXT>"], "start_image_token_id": ids["<img>"],
+        "end_image_token_id": ids["</img>"], "video_token_id": ids["<video>"], "tile_size": TILE_SIZE,
+        "max_patches": MAX_PATCHES, "tokens_per_tile": TOKENS_PER_TILE,
+    })
+    return out
