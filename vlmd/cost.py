@@ -128,6 +128,8 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
                "placeholder_tokens": tokens.placeholders, "encoder_tokens": tokens.encoder_tokens}
         if spec.modality == "video":
             row["frames"] = size.frames
+        if tokens.layout:
+            row["layout"] = dict(tokens.layout)
         rows.append(row)
 
     speech = isinstance(processor, SpeechToTextProcessor) and any(spec.modality == "audio" for spec in items)
@@ -249,7 +251,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"{report['model']} ({report['family']}, {report['dtype']}, block {report['block_size']}, "
              f"max_model_len {report['max_model_len']}, {report['kv_bytes_per_token']} KV bytes/token)"]
     header = ("item", "prompt tokens", "placeholders", "encoder tokens")
-    table = [header] + [(row["item"] + (f" ({row['frames']} frames kept)" if "frames" in row else ""),
+    table = [header] + [(row["item"] + (f" ({row['frames']} frames kept)" if "frames" in row else "")
+                         + (" (" + ", ".join(f"{k} {v}" for k, v in row["layout"].items()) + ")" if "layout" in row else ""),
                          str(row["prompt_tokens"]), str(row["placeholder_tokens"]), str(row["encoder_tokens"]))
                         for row in report["items"]]
     widths = [max(len(line[i]) for line in table) for i in range(4)]

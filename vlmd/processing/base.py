@@ -60,6 +60,9 @@ class ItemTokens:
     replacement: int  # prompt tokens that replace the item's marker
     placeholders: int  # of those, the positions the encoder output fills
     encoder_tokens: int  # vectors the encoder produces (budgeted and cached)
+    # How the family arrived at the count, for ``vlmd cost`` to show (a tiling family's grid,
+    # tiles and thumbnail); empty when the count needs no explaining.
+    layout: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass
