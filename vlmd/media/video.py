@@ -9,6 +9,10 @@ Frames are sampled as transformers' video processors do it: ``num_frames`` indic
 uniformly from the first frame (index ``i * total // num_frames``), fewer when the video has
 fewer frames, and an even count so frame pairs fill Qwen2-VL's temporal patch of 2 (a single
 frame stays single; the processor repeats it).
+
+The frames remember the rate they stand for (``VideoFrames.sampled_fps``: frames kept per
+second of video, transformers' ``VideoMetadata.sampled_fps``), for families whose positions
+follow absolute time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,23 @@ ALLOWED_CONTAINERS = frozenset(
 )
 
 
+class VideoFrames(np.ndarray):
+    """``[frames, height, width, 3]`` uint8 RGB frames, an ndarray to every reader, that also
+    carry ``sampled_fps``: kept frames per second of the source (kept / total x the stream's
+    rate), None when the container names no rate."""
+
+    sampled_fps: float | None
+
+    @classmethod
+    def of(cls, frames: np.ndarray, sampled_fps: float | None) -> "VideoFrames":
+        video = np.asarray(frames).view(cls)
+        video.sampled_fps = sampled_fps
+        return video
+
+    def __array_finalize__(self, source) -> None:
+        self.sampled_fps = getattr(source, "sampled_fps", None)
+
+
 def load_video(url: str, policy: MediaPolicy) -> np.ndarray:
     """Fetch ``url`` (data:, http(s)://, file://) and decode it; blocking, run off the loop."""
     data = fetch_bytes(url, dataclasses.replace(policy, max_bytes=policy.max_video_bytes))
@@ -50,6 +71,7 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
         width, height = _check_frame_size(stream, policy)
         _check_duration(container, stream, policy)
         total = stream.frames if stream.frames > 0 else _count_frames(data, policy)
+        rate = float(stream.average_rate) if stream.average_rate else None
         if total > policy.max_video_frames:
             raise MediaError(f"video has {total} frames; the limit is {policy.max_video_frames}")
         if total == 0:
@@ -69,7 +91,8 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
     if not frames:
         raise MediaError("video has no decodable frames")
     # The header may promise more frames than the stream holds: keep what was decoded.
-    return np.stack(frames[: even_frame_count(len(frames))])
+    kept = np.stack(frames[: even_frame_count(len(frames))])
+    return VideoFrames.of(kept, None if rate is None else len(indices) / total * rate)
 
 
 def even_frame_count(count: int) -> int:

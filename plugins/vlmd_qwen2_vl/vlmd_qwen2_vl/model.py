@@ -61,17 +61,22 @@ class Qwen2VLModel(nn.Module):
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
         self.config = config
         vision_config = config.vision_config
         vision_config._attn_implementation = "sdpa"
-        self.visual = Qwen2VisionTransformerPretrainedModel(vision_config)
+        self.visual = self.build_vision_tower(vision_config)
         self.language_model = Qwen2ForCausalLM(
             config.text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), tp=tp
         )
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
+
+    @staticmethod
+    def build_vision_tower(vision_config) -> nn.Module:
+        """The tower: transformers' own module (a family with another tower overrides this)."""
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel(vision_config)
 
     @classmethod
     def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen2VLModel":

@@ -46,18 +46,21 @@ class MRopeState:
 
 
 def mrope_positions(
-    num_tokens: int, items: Sequence[MultiModalItem], grids: Sequence[tuple[int, int, int]], merge_size: int
+    num_tokens: int, items: Sequence[MultiModalItem], grids: Sequence[tuple[int, int, int]], merge_size: int,
+    time_intervals: Sequence[float] | None = None,
 ) -> tuple[np.ndarray, int]:
     """(positions ``[3, num_tokens]`` int64, delta) for a prompt whose items have these
-    ``grid_thw`` patch grids (one per item, in the items' order)."""
+    ``grid_thw`` patch grids (one per item, in the items' order). ``time_intervals``, one per
+    item, stretch the time row (Qwen2.5-VL's absolute time; 1 everywhere for Qwen2-VL)."""
     positions = np.empty((3, num_tokens), dtype=np.int64)
     cursor = 0  # next token index
     next_position = 0
-    for item, grid in sorted(zip(items, grids), key=lambda pair: pair[0].offset):
+    intervals = [1.0] * len(items) if time_intervals is None else time_intervals
+    for item, grid, interval in sorted(zip(items, grids, intervals), key=lambda triple: triple[0].offset):
         text = item.offset - cursor
         positions[:, cursor : item.offset] = np.arange(next_position, next_position + text)
         next_position += text
-        block = item_positions(grid, merge_size)
+        block = item_positions(grid, merge_size, interval)
         if block.shape[1] != item.length:
             raise ValueError(
                 f"{item.modality} item has {item.length} placeholders but its grid {tuple(grid)} "
@@ -71,8 +74,11 @@ def mrope_positions(
     return positions, largest + 1 - num_tokens
 
 
-def item_positions(grid: tuple[int, int, int], merge_size: int) -> np.ndarray:
-    """``[3, t * h * w / merge**2]`` offsets (t, row, col) of one item, from zero."""
+def item_positions(grid: tuple[int, int, int], merge_size: int, time_interval: float = 1.0) -> np.ndarray:
+    """``[3, t * h * w / merge**2]`` offsets (t, row, col) of one item, from zero; frame pair
+    ``t`` sits at ``int(t * time_interval)``, multiplied in float32 as transformers does."""
     frames, rows, cols = int(grid[0]), int(grid[1]) // merge_size, int(grid[2]) // merge_size
-    t, h, w = np.meshgrid(np.arange(frames), np.arange(rows), np.arange(cols), indexing="ij")
+    times = np.arange(frames) if time_interval == 1.0 else (
+        np.arange(frames, dtype=np.float32) * np.float32(time_interval)).astype(np.int64)
+    t, h, w = np.meshgrid(times, np.arange(rows), np.arange(cols), indexing="ij")
     return np.stack([t.ravel(), h.ravel(), w.ravel()])
