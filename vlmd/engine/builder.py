@@ -146,9 +146,14 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         raise ValueError(f"--mm-processor-kwargs: {exc.message}") from None
     max_item_tokens = max((_encoder_tokens(processed) for processed in largest.values()), default=0)
     max_placeholders = max((_placeholders(processed) for processed in largest.values()), default=0)
-    if config.disable_chunked_mm_input and max_placeholders > config.max_num_batched_tokens:
+    # Items go whole into one step server-wide, or because this family's items attend
+    # within themselves both ways (a cut item could not be computed).
+    keep_items_whole = config.disable_chunked_mm_input or info.attends_within_items()
+    if keep_items_whole and max_placeholders > config.max_num_batched_tokens:
+        why = "--disable-chunked-mm-input" if config.disable_chunked_mm_input else \
+            f"{family.name} (its items attend within themselves both ways, so each goes in one step)"
         raise ValueError(
-            f"--disable-chunked-mm-input needs --max-num-batched-tokens >= {max_placeholders} "
+            f"{why} needs --max-num-batched-tokens >= {max_placeholders} "
             f"(the largest item), got {config.max_num_batched_tokens}"
         )
     check_items_fit(largest, max_model_len, config)
@@ -195,7 +200,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         num_kv_blocks=-(-max_model_len // config.block_size),  # the profile's; sized below
         max_num_encoder_input_tokens=encoder_budget,
         encoder_cache_size=encoder_cache_size,
-        disable_chunked_mm_input=config.disable_chunked_mm_input,
+        disable_chunked_mm_input=keep_items_whole,
         enable_prefix_caching=enable_prefix_caching,
     )
     filler = (tokenizer.encode(" the", add_special_tokens=False) or [0])[0]

@@ -52,8 +52,8 @@ class DecoderStructure:
     eps: float  # every RMSNorm's
     activation: str  # of the gate: "silu", "gelu", "gelu_pytorch_tanh"
     tensor_parallel: int = 1  # ranks the products are split over
-    query_key_norm: bool = False  # an RMSNorm of q and of k before rotary (Qwen3, Gemma 3)
-    sliding_window: int | None = None  # tokens a layer attends back (Gemma 3's local layers)
+    query_key_norm: bool = False  # an RMSNorm of q and of k before rotary (Qwen3, and others)
+    sliding_window: int | None = None  # tokens a layer attends back (the local layers of an interleaved decoder)
 
     def products(self) -> list[nn.Module]:
         """Every layer's products in the order a step runs them."""

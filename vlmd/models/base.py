@@ -38,6 +38,10 @@ class MultimodalModel(Protocol):
       plain ones (Qwen2-VL's 3-D table). ``family_state`` is the object the family's
       processor made for the request (``BaseMultiModalProcessor.family_state``), which the
       core carries without reading; None from this means plain positions for that slice.
+    - ``attention_spans(items) -> [(first, end), ...]``: positions whose tokens attend to
+      each other in both directions (an image's tokens, where the family's processing info
+      says ``attends_within_items``); the runner hands each chunk the spans it reaches and
+      the attention backend masks them (``layers/attention/masked.py``).
     """
 
     kv_spec: KVSpec

@@ -101,6 +101,13 @@ class BaseProcessingInfo(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement item_tokens")
 
+    def attends_within_items(self) -> bool:
+        """Whether an item's tokens attend to each other in both directions (some VLMs'
+        images): then the scheduler keeps each item's tokens in one step, as
+        ``--disable-chunked-mm-input`` does server-wide, since a chunk that cut the item
+        could not compute it. The model gives the spans (``MultimodalModel.attention_spans``)."""
+        return False
+
     def max_model_len(self) -> int:
         """The longest sequence the decoder takes (its position table)."""
         config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config

@@ -44,13 +44,19 @@ class StepBatch:
 # ``slice_positions(family_state, start, end, num_prompt_tokens)`` -> [rows, end - start]
 # int64, or None for plain positions (MultimodalModel.slice_positions).
 SlicePositions = Callable[[Any, int, int, int], "torch.Tensor | None"]
+# A model's bidirectional spans of a request, from its items: ``attention_spans(items)`` ->
+# [(first, end), ...] positions whose tokens attend to each other both ways
+# (MultimodalModel.attention_spans: images whose tokens see each other).
+AttentionSpans = Callable[[list[Any]], "list[tuple[int, int]]"]
 
 
 def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: AttentionBackend,
-                slice_positions: SlicePositions | None = None) -> StepBatch:
+                slice_positions: SlicePositions | None = None,
+                attention_spans: AttentionSpans | None = None) -> StepBatch:
     """Decodes (one new token after some context) first, then prefill chunks; the
     attention backend turns the same order into its metadata, once for every layer.
-    ``slice_positions``: the model's, where its positions are not plain ones."""
+    ``slice_positions``: the model's, where its positions are not plain ones;
+    ``attention_spans``: the model's, where its items attend bidirectionally."""
     decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
     prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
 
@@ -64,7 +70,11 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
         input_ids.extend(state.token_ids[start : start + count])
         positions.extend(range(start, start + count))
         slices.append(ScheduledSlice(state, start, count, row))
-        chunks.append(SequenceChunk(state.block_ids, start, count))
+        spans = ()
+        if attention_spans is not None and state.mm_items and start < state.num_prompt_tokens:
+            end = start + count  # only the spans this chunk's queries reach
+            spans = tuple(span for span in attention_spans(state.mm_items) if span[0] < end and span[1] > start)
+        chunks.append(SequenceChunk(state.block_ids, start, count, spans))
         row += count
     meta = attention.prepare_metadata(chunks, num_decodes=len(decodes))
     sampled = [(piece, chunk) for piece, chunk in zip(slices, chunks) if piece.samples]

@@ -46,6 +46,8 @@ class ModelRunner:
         # The model's positions for a request's tokens from its family state, where they
         # are not plain ones (Qwen2-VL's 3-D table): optional (models/base.py).
         self.slice_positions = getattr(model, "slice_positions", None)
+        # Spans of a request's items whose tokens attend both ways (an image's, in some VLMs): optional.
+        self.attention_spans = getattr(model, "attention_spans", None)
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -67,7 +69,7 @@ class ModelRunner:
         encoder_seconds = time.perf_counter() - started
 
         scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
-        batch = build_batch(scheduled, self.attention, self.slice_positions)
+        batch = build_batch(scheduled, self.attention, self.slice_positions, self.attention_spans)
         input_ids, positions, meta, outputs = self.staging.to_device(
             (batch.input_ids, batch.positions, batch.meta, batch.outputs)
         )

@@ -75,8 +75,8 @@ class Scheduler:
         largest_run = max((item.length for item in request.mm_items), default=0)
         if self.config.disable_chunked_mm_input and largest_run > self.config.max_num_batched_tokens:
             raise RequestRejected(
-                f"a media item of {largest_run} tokens exceeds the encoder budget of "
-                f"{self.config.max_num_batched_tokens} tokens per step (--disable-chunked-mm-input)"
+                f"a media item of {largest_run} tokens does not fit one step: each item is scheduled in one "
+                f"step, and --max-num-batched-tokens is {self.config.max_num_batched_tokens}"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -210,10 +210,12 @@ class Scheduler:
                 break
             if item.use_end <= start:  # consumed (an item without placeholders: past its offset)
                 continue
-            if self.config.disable_chunked_mm_input and item.offset >= start and item.end > end:
+            if self.config.disable_chunked_mm_input and item.end > end:
                 # Checked before the cache: an item must go in one step even when its output
                 # is already resident (or held for an earlier occurrence of the same image).
-                return item.offset - start, to_encode, hits
+                # A chunk that starts inside it (a prefix hit past its start) must reach its
+                # end too (a bidirectional span's queries read its later keys), or wait.
+                return max(item.offset - start, 0), to_encode, hits
             if item.identifier in request.held_encoder_items:
                 continue
             if item.identifier in planned:

@@ -30,7 +30,7 @@ class SequenceChunk:
     start: int  # tokens already in the cache (its context)
     count: int
     # Bidirectional spans: [first, end) positions whose tokens attend to each other in both
-    # directions (an image's tokens in Gemma 3), the rest causally. A span that reaches this
+    # directions (an image's tokens in some VLMs), the rest causally. A span that reaches this
     # chunk's queries must end inside it: its later keys are not in the cache otherwise.
     spans: tuple[tuple[int, int], ...] = ()
 

@@ -1,7 +1,7 @@
 """Attention with a mask beyond causal: sliding-window layers and bidirectional spans.
 
-Two patterns that a causal-only backend computes wrongly (Gemma 3's, as transformers
-builds them from ``sliding_window`` and ``token_type_ids``):
+Two patterns that a causal-only backend computes wrongly (as transformers builds them from
+``sliding_window`` and ``token_type_ids`` for the models that use them):
 
 - a **sliding-window layer** lets the query at position ``p`` see keys at positions
   ``k > p - window`` only;
