@@ -42,6 +42,16 @@ class MultimodalModel(Protocol):
       each other in both directions (an image's tokens, where the family's processing info
       says ``attends_within_items``); the runner hands each chunk the spans it reaches and
       the attention backend masks them (``layers/attention/masked.py``).
+    - ``merge_multimodal(inputs_embeds, rows, features) -> Any``: where the encoder output
+      is more than the placeholders' embeddings (e.g. wider: vectors for later layers too).
+      ``rows`` ``[n]`` are the step's placeholder rows in the batch and ``features`` ``[n,
+      width]`` their vectors, gathered from each item's stored encoder output for the part
+      of the item this step computes (so chunking, the encoder cache, a prefix hit inside an
+      item and preemption need nothing of the model). The model writes the embeddings
+      itself; what it returns comes back to ``forward(..., multimodal=...)`` for this step.
+      Without it the runner writes ``features`` into ``inputs_embeds[rows]``.
+      ``encoder_output_width``: the width of an encoder output vector, where it is not the
+      decoder's hidden size (the encoder cache is sized by it).
     """
 
     kv_spec: KVSpec

@@ -11,7 +11,7 @@ import torch
 
 from vlmd.layers.attention import attention_backend_for
 from vlmd.models.base import MultimodalModel
-from vlmd.runner.batch import ScheduledSlice, StepBatch, build_batch
+from vlmd.runner.batch import StepBatch, build_batch
 from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.host_staging import HostStaging
 from vlmd.runner.kv_cache import allocate_kv_caches
@@ -48,6 +48,9 @@ class ModelRunner:
         self.slice_positions = getattr(model, "slice_positions", None)
         # Spans of a request's items whose tokens attend both ways (an image's, in some VLMs): optional.
         self.attention_spans = getattr(model, "attention_spans", None)
+        # Where the model merges encoder outputs itself (a wider output than its embeddings,
+        # read by later layers): optional (models/base.py).
+        self.merge_multimodal = getattr(model, "merge_multimodal", None)
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -75,10 +78,15 @@ class ModelRunner:
         )
         batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta, outputs=outputs)
         embeds = self.model.embed_input_ids(batch.input_ids)
-        for piece in batch.slices:
-            if piece.state.mm_items:
-                self._insert_encoder_outputs(embeds, piece)
         extra = {}
+        encoder_rows = self._encoder_rows(batch)
+        if encoder_rows is not None:
+            rows, features = encoder_rows
+            if self.merge_multimodal is not None:
+                # The model places the rows itself and gets back what it made of them.
+                extra["multimodal"] = self.merge_multimodal(embeds, rows, features)
+            else:
+                embeds[rows] = features.to(embeds.dtype)
         if getattr(self.model, "is_encoder_decoder", False):
             extra["cross_states"] = self._cross_states(batch)
         # Given the sampled rows, the model returns only theirs (its last layer runs them alone).
@@ -181,15 +189,25 @@ class ModelRunner:
             spans.append((piece.row, piece.row + piece.count, state.cross_state))
         return spans
 
-    def _insert_encoder_outputs(self, embeds: torch.Tensor, piece: ScheduledSlice) -> None:
-        """Overwrite placeholder rows with the matching slice of each item's encoder output."""
-        for item in piece.state.mm_items:
-            first = max(item.offset, piece.start)
-            last = min(item.end, piece.end)
-            if first >= last:
-                continue
-            output = self.encoder_outputs.get(item.identifier)
-            if output is None:
-                raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
-            row = piece.row + first - piece.start
-            embeds[row : row + last - first] = output[first - item.offset : last - item.offset].to(embeds.dtype)
+    def _encoder_rows(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows ``[n]``, features ``[n, width]``): the batch rows of this step's placeholders
+        and, for each, its vector of its item's encoder output (the slice of the item this
+        chunk computes, whether the output was just encoded or kept from an earlier step);
+        None when the step has no placeholder."""
+        rows: list[torch.Tensor] = []
+        features: list[torch.Tensor] = []
+        for piece in batch.slices:
+            for item in piece.state.mm_items:
+                first = max(item.offset, piece.start)
+                last = min(item.end, piece.end)
+                if first >= last:
+                    continue
+                output = self.encoder_outputs.get(item.identifier)
+                if output is None:
+                    raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
+                row = piece.row + first - piece.start
+                rows.append(torch.arange(row, row + last - first))
+                features.append(output[first - item.offset : last - item.offset])
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(features)
