@@ -74,11 +74,21 @@ class MRotaryEmbedding(RotaryEmbedding):
     ``[T]`` positions mean (p, p, p), which is ordinary RoPE.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, section: list[int]):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, section: list[int],
+                 interleaved: bool = False):
+        """``interleaved``: the rows take turns column by column (t, h, w, t, h, w, ...) while
+        each has columns left in its section, the rest of the columns time's, as
+        transformers' ``recomposition_frequencies`` lays them out; else contiguous sections."""
         super().__init__(head_dim, max_positions, theta, scaling)
         if len(section) != 3 or sum(section) != head_dim // 2:
             raise ValueError(f"mrope_section {section} must be 3 sizes summing to head_dim / 2 = {head_dim // 2}")
-        row_of_half = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        if interleaved:
+            column = torch.arange(head_dim // 2)
+            row_of_half = torch.zeros(head_dim // 2, dtype=torch.long)
+            for row in (1, 2):  # height takes columns 1, 4, 7, ... below 3 * its section; width 2, 5, 8, ...
+                row_of_half[(column % 3 == row) & (column < 3 * section[row])] = row
+        else:
+            row_of_half = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
         self.register_buffer("row_of_column", torch.cat((row_of_half, row_of_half)), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +116,8 @@ def rotary_for(config, head_dim: int) -> RotaryEmbedding:
     theta, scaling = rope_parameters(config)
     section = mrope_section(config)
     if section is not None:
-        return MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, section)
+        interleaved = bool(scaling.get("mrope_interleaved", False))
+        return MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, section, interleaved)
     return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
 
 
