@@ -51,10 +51,14 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
 
+    def project_qkv(self, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D], q and k rotated (a subclass may norm them first)."""
+        return rotate_qkv(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
+
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata, outputs: OutputRows | None = None):
         """[T, hidden] -> [T, hidden], or with ``outputs`` -> [R, hidden] for its rows alone."""
         tokens = hidden.shape[0]
-        q, k, v = rotate_qkv(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = self.project_qkv(hidden, cos, sin)
         if outputs is not None:
             # Every row's K/V go to the cache (later tokens attend to them); only the used
             # rows' queries attend. The q columns of the other rows are still computed: a
@@ -85,10 +89,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention  # a subclass's layer may change its attention alone
+
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool | None = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, tp)
+        self.self_attn = self.attention_class(config, rotary, qkv_bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -122,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
+    layer_class = LlamaDecoderLayer
+
     def __init__(
         self, config, *, qkv_bias: bool | None = None, rotary: RotaryEmbedding | None = None, tp: TPGroup = SINGLE
     ):
@@ -137,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, qkv_bias, tp) for _ in range(config.num_hidden_layers)
+            self.layer_class(config, self.rotary, qkv_bias, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
