@@ -1,0 +1,154 @@
+"""The Qwen3-VL model (dense): transformers' vision tower and our Qwen3 with DeepStack.
+
+The vision tower needs no KV cache, so it is transformers' own module built from the
+checkpoint config (16-px patches of frame pairs, learned positions interpolated to each
+grid, 2D RoPE, a 2x2 merger); the language model, where the paged cache lives, is our
+``Qwen3ForCausalLM`` with interleaved M-RoPE (positions from the processor, see
+``positions.py``).
+
+DeepStack: the tower also merges the hidden states of a few of its layers
+(``deepstack_visual_indexes``), one vector per placeholder each, which the reference adds to
+the decoder's hidden states at the placeholders after its first layers. So one encoder
+output row here is ``[main | deepstack 0 | deepstack 1 | ...]``, each as wide as the
+decoder: the runner stores, caches and slices rows as for any family, and hands this model
+the rows of each step (``merge_multimodal``), which writes the main part into the
+embeddings and passes the rest to the decoder (``Qwen3ForCausalLM.forward(additions=)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
+from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.qwen3 import Qwen3ForCausalLM
+from vlmd_qwen2_vl.model import patchify
+from vlmd_qwen2_vl.positions import MRopeState
+from vlmd_qwen2_vl.settings import VisionSettings
+from vlmd_qwen3_vl.settings import MODALITIES, read_qwen3_vl_settings
+
+# Checkpoint prefixes (transformers 5 layout, and the published one) -> ours.
+_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "visual."),
+    ("lm_head.", "language_model.lm_head."),
+)
+DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' default where a config names none
+
+
+def _rename(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    raise ValueError(f"unexpected weight {name!r} in Qwen3-VL checkpoint")
+
+
+def interleaved_mrope(text_config) -> MRotaryEmbedding:
+    """transformers' Qwen3-VL text rotary interleaves the rows whatever the config says."""
+    theta, scaling = rope_parameters(text_config)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    section = mrope_section(text_config) or DEFAULT_MROPE_SECTION
+    return MRotaryEmbedding(head_dim, text_config.max_position_embeddings, theta, scaling, section, interleaved=True)
+
+
+class Qwen3VLModel(nn.Module):
+    """Under tensor parallelism (``tp``) the Qwen3 decoder is sharded; the vision tower is
+    replicated: every rank encodes every image (docs/architecture.md)."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        self.config = config
+        vision_config, text_config = config.vision_config, config.text_config
+        vision_config._attn_implementation = "sdpa"
+        self.visual = Qwen3VLVisionModel(vision_config)
+        self.num_deepstack = len(vision_config.deepstack_visual_indexes)
+        if self.num_deepstack >= text_config.num_hidden_layers:
+            raise ValueError(f"{self.num_deepstack} DeepStack layers for a decoder of {text_config.num_hidden_layers}")
+        self.hidden_size = int(text_config.hidden_size)
+        if int(vision_config.out_hidden_size) != self.hidden_size:
+            raise ValueError(f"vision out_hidden_size {vision_config.out_hidden_size} is not the decoder's "
+                             f"hidden size {self.hidden_size}")
+        self.encoder_output_width = self.hidden_size * (1 + self.num_deepstack)
+        self.language_model = Qwen3ForCausalLM(
+            text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            rotary=interleaved_mrope(text_config), tp=tp,
+        )
+        self.kv_spec = self.language_model.kv_spec
+        self.settings: dict[str, VisionSettings] = {}
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen3VLModel":
+        model = cls(config, tp)
+        model.load_weights(iterate_weights(model_dir))
+        model = model.to(dtype).eval()
+        # Registered after the dtype cast: normalisation stays float32, as the reference's.
+        for modality in MODALITIES:
+            settings = read_qwen3_vl_settings(str(model_dir), modality)
+            model.settings[modality] = settings
+            model.register_buffer(f"{modality}_mean", torch.tensor(settings.mean), persistent=False)
+            model.register_buffer(f"{modality}_std", torch.tensor(settings.std), persistent=False)
+        return model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
+                                "Qwen3-VL", encoder_prefix="visual.")
+
+    # ---- the runner's contract -----------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def drop_encoders(self, modalities: set[str]) -> list[str]:
+        if not set(MODALITIES) <= modalities:
+            return []
+        self.visual = None
+        return ["visual"]
+
+    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """One vision-tower pass over all items; per item ``[tokens, hidden * (1 + deepstack)]``."""
+        if self.visual is None:
+            raise ValueError("this Qwen3-VL's vision tower is off (--limit-mm-per-prompt image=0)")
+        if modality not in self.settings:
+            raise ValueError(f"Qwen3-VL does not encode {modality}")
+        settings = self.settings[modality]
+        mean, std = getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std")
+        device = mean.device
+        patches = [patchify(torch.from_numpy(np.asarray(inputs["pixels"])).to(device), mean, std, settings)
+                   for inputs in encoder_inputs]
+        grids = torch.tensor([list(inputs["grid_thw"]) for inputs in encoder_inputs], dtype=torch.long, device=device)
+        dtype = next(self.visual.parameters()).dtype
+        out = self.visual(torch.cat(patches).to(dtype), grid_thw=grids)
+        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+        sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
+        return list(rows.split(sizes))
+
+    def merge_multimodal(self, inputs_embeds: torch.Tensor, rows: torch.Tensor,
+                         features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main vectors into the placeholder rows; the DeepStack ones ``[k, n, hidden]``
+        for ``forward`` to add after the first k layers."""
+        if features.shape[-1] != self.encoder_output_width:
+            raise RuntimeError(f"encoder rows of width {features.shape[-1]}; Qwen3-VL's are {self.encoder_output_width}")
+        inputs_embeds[rows] = features[:, : self.hidden_size].to(inputs_embeds.dtype)
+        deepstack = features[:, self.hidden_size :].reshape(len(rows), self.num_deepstack, self.hidden_size)
+        return rows, deepstack.transpose(0, 1)
+
+    def slice_positions(self, state: MRopeState | None, start: int, end: int,
+                        num_prompt_tokens: int) -> torch.Tensor | None:
+        """[3, end - start] M-RoPE positions from the request's table; None (plain
+        positions, which are M-RoPE's (p, p, p)) for a request without media."""
+        return None if state is None else state.positions(start, end, num_prompt_tokens)
+
+    def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None, multimodal=None) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs, additions=multimodal)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
