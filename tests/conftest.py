@@ -195,6 +195,13 @@ def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen3_vl", tmp_path_factory.mktemp("tiny-qwen3-vl"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_audio_dir(tmp_path_factory) -> Path:
     from vlmd.testing.tiny import build_tiny
 

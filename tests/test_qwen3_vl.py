@@ -1,0 +1,171 @@
+"""Qwen3-VL (dense) through the real server: greedy tokens equal transformers' generate.
+
+Cases: a 640x480 image; two images of different sizes; a very wide image; text only; a
+per-request max_pixels; a second turn about the first case's image. Each runs alone, then
+all concurrently, then again on a second server whose token budget (16) splits every image's
+placeholders (and so its DeepStack rows) across steps and whose KV cache (12 blocks of 16)
+forces preemption and evicts cached blocks from inside items. ``usage.prompt_tokens`` must
+equal the length of transformers' processor output; a first divergence is accepted only at a
+near tie (tests/oracle.py), and the greedy tokens' log-probs must agree within 1e-3 up to it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import orjson
+import pytest
+from PIL import Image
+
+from conftest import Server, image_data_url, random_image
+from oracle import assert_greedy_match
+from qwen3_vl_oracle import hf_qwen3_vl_generate
+
+CASE_NAMES = ["image_640x480", "two_images", "wide_1500x200", "text_only", "image_max_pixels", "second_turn"]
+FIRST_ANSWER = "It is a picture of noise."
+
+
+def _cases():
+    image = lambda seed, w, h: {"type": "image", "media": random_image(seed, w, h)}  # noqa: E731
+    first = [image(1, 640, 480)]
+    cases = {
+        "image_640x480": (first, "What is in this image?", {}, None),
+        "two_images": ([image(4, 320, 240), image(5, 500, 300)], "Compare them.", {}, None),
+        "wide_1500x200": ([image(2, 1500, 200)], "Read the banner.", {}, None),
+        "text_only": ([], "Write a short poem about the sea.", {}, None),
+        "image_max_pixels": ([image(10, 800, 600)], "Describe it briefly.", {"max_pixels": 16 * 32 * 32}, None),
+        # The first case's conversation, one turn on: its prompt starts with the first's.
+        "second_turn": (first, "What is in this image?", {}, (FIRST_ANSWER, "And its colours?")),
+    }
+    assert list(cases) == CASE_NAMES
+    return cases
+
+
+def _messages(parts, text, follow_up, content_of):
+    messages = [{"role": "user", "content": [content_of(part) for part in parts] + [{"type": "text", "text": text}]}]
+    if follow_up is not None:
+        answer, question = follow_up
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": [{"type": "text", "text": question}]}]
+    return messages
+
+
+def _body(parts, text, kwargs, follow_up, max_tokens):
+    content_of = lambda part: {"type": "image_url", "image_url": {"url": image_data_url(part["media"])}}  # noqa: E731
+    body = {"messages": _messages(parts, text, follow_up, content_of), "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "logprobs": True}
+    if kwargs:
+        body["mm_processor_kwargs"] = kwargs
+    return body
+
+
+def _reference(model_dir, parts, text, kwargs, follow_up, max_tokens):
+    messages = _messages(parts, text, follow_up, lambda part: {"type": "image"})
+    return hf_qwen3_vl_generate(model_dir, messages, [part["media"] for part in parts], max_tokens,
+                                mm_processor_kwargs=kwargs)
+
+
+def _max_tokens(index: int) -> int:
+    return 8 + 2 * index
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return list(_cases().items())
+
+
+@pytest.fixture(scope="module")
+def references(tiny_qwen3_vl_dir, cases):
+    return {name: _reference(tiny_qwen3_vl_dir, *case, _max_tokens(i)) for i, (name, case) in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_vl_dir, tmp_path_factory):
+    server = Server(tiny_qwen3_vl_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "2048",
+                    log_dir=tmp_path_factory.mktemp("qwen3-vl-logs"))
+    yield server
+    server.stop()
+
+
+def _check(body, ref):
+    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
+    ours = body["choices"][0]["token_ids"]
+    assert_greedy_match(ours, ref)
+    theirs = ref["output_token_ids"]
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
+
+
+def _run_concurrently(server, cases):
+    def one(index):
+        status, body = server.chat(_body(*cases[index][1], _max_tokens(index)))
+        assert status == 200, body
+        return body
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(one, range(len(cases))))
+
+
+def test_parity_one_request_at_a_time(server, cases, references, tiny_qwen3_vl_dir):
+    """In order, so the second turn finds the first turn's blocks in the prefix cache."""
+    for index, (name, case) in enumerate(cases):
+        status, body = server.chat(_body(*case, _max_tokens(index)))
+        assert status == 200, body
+        _check(body, references[name])
+        if name == "second_turn":
+            image_end = len(body["prompt_token_ids"]) - body["prompt_token_ids"][::-1].index(_image_token(tiny_qwen3_vl_dir))
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= image_end - 16
+
+
+def _image_token(model_dir) -> int:
+    return orjson.loads((model_dir / "config.json").read_bytes())["image_token_id"]
+
+
+def test_parity_all_concurrently(server, cases, references):
+    for (name, _), body in zip(cases, _run_concurrently(server, cases)):
+        _check(body, references[name])
+
+
+def test_parity_items_split_across_steps_and_preempted(tiny_qwen3_vl_dir, cases, references, tmp_path):
+    server = Server(tiny_qwen3_vl_dir, "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", "16",
+                    "--num-kv-blocks", "14", "--max-model-len", "200", "--torch-threads", "2", log_dir=tmp_path)
+    try:
+        for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
+            steps_before = server.metrics()["vlmd_engine_steps_total"]
+            bodies = _run_concurrently(server, cases)
+            for (name, _), body in zip(cases, bodies):
+                _check(body, references[name])
+            metrics = server.metrics()
+            prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
+            assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 16
+            if metrics["vlmd_num_preemptions_total"] > 0:
+                break
+        assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+    finally:
+        server.stop()
+
+
+def _image_request(*images: Image.Image) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in images]
+    return {"messages": [{"role": "user", "content": content + [{"type": "text", "text": "hi"}]}], "max_tokens": 2}
+
+
+def test_bad_input_is_a_400_and_the_server_still_serves(server):
+    cases = [
+        (_image_request(Image.new("RGB", (1, 1))), "too small"),
+        (_image_request(*(random_image(seed, 64, 64) for seed in range(3))), "at most 2 image"),
+        ({**_image_request(random_image(1, 64, 64)), "mm_processor_kwargs": {"max_pixels": 10**7}},
+         "exceeds this server's image limit"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}], "max_tokens": 2}, "video"),
+    ]
+    for request, message in cases:
+        status, body = server.chat(request)
+        assert status == 400, body
+        assert message in body["error"]["message"], body
+        assert body["error"]["type"] == "invalid_request_error"
+    status, body = server.chat(_image_request(random_image(7, 64, 64)))
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
