@@ -1,0 +1,33 @@
+"""The Qwen2.5-VL model: transformers' vision tower and our Qwen2, on Qwen2-VL's frame.
+
+Everything but the tower is Qwen2-VL's (``vlmd_qwen2_vl.model``): the checkpoint layout,
+on-device patchify of uint8 frames, the Qwen2 decoder over the paged cache (sharded under
+tensor parallelism; the tower is replicated) and positions from the request's
+``MRopeState``. The tower differs: most blocks attend within windows of
+``window_size`` pixels (``fullatt_block_indexes`` attend across the whole frame pair), with
+patches permuted into window order and the merged output permuted back, and its blocks use
+RMSNorm and a SwiGLU MLP. That tower needs no KV cache, so it is transformers' own module
+built from the checkpoint config, as Qwen2-VL's is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vlmd.models.loader import load_multimodal_weights
+from vlmd_qwen2_vl.model import Qwen2VLModel, _rename
+
+
+class Qwen2_5_VLModel(Qwen2VLModel):
+    @staticmethod
+    def build_vision_tower(vision_config) -> nn.Module:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel(vision_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
+                                "Qwen2.5-VL", encoder_prefix="visual.")

@@ -1,0 +1,48 @@
+"""What both Qwen2.5-VL test modules share: the tiny checkpoint (built once per session
+without a conftest fixture) and the test video with the metadata transformers is given.
+Not a test module."""
+
+from __future__ import annotations
+
+import functools
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_video
+
+# A 3 s clip at 4 fps; the servers keep 4 of its 12 frames: 4/12 x 4 = 4/3 fps sampled, so a
+# frame pair spans 1.5 s, 3 time positions at the tiny's 2 tokens per second.
+VIDEO_FRAMES, VIDEO_FPS, NUM_FRAMES = 12, 4, 4
+
+
+@functools.lru_cache(maxsize=1)
+def _build(root: str) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen2_5_vl", Path(root) / "tiny-qwen2-5-vl", seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
+    return _build(str(tmp_path_factory.getbasetemp()))
+
+
+def video_bytes() -> bytes:
+    return make_video(VIDEO_FRAMES, fps=VIDEO_FPS, seed=11)
+
+
+def sampled_video(data: bytes, num_frames: int = NUM_FRAMES) -> tuple[np.ndarray, dict]:
+    """The frames transformers' ``sample_frames`` keeps (``arange(0, total, total / n).int()``)
+    from an independent PyAV decode, and the ``VideoMetadata`` fields that go with them."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        rate = float(container.streams.video[0].average_rate)
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    indices = torch.arange(0, len(frames), len(frames) / num_frames).int().tolist()
+    metadata = {"total_num_frames": len(frames), "fps": rate, "frames_indices": indices}
+    return np.stack([frames[i] for i in indices]), metadata
