@@ -22,6 +22,7 @@ import structlog
 from vlmd.errors import VlmdError, from_engine
 from vlmd.server import responses
 from vlmd.server.detokenizer import IncrementalDetokenizer
+from vlmd.server.modality_tokens import merged_counts, multimodal_token_counts
 from vlmd.server.sampling_fields import SamplingFields
 from vlmd.server.state import ServerState
 from vlmd.types import EngineRequest, FinishReason, TokenLogprob
@@ -170,10 +171,12 @@ async def merged_deltas(generations: list[Generation]) -> AsyncIterator[Delta]:
 
 def usage(generations: list[Generation]) -> dict:
     """The prompt counted once per distinct prompt; completion tokens of every choice;
-    cached tokens as found by each prompt's first choice (what earlier requests left)."""
+    cached tokens as found by each prompt's first choice (what earlier requests left); the
+    prompts' placeholder tokens per modality."""
     prompts = [g for g in generations if g.counts_prompt]
     return responses.usage(
         sum(len(g.engine_request.prompt_token_ids) for g in prompts),
         sum(len(g.token_ids) for g in generations),
         sum(g.num_cached_tokens for g in prompts),
+        merged_counts(multimodal_token_counts(g.engine_request.mm_items) for g in prompts),
     )

@@ -7,12 +7,18 @@ from typing import Any
 from vlmd.types import TokenLogprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          multimodal_tokens: dict[str, int] | None = None) -> dict:
+    """``multimodal_tokens``: the prompt's placeholder tokens per modality (vLLM's field,
+    ``server/modality_tokens.py``), left out for a prompt without media."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if multimodal_tokens:
+        details["multimodal_tokens"] = multimodal_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
