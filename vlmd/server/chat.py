@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 import orjson
@@ -48,30 +49,38 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state: ServerState = request.app["state"]
     chat = parse_chat_request(await read_text_body(request, state))
+
+    async def answer(generations: list[Generation]) -> web.StreamResponse:
+        if chat.stream:
+            return await _stream(request, state, chat, generations)
+        return await _complete(state, chat, generations)
+
+    return await generate_chat(state, chat, started, "chatcmpl-", answer)
+
+
+async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started: float, id_prefix: str,
+                        answer: Callable[[list[Generation]], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The one generation path of a chat request (``/v1/chat/completions`` and
+    ``/v1/responses``): the model and the cheap bounds checked, the grammar compiled, the
+    messages preprocessed on the pool, one ``Generation`` per choice; ``answer`` renders
+    them, within the media lease (decoded media are held until the answer is done)."""
     if chat.model != state.config.model_name:
         raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
-    with state.admission.media_lease() as lease:  # decoded media held until the answer is done
-        return await _generate(request, state, chat, started, grammar, lease)
-
-
-async def _generate(request: web.Request, state: ServerState, chat: ChatCompletionRequest, started: float,
-                    grammar, lease) -> web.StreamResponse:
-    processed = await state.admission.preprocess(
-        lambda deadline: state.preprocessor.process_chat(
-            chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
+    with state.admission.media_lease() as lease:
+        processed = await state.admission.preprocess(
+            lambda deadline: state.preprocessor.process_chat(
+                chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
+            )
         )
-    )
-    engine_requests = choice_requests(state, f"chatcmpl-{uuid.uuid4().hex}", processed, chat.sampling, grammar)
-    generations = [
-        Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0)
-        for index, engine_request in enumerate(engine_requests)
-    ]
-    if chat.stream:
-        return await _stream(request, state, chat, generations)
-    return await _complete(state, chat, generations)
+        engine_requests = choice_requests(state, f"{id_prefix}{uuid.uuid4().hex}", processed, chat.sampling, grammar)
+        generations = [
+            Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0)
+            for index, engine_request in enumerate(engine_requests)
+        ]
+        return await answer(generations)
 
 
 async def _complete(state: ServerState, chat: ChatCompletionRequest, generations: list[Generation]) -> web.Response:
@@ -87,7 +96,7 @@ async def _complete(state: ServerState, chat: ChatCompletionRequest, generations
         for g in generations
     ]
     body = responses.completion(
-        _response_id(first), int(time.time()), state.config.model_name, choices, usage(generations),
+        response_id(first), int(time.time()), state.config.model_name, choices, usage(generations),
         first.engine_request.prompt_token_ids if chat.return_token_ids else None,
     )
     return web.json_response(body, dumps=_dumps)
@@ -96,7 +105,7 @@ async def _complete(state: ServerState, chat: ChatCompletionRequest, generations
 async def _stream(request: web.Request, state: ServerState, chat: ChatCompletionRequest, generations: list[Generation]):
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    request_id = _response_id(generations[0])
+    request_id = response_id(generations[0])
     created = int(time.time())
     model = state.config.model_name
 
@@ -147,7 +156,7 @@ async def _stream(request: web.Request, state: ServerState, chat: ChatCompletion
     return response
 
 
-def _response_id(generation: Generation) -> str:
+def response_id(generation: Generation) -> str:
     """The response's id: the choices' engine ids without their ``-<index>``."""
     return generation.engine_request.request_id.rsplit("-", 1)[0]
 
@@ -156,4 +165,4 @@ def _dumps(body) -> str:
     return orjson.dumps(body).decode()
 
 
-__all__ = ["chat_completions", "read_json", "read_text_body", "VlmdError"]
+__all__ = ["chat_completions", "generate_chat", "read_json", "read_text_body", "response_id", "VlmdError"]

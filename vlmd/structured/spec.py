@@ -65,7 +65,7 @@ def parse_structured_output(body: dict) -> StructuredOutputSpec | None:
     for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                        ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         if body.get(name) is not None:
-            found.append((name, _constraint(kind, body[name], name)))
+            found.append((name, constraint(kind, body[name], name)))
     if len(found) > 1:
         names = ", ".join(f"'{name}'" for name, _ in found)
         raise BadRequestError(f"a request may carry one output constraint; got {names}", param=found[1][0])
@@ -100,7 +100,7 @@ def _response_format(value: Any) -> StructuredOutputSpec | None:
             raise BadRequestError("'response_format.json_schema.strict' must be a boolean", param="response_format")
         if "schema" not in json_schema:
             raise BadRequestError("'response_format.json_schema' needs a 'schema'", param="response_format")
-        return _constraint("json", json_schema["schema"], "response_format")
+        return constraint("json", json_schema["schema"], "response_format")
     raise BadRequestError(
         f"'response_format' type {kind!r} is not supported (use 'text', 'json_object' or 'json_schema')",
         param="response_format",
@@ -126,7 +126,7 @@ def _structured_outputs(value: Any) -> StructuredOutputSpec:
         if value[key] is not True:
             raise BadRequestError("'structured_outputs.json_object' must be true", param="structured_outputs")
         return StructuredOutputSpec("json", ANY_JSON_OBJECT, "structured_outputs")
-    return _constraint(key, value[key], "structured_outputs")
+    return constraint(key, value[key], "structured_outputs")
 
 
 # Keys that only annotate a schema: a node with "$ref" and nothing else but these is a
@@ -180,7 +180,9 @@ def reference_cycle(schema: Any) -> list[str] | None:
     return None
 
 
-def _constraint(kind: str, value: Any, param: str) -> StructuredOutputSpec:
+def constraint(kind: str, value: Any, param: str) -> StructuredOutputSpec:
+    """One constraint of ``kind`` from a field's value; ``param`` names the field in errors
+    (also used by ``/v1/responses``, whose schema sits in ``text.format``)."""
     if kind == "json":
         if isinstance(value, str):
             try:
