@@ -15,6 +15,7 @@ from vlmd.errors import AuthenticationError, HttpError, VlmdError, as_client_err
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.completions import completions
+from vlmd.server.responses_route import create_response
 from vlmd.server.tokenize import detokenize, tokenize
 from vlmd.server.metrics import CONTENT_TYPE
 from vlmd.server.state import ServerState
@@ -145,6 +146,7 @@ def create_app(state: ServerState) -> web.Application:
     app["state"] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
