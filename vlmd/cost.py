@@ -208,10 +208,9 @@ def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_conf
         blocks = blocks_for_bytes(kv_cache_gb * GIB, per_block)
         return {"source": "kv-cache-gb", "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
     weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype)
-    text_config = getattr(hf_config, "text_config", None) or hf_config
     largest = max((row["encoder_tokens"] for row in rows), default=0)
     encoder_tokens = max(options.encoder_cache_size or options.max_num_batched_tokens, largest)
-    encoder_bytes = encoder_tokens * int(text_config.hidden_size) * _DTYPE_BYTES[options.dtype]
+    encoder_bytes = encoder_tokens * info.encoder_output_width() * _DTYPE_BYTES[options.dtype]
     activations = int(options.activation_gb * GIB)
     budget = kv_budget_bytes(int(options.memory_gb * GIB), options.memory_utilization, weights, activations, encoder_bytes)
     blocks = blocks_for_bytes(budget, per_block)

@@ -210,8 +210,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         profile = profile_peak(model, runs, scheduler_config, dtype, device, config.attention_kernels)
     else:  # a forward needs every rank's collectives: rank 0 cannot run one alone at start-up
         profile = unprofiled()
-    # An encoder output vector is as wide as the embeddings unless the model says otherwise.
-    width = int(getattr(model, "encoder_output_width", None) or text_config.hidden_size)
+    width = processor.info.encoder_output_width()  # values in one cached encoder vector
     weight_bytes = weight_bytes_of(model)
     plan = plan_kv_cache(config, device, profile, weight_bytes, bytes_per_block(model.kv_spec, config.block_size, dtype),
                          encoder_cache_size * width * dtype.itemsize, max_model_len)

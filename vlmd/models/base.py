@@ -49,9 +49,9 @@ class MultimodalModel(Protocol):
       of the item this step computes (so chunking, the encoder cache, a prefix hit inside an
       item and preemption need nothing of the model). The model writes the embeddings
       itself; what it returns comes back to ``forward(..., multimodal=...)`` for this step.
-      Without it the runner writes ``features`` into ``inputs_embeds[rows]``.
-      ``encoder_output_width``: the width of an encoder output vector, where it is not the
-      decoder's hidden size (the encoder cache is sized by it).
+      Without it the runner writes ``features`` into ``inputs_embeds[rows]``. (The width
+      of those vectors is the processing info's ``encoder_output_width()``, which sizes the
+      encoder cache.)
     """
 
     kv_spec: KVSpec

@@ -113,6 +113,13 @@ class BaseProcessingInfo(ABC):
         config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config
         return int(config.max_position_embeddings)
 
+    def encoder_output_width(self) -> int:
+        """Values in one vector of an item's encoder output, from the config alone: the
+        decoder's hidden size unless the family's encoder emits more per placeholder (the
+        encoder cache is sized by it, in ``vlmd serve`` and ``vlmd cost``)."""
+        config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config
+        return int(config.hidden_size)
+
     def kv_spec(self) -> KVSpec:
         """The decoder's paged-cache shape, from the checkpoint config alone (no weights).
 
