@@ -28,6 +28,11 @@ class Qwen3VLProcessingInfo(Qwen2VLProcessingInfo):
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {modality: None for modality in MODALITIES}
 
+    def encoder_output_width(self) -> int:
+        """Each placeholder's vector and one per DeepStack layer (``model.py``)."""
+        config = self.ctx.hf_config
+        return int(config.text_config.hidden_size) * (1 + len(config.vision_config.deepstack_visual_indexes))
+
 
 class Qwen3VLProcessor(Qwen2VLProcessor):
     def __init__(self, info: Qwen3VLProcessingInfo):
