@@ -1,0 +1,83 @@
+"""InternVL test support: the tiny checkpoint (built once per session) and the transformers
+oracle (float32, the PIL image processor).  Not a test module.
+
+transformers' ``InternVLProcessor`` wants a video processor, and ``InternVLVideoProcessor``
+imports torchvision (not installed, and vlmd must not need it); the oracle builds the
+processor from its parts with no video processor, letting ``None`` past the class check, as
+``oracle.py`` does for Qwen2-VL. Images go through transformers' own code unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oracle import _greedy, _key
+
+_BUILT: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_internvl_dir(tmp_path_factory) -> Path:
+    """The tiny InternVL3 (112-px tiles, at most 6 + thumbnail, 16 tokens per tile); built
+    once however many modules ask for it."""
+    if "tiny" not in _BUILT:
+        from vlmd.testing.tiny import build_tiny
+
+        _BUILT["tiny"] = build_tiny("internvl", tmp_path_factory.mktemp("tiny-internvl"), seed=0, size="tiny")
+    return _BUILT["tiny"]
+
+
+@functools.lru_cache(maxsize=2)
+def _load_hf_internvl_cached(model_dir: str):
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer, InternVLForConditionalGeneration, InternVLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    model = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    assert image_processor.backend == "pil", type(image_processor)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = (
+        lambda self, name, arg: None if name == "video_processor" else check(self, name, arg)
+    )
+    try:
+        processor = InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                                      image_seq_length=model.config.image_seq_length,
+                                      chat_template=tokenizer.chat_template)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+    return model, processor
+
+
+def load_hf_internvl(model_dir):
+    """(InternVLForConditionalGeneration in float32 eval mode, InternVLProcessor with the PIL
+    GotOcr2 image processor), cached per directory."""
+    return _load_hf_internvl_cached(_key(model_dir))
+
+
+def hf_internvl_generate(model_dir, messages: list[dict[str, Any]], images: list, max_new_tokens: int,
+                         mm_processor_kwargs: dict | None = None) -> dict:
+    """Greedy generation with transformers' InternVL, as ``oracle.hf_llava_generate``.
+
+    ``messages`` use ``{"type": "image"}`` parts; ``images`` are PIL images, one per part.
+    ``mm_processor_kwargs`` (``min_patches``/``max_patches``) go to the image processor. Also
+    returns ``logprobs`` of the greedy tokens and ``num_patches`` (tiles per image).
+    """
+    import torch
+
+    model, processor = load_hf_internvl(model_dir)
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=prompt, images=list(images) if images else None, return_tensors="pt",
+                       add_special_tokens=False, **(mm_processor_kwargs or {}))
+    prompt_ids = inputs["input_ids"][0].tolist()
+    output_ids, gaps, logits = _greedy(model, inputs, max_new_tokens)
+    logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[token]) for step, token in zip(logits, output_ids)]
+    num_tiles = len(inputs["pixel_values"]) if images else 0
+    return {"prompt": prompt, "prompt_token_ids": prompt_ids, "output_token_ids": output_ids, "gaps": gaps,
+            "logprobs": logprobs, "num_tiles": num_tiles}

@@ -1,0 +1,220 @@
+"""InternVL3 through the real server: greedy tokens equal transformers' generate.
+
+The tiny checkpoint has 112-px tiles, at most 6 tiles (plus the thumbnail) and 16 tokens per
+tile. Cases: one tile (no thumbnail), the most tiles (a 3x2 grid + thumbnail), a thin wide
+strip and a thin tall one (6x1 and 1x6), two images of different grids (3x2 and 1x3), text only and a
+per-request ``max_patches``. Each runs alone, then all concurrently, then a second turn over
+the first one's answer must find its prefix cached. The shared server's token budget (32)
+splits every image across steps; a second server adds ``--tensor-parallel-size 2``, a KV
+cache that forces preemption and a server-wide ``max_patches``. ``usage.prompt_tokens`` equals the length of transformers'
+processor output. A first divergence is accepted only where transformers' own top-1/top-2
+log-prob gap is < 1e-3, and the greedy tokens' log-probs agree within 1e-3 up to it.
+"""
+
+from __future__ import annotations
+
+import base64
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import orjson
+import pytest
+
+from conftest import Server, image_data_url, random_image
+from internvl_support import hf_internvl_generate, tiny_internvl_dir  # noqa: F401  (a fixture)
+from oracle import assert_greedy_match
+
+SERVER_MAX_PATCHES = 4  # the TP server's --mm-processor-kwargs, under the checkpoint's 6
+
+CASES = {  # name: ([(seed, width, height), ...], text, mm_processor_kwargs, tiles per image on the default server)
+    "one_tile_100x90": ([(1, 100, 90)], "What is in this image?", {}, [1]),
+    "most_tiles_640x430": ([(2, 640, 430)], "Describe it in detail.", {}, [7]),
+    "strip_1900x57": ([(3, 1900, 57)], "Read the banner.", {}, [7]),
+    "strip_57x1900": ([(4, 57, 1900)], "Describe the tall picture.", {}, [7]),
+    "two_images": ([(5, 320, 240), (6, 96, 300)], "Compare them.", {}, [7, 4]),
+    "text_only": ([], "Write a short poem about the sea.", {}, []),
+    "max_patches_2": ([(7, 800, 400)], "Describe it briefly.", {"max_patches": 2}, [3]),
+}
+CASE_NAMES = list(CASES)
+
+
+def _max_tokens(index: int) -> int:
+    return 8 + 3 * index
+
+
+def _images(name):
+    return [random_image(seed, width, height) for seed, width, height in CASES[name][0]]
+
+
+def _body(name: str, max_tokens: int, history: list | None = None) -> dict:
+    _, text, kwargs, _ = CASES[name]
+    content = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in _images(name)]
+    messages = [*(history or []), {"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            "logprobs": True}
+    if kwargs:
+        body["mm_processor_kwargs"] = kwargs
+    return body
+
+
+def _reference(model_dir, name: str, max_tokens: int, server_kwargs: dict | None = None) -> dict:
+    _, text, kwargs, _ = CASES[name]
+    images = _images(name)
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return hf_internvl_generate(model_dir, [{"role": "user", "content": parts}], images, max_tokens,
+                                {**(server_kwargs or {}), **kwargs})
+
+
+@pytest.fixture(scope="module")
+def references(tiny_internvl_dir):  # noqa: F811
+    return {name: _reference(tiny_internvl_dir, name, _max_tokens(index)) for index, name in enumerate(CASE_NAMES)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_internvl_dir, tmp_path_factory):  # noqa: F811
+    # A token budget of 32: every image's placeholders are split across steps (of one rank).
+    server = Server(tiny_internvl_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "2048",
+                    "--max-num-batched-tokens", "32", log_dir=tmp_path_factory.mktemp("internvl-logs"))
+    yield server
+    server.stop()
+
+
+def _check(body, ref):
+    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
+    ours = body["choices"][0]["token_ids"]
+    assert body["usage"]["completion_tokens"] == len(ours)
+    assert_greedy_match(ours, ref)
+    theirs = ref["output_token_ids"]
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
+
+
+def _run_concurrently(server, names=CASE_NAMES):
+    def one(name):
+        status, body = server.chat(_body(name, _max_tokens(CASE_NAMES.index(name))))
+        assert status == 200, body
+        return body
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return list(pool.map(one, names))
+
+
+def test_the_cases_cover_the_tiling_rules(references):
+    for name, (_, _, _, tiles) in CASES.items():
+        assert references[name]["num_tiles"] == sum(tiles), name
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_parity_one_request(server, references, name):
+    steps_before = server.metrics()["vlmd_engine_steps_total"]
+    status, body = server.chat(_body(name, _max_tokens(CASE_NAMES.index(name))))
+    assert status == 200, body
+    _check(body, references[name])
+    # The prompt took a step per 32 tokens at least: its images were split across steps.
+    assert server.metrics()["vlmd_engine_steps_total"] - steps_before >= body["usage"]["prompt_tokens"] // 32
+    assert body["usage"]["prompt_tokens_details"].get("multimodal_tokens", {}).get("image", 0) == \
+        16 * sum(CASES[name][3])
+
+
+def test_parity_all_concurrently(server, references):
+    for name, body in zip(CASE_NAMES, _run_concurrently(server)):
+        _check(body, references[name])
+
+
+def test_second_turn_finds_the_first_cached(server, references, tiny_internvl_dir):  # noqa: F811
+    name = "two_images"
+    first = references[name]
+    _, text, _, _ = CASES[name]
+    parts = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in _images(name)]
+    answer = server.chat(_body(name, _max_tokens(CASE_NAMES.index(name))))[1]["choices"][0]["message"]["content"]
+    history = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]},
+               {"role": "assistant", "content": answer}]
+    status, body = server.chat({"messages": [*history, {"role": "user", "content": "And the colours?"}],
+                                "max_tokens": 10, "temperature": 0, "return_token_ids": True, "logprobs": True})
+    assert status == 200, body
+    ref_history = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": text}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                   {"role": "user", "content": [{"type": "text", "text": "And the colours?"}]}]
+    ref = hf_internvl_generate(tiny_internvl_dir, ref_history, _images(name), 10)
+    _check(body, ref)
+    # The first turn's prompt (both images' placeholders) is in the cache, whole blocks of it.
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first["prompt_token_ids"]) // 16 * 16
+
+
+def test_parity_tp2_split_across_steps_and_preempted(tiny_internvl_dir, tmp_path):  # noqa: F811
+    """One start covers the hard regimes, as the other families' TP tests do (rank processes
+    cost seconds to start): two ranks, a token budget that splits images across steps, a KV
+    cache that preempts, server-wide ``max_patches`` under the checkpoint's."""
+    server = Server(tiny_internvl_dir, "--tensor-parallel-size", "2", "--torch-threads", "1",
+                    "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", "32",
+                    "--num-kv-blocks", "20", "--max-model-len", "320",
+                    "--mm-processor-kwargs", orjson.dumps({"max_patches": SERVER_MAX_PATCHES}).decode(),
+                    log_dir=tmp_path)
+    try:
+        refs = [_reference(tiny_internvl_dir, name, _max_tokens(index), {"max_patches": SERVER_MAX_PATCHES})
+                for index, name in enumerate(CASE_NAMES)]
+        # Preemption needs the requests to overlap, which depends on when each one's
+        # preprocessing ends on a loaded host: every round is checked, at most three are sent.
+        for _ in range(3):
+            steps_before = server.metrics()["vlmd_engine_steps_total"]
+            bodies = _run_concurrently(server)
+            for body, ref in zip(bodies, refs):
+                _check(body, ref)
+            metrics = server.metrics()
+            prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
+            assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 32
+            if metrics["vlmd_num_preemptions_total"] > 0:
+                break
+        assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+    finally:
+        server.stop()
+
+
+def _image_request(url: str, count: int = 1, **extra) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url}}] * count
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
+            "max_tokens": 2, **extra}
+
+
+def _png_header(width: int, height: int) -> str:
+    """A tiny PNG whose header declares width x height (a decompression-bomb stand-in)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    ("request_body", "message"),
+    [
+        (lambda: _image_request(image_data_url(random_image(1, 1, 1))), "too small"),
+        (lambda: _image_request(_png_header(100_000, 100_000)), "image is too large"),
+        (lambda: _image_request(image_data_url(random_image(1, 64, 64)), count=3), "at most 2 image"),
+        (lambda: _image_request(image_data_url(random_image(1, 64, 64)), mm_processor_kwargs={"max_patches": 7}),
+         "exceeds this server's limit of 6 tiles"),
+        (lambda: _image_request(image_data_url(random_image(1, 64, 64)), mm_processor_kwargs={"max_patches": 0}),
+         "positive integer"),
+        (lambda: _image_request(image_data_url(random_image(1, 64, 64)),
+                                mm_processor_kwargs={"min_patches": 4, "max_patches": 2}), "larger than max_patches"),
+        (lambda: _image_request(image_data_url(random_image(1, 64, 64)), mm_processor_kwargs={"max_pixels": 4}),
+         "unknown mm_processor_kwargs"),
+    ],
+    ids=["1x1", "huge", "too-many-items", "max-patches-over-server", "max-patches-zero", "min-over-max",
+         "unknown-kwarg"],
+)
+def test_bad_input_is_a_4xx_and_a_good_request_follows(server, request_body, message):
+    status, body = server.chat(request_body())
+    assert 400 <= status < 500, body
+    assert message in body["error"]["message"], body
+    assert body["error"]["type"] == "invalid_request_error"
+    status, body = server.chat(_image_request(image_data_url(random_image(2, 200, 100)),
+                                              mm_processor_kwargs={"max_dynamic_patch": 3}))
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["multimodal_tokens"]["image"] == 16 * 3  # 2x1 + thumbnail
