@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from conftest import Server, image_message, random_image
+from conftest import Server, image_data_url, image_message, make_video, random_image, video_data_url
 from test_bad_input import assert_error
 
 TEXT = [{"role": "user", "content": "hi"}]
@@ -193,6 +193,29 @@ def test_qwen2_vl_completions_and_n_with_m_rope(qwen2_vl_server):
                                          "max_tokens": 4, "temperature": 0, "n": 2, "return_token_ids": True})
     assert status == 200, chat
     assert chat["choices"][0]["token_ids"] == chat["choices"][1]["token_ids"]
+
+
+def test_qwen2_vl_video_through_responses_and_usage_per_modality(qwen2_vl_server):
+    """vLLM's video_url part reaches /v1/responses as it reaches chat; usage counts the
+    video's and the image's placeholders apart, and they sum to what /tokenize adds for them."""
+    video = {"type": "video_url", "video_url": {"url": video_data_url(make_video(4, seed=5))}}
+    image = {"type": "image_url", "image_url": {"url": image_data_url(random_image(36, 112, 84))}}
+    messages = [{"role": "user", "content": [video, image, {"type": "text", "text": "Compare."}]}]
+    status, chat = qwen2_vl_server.chat({"messages": messages, "max_tokens": 3, "temperature": 0})
+    assert status == 200, chat
+    status, response = _post(qwen2_vl_server, "/v1/responses", {"model": qwen2_vl_server.model,
+        "input": [{"role": "user", "content": [video, image, {"type": "input_text", "text": "Compare."}]}],
+        "max_output_tokens": 3, "temperature": 0})
+    assert status == 200, response
+    assert response["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    counts = chat["usage"]["prompt_tokens_details"]["multimodal_tokens"]
+    assert response["usage"]["input_tokens_details"]["multimodal_tokens"] == counts
+    _, with_media = _post(qwen2_vl_server, "/tokenize", {"messages": messages})
+    _, without = _post(qwen2_vl_server, "/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Compare."}]}]})
+    markers = 4  # Qwen2-VL wraps each item's placeholders in a start and an end token
+    assert set(counts) == {"video", "image"} and counts["image"] == (112 // 28) * (84 // 28) == 12
+    assert counts["video"] + counts["image"] == with_media["count"] - without["count"] - markers
 
 
 # --- the audio form ------------------------------------------------------------------------

@@ -176,3 +176,20 @@ def test_tiny_checkpoint_is_byte_identical_per_seed_and_loads_offline(tiny_qwen2
     assert processor.feature_extractor.feature_size == 128
     tokens = processor.tokenizer.convert_tokens_to_ids(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"])
     assert len(set(tokens)) == 3 and processor.tokenizer.unk_token_id not in tokens
+
+
+def test_responses_input_audio_equals_chat_and_counts_audio_tokens(qwen2_audio_server):
+    """/v1/responses takes input_audio parts as chat does: the same greedy answer, and the
+    clip's placeholder tokens in usage per modality on both routes."""
+    clip = input_audio(encode(make_clip(2.0, 24), "WAV"), "wav")
+    client = openai.OpenAI(base_url=qwen2_audio_server.url + "/v1", api_key="none", max_retries=0)
+    response = client.responses.create(
+        model=qwen2_audio_server.model, max_output_tokens=4, temperature=0,
+        input=[{"role": "user", "content": [clip, {"type": "input_text", "text": "What is it?"}]}])
+    status, chat = qwen2_audio_server.chat({"messages": [{"role": "user", "content": [clip, text("What is it?")]}],
+                                            "max_tokens": 4, "temperature": 0})
+    assert status == 200, chat
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    audio_tokens = chat["usage"]["prompt_tokens_details"]["multimodal_tokens"]
+    assert set(audio_tokens) == {"audio"} and 0 < audio_tokens["audio"] < chat["usage"]["prompt_tokens"]
+    assert response.usage.input_tokens_details.model_extra["multimodal_tokens"] == audio_tokens
