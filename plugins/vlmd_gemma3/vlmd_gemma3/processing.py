@@ -1,0 +1,121 @@
+"""Gemma 3 media processing: each image (and pan-and-scan crop) resized to one square, uint8.
+
+The chat template leaves ``<start_of_image>`` per image; transformers' processor replaces
+it with ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` x ``<image_soft_token>`` +
+``<end_of_image>\\n\\n``, and with pan-and-scan crops with "Here is the original image
+{that} and here are some crops to help you see better {that} {that} ...". The replacement
+here is that text tokenized by the checkpoint's tokenizer (special tokens split it), so the
+prompt ids equal transformers' wherever its tokenizer does not merge these newlines with
+the text around the marker. Rescale and normalisation happen on the device (``model.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from vlmd.errors import BadRequestError
+from vlmd.processing.base import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    ItemSize,
+    ItemTokens,
+    ProcessedItem,
+)
+from vlmd_gemma3.settings import ImageSettings, crop_boxes, read_settings
+
+
+class Gemma3ProcessingInfo(BaseProcessingInfo):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        config = ctx.hf_config
+        self.settings = read_settings(ctx.model_dir)
+        self.tokens_per_image = int(config.mm_tokens_per_image)
+        self.image_token_id = int(config.image_token_index)
+        self.boi_token_id = int(config.boi_token_index)
+        self.eoi_token_id = int(config.eoi_token_index)
+
+    def supported_mm_limits(self) -> dict[str, int | None]:
+        return {"image": None}
+
+    def marker_token_id(self, modality: str) -> int:
+        return self.boi_token_id
+
+    def attends_within_items(self) -> bool:
+        return True  # an image's tokens attend to each other both ways
+
+    def server_settings(self) -> ImageSettings:
+        return self.settings.with_kwargs(self.ctx.mm_processor_kwargs)
+
+    @functools.lru_cache(maxsize=16)
+    def replacement(self, crops: int) -> tuple[tuple[int, ...], int, int, tuple[tuple[int, int], ...]]:
+        """(replacement ids, run start, run end, spans relative to the run start) of an
+        image with ``crops`` pan-and-scan crops."""
+        tokenizer = self.ctx.tokenizer
+        boi, eoi, soft = tokenizer.convert_ids_to_tokens([self.boi_token_id, self.eoi_token_id, self.image_token_id])
+        sequence = f"\n\n{boi}{soft * self.tokens_per_image}{eoi}\n\n"
+        text = sequence if not crops else (
+            f"Here is the original image {sequence} and here are some crops to help you see better "
+            + " ".join([sequence] * crops))
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        runs, start = [], None
+        for position, token in enumerate(ids + (-1,)):
+            if token == self.image_token_id and start is None:
+                start = position
+            elif token != self.image_token_id and start is not None:
+                runs.append((start, position))
+                start = None
+        if len(runs) != 1 + crops or any(end - first != self.tokens_per_image for first, end in runs):
+            raise RuntimeError(f"the tokenizer split an image sequence: runs {runs} for {1 + crops} images")
+        first, last = runs[0][0], runs[-1][1]
+        return ids, first, last, tuple((a - first, b - first) for a, b in runs)
+
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        """An image and its crops: one image sequence each, text between them."""
+        crops = len(crop_boxes(size.width, size.height, self.settings.with_kwargs(kwargs)))
+        ids, first, last, _ = self.replacement(crops)
+        return ItemTokens(replacement=len(ids), placeholders=last - first, encoder_tokens=last - first)
+
+
+class Gemma3Processor(BaseMultiModalProcessor):
+    def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        info: Gemma3ProcessingInfo = self.info
+        settings = info.settings.with_kwargs(kwargs)
+        server = info.server_settings()
+        if settings.do_pan_and_scan and (not server.do_pan_and_scan
+                                         or settings.pan_and_scan_max_num_crops > server.pan_and_scan_max_num_crops):
+            # The start-up profile and the token budget were sized for the server's setting.
+            raise BadRequestError(
+                "mm_processor_kwargs: pan-and-scan beyond this server's setting (start it with "
+                "--mm-processor-kwargs '{\"do_pan_and_scan\": true}' and at most "
+                f"{server.pan_and_scan_max_num_crops} crops)", param="mm_processor_kwargs")
+        image = media.convert("RGB")
+        boxes = crop_boxes(image.width, image.height, settings)
+        ids, first, last, spans = info.replacement(len(boxes))
+        pixels = np.empty((1 + len(boxes), 3, settings.size, settings.size), dtype=np.uint8)
+        array = np.asarray(image)
+        for index, box in enumerate([None] + boxes):
+            frame = image if box is None else Image.fromarray(array[box[1]:box[3], box[0]:box[2]])
+            if frame.size != (settings.size, settings.size):
+                # As transformers' PIL backend: resize the uint8 image, no reducing_gap.
+                frame = frame.resize((settings.size, settings.size), resample=settings.resample, reducing_gap=None)
+            pixels[index] = np.asarray(frame).transpose(2, 0, 1)
+        return ProcessedItem(
+            encoder_inputs={"pixels": pixels, "run_ids": list(ids[first:last]), "spans": list(spans)},
+            replacement=list(ids), placeholder_offset=first, num_placeholders=last - first,
+        )
+
+
+class Gemma3DummyInputsBuilder(BaseDummyInputsBuilder):
+    """The most tokens an image can cost under the server's settings: with pan-and-scan, an
+    image wide enough for the most crops; without, any image (all cost the same)."""
+
+    def dummy_item(self, modality: str) -> Any:
+        settings = self.info.server_settings()
+        side = max(settings.size, settings.pan_and_scan_min_crop_size)
+        width = side * settings.pan_and_scan_max_num_crops if settings.do_pan_and_scan else settings.size
+        return Image.new("RGB", (width, side if settings.do_pan_and_scan else settings.size), color=(255, 255, 255))

@@ -1,0 +1,201 @@
+"""Deterministic random Gemma 3 checkpoints for tests (``Gemma3ForConditionalGeneration``).
+
+Written from transformers' own config classes, loadable offline by transformers and vlmd:
+``config.json``, ``model.safetensors`` (float32), the tokenizer with Gemma 3's chat template
+and special tokens, ``preprocessor_config.json`` / ``processor_config.json`` (PIL image
+processor, pan-and-scan settings) and ``vlmd_tiny.json``.
+
+The tiny decoder keeps what makes Gemma 3 different, at sizes that make tests exercise it:
+a sliding window of 24 tokens (shorter than a test prompt, not a multiple of a KV block)
+on every other layer, query/key norms, a query scale that is not 1/sqrt(head_dim), two
+rotary tables (a linear-scaled one on the full layers), embeddings scaled by sqrt(hidden)
+(untied from the output here: a tied random model only repeats its input token). The SigLIP tower sees 64-px images as 16x16 patches, pooled 4x4 to 16 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from vlmd.tiny.checkpoint_io import save_model
+
+__all__ = ["GEMMA3_CHAT_TEMPLATE", "SIZES", "build_tiny_gemma3", "gemma3_config"]
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                  "<end_of_image>", "<image_soft_token>")
+
+SIZES: dict[str, dict] = {
+    "tiny": {
+        "vocab_size": 4096,
+        "image_size": 64, "patch_size": 4, "mm_tokens_per_image": 16,
+        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+        "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                     sliding_window_pattern=2, max_position_embeddings=4096),
+    },
+    "small": {
+        "vocab_size": 8192,
+        "image_size": 224, "patch_size": 14, "mm_tokens_per_image": 64,
+        "vision": dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6),
+        "text": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                     sliding_window_pattern=6, max_position_embeddings=8192),
+    },
+}
+PAN_AND_SCAN = {"pan_and_scan_min_crop_size": 32, "pan_and_scan_max_num_crops": 4,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+
+# Gemma 3's chat template, after google/gemma-3-4b-it's (bos, system prefix, model role, image marker).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+_EXTRA_WORDS = ("user", "model", "What", "Describe", "image", "Here", "is", "the", "original", "and", "here",
+                "are", "some", "crops", "to", "help", "you", "see", "better")
+
+
+def _build_tokenizer(seed: int, vocab_size: int):
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
+
+    return build_bpe_tokenizer(
+        seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,
+        tokenizer_kwargs=dict(
+            bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+            extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                  "image_token": "<image_soft_token>"},
+            model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
+            chat_template=GEMMA3_CHAT_TEMPLATE,
+        ),
+    )
+
+
+def gemma3_config(size: str, *, vocab_size: int, ids: dict[str, int]):
+    from transformers import Gemma3Config
+
+    spec = SIZES[size]
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=vocab_size, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}},
+            bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
+            tie_word_embeddings=False, **spec["text"],
+        ),
+        vision_config=dict(image_size=spec["image_size"], patch_size=spec["patch_size"], layer_norm_eps=1e-6,
+                           vision_use_head=False,
+                           **spec["vision"]),
+        mm_tokens_per_image=spec["mm_tokens_per_image"],
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"], tie_word_embeddings=False,
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    return config
+
+
+def _init_weights(model, seed: int, special_ids: list[int]) -> None:
+    """Every parameter from a seeded generator, in sorted-name order: fan-in scaled weights
+    (q/k sharper), unit embeddings, an output at 2/sqrt(hidden) whose special-token rows
+    are zeroed so greedy decoding writes text, Gemma norms' weights N(0, 0.1) (they scale by 1 + w),
+    LayerNorm weights 1 + N(0, 0.1), biases N(0, 0.02)."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            shape = tuple(param.shape)
+            if "norm" in name and name.endswith("weight") and len(shape) == 1:
+                mean, std = (0.0, 0.1) if "vision_tower" not in name else (1.0, 0.1)
+            elif len(shape) == 1:
+                mean, std = 0.0, 0.02
+            elif name.endswith("embed_tokens.weight"):
+                mean, std = 0.0, 1.0
+            elif name.startswith("lm_head"):
+                mean, std = 0.0, 2.0 / math.sqrt(shape[1])
+            elif name.endswith("mm_input_projection_weight"):
+                mean, std = 0.0, 1.0 / math.sqrt(shape[0])
+            else:
+                fan_in = math.prod(shape[1:])
+                sharp = name.endswith(("q_proj.weight", "k_proj.weight"))
+                mean, std = 0.0, (1.0 if sharp else 0.5) / math.sqrt(fan_in)
+            param.copy_(torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean)
+        model.get_output_embeddings().weight[special_ids] = 0.0
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_processor_files(out: Path, tokenizer, spec: dict) -> None:
+    tokenizer.save_pretrained(out)
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["extra_special_tokens"] = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                       "image_token": "<image_soft_token>"}
+    tok_cfg["chat_template"] = GEMMA3_CHAT_TEMPLATE
+    tok_cfg["add_bos_token"] = False
+    tok_cfg["add_eos_token"] = False
+    _write_json(tok_cfg_path, tok_cfg)
+    (out / "chat_template.jinja").write_text(GEMMA3_CHAT_TEMPLATE, encoding="utf-8")
+    image = {
+        "image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": True, "do_normalize": True,
+        "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "resample": 2, "rescale_factor": 1 / 255, "size": {"height": spec["image_size"], "width": spec["image_size"]},
+        "do_pan_and_scan": False, **PAN_AND_SCAN,
+    }
+    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "Gemma3Processor"})
+    _write_json(out / "processor_config.json", {"processor_class": "Gemma3Processor", "image_processor": image,
+                                                "image_seq_length": spec["mm_tokens_per_image"]})
+
+
+def build_tiny_gemma3(out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """Build a random Gemma 3 checkpoint into ``out_dir`` and return its path."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    import torch
+    from transformers import Gemma3ForConditionalGeneration, GenerationConfig
+
+    spec = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(seed, spec["vocab_size"])
+    vocab = tokenizer.get_vocab()
+    ids = {token: vocab[token] for token in SPECIAL_TOKENS}
+    config = gemma3_config(size, vocab_size=len(tokenizer), ids=ids)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed, sorted(ids.values()))
+    num_params = sum(p.numel() for p in model.parameters())
+    eos_ids = [ids["<eos>"], ids["<end_of_turn>"]]
+    model.generation_config = GenerationConfig(bos_token_id=ids["<bos>"], eos_token_id=eos_ids,
+                                               pad_token_id=ids["<pad>"])
+    save_model(model, out)
+    _write_json(out / "config.json", json.loads((out / "config.json").read_text(encoding="utf-8")))
+    _write_json(out / "generation_config.json", json.loads((out / "generation_config.json").read_text()))
+    _write_processor_files(out, tokenizer, spec)
+    _write_json(out / "vlmd_tiny.json", {
+        "family": "gemma3", "size": size, "seed": int(seed), "num_parameters": int(num_params),
+        "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<pad>"],
+        "image_token_id": ids["<image_soft_token>"], "boi_token_id": ids["<start_of_image>"],
+        "eoi_token_id": ids["<end_of_image>"], "sliding_window": spec["text"]["sliding_window"],
+        "mm_tokens_per_image": spec["mm_tokens_per_image"],
+    })
+    return out
