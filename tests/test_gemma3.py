@@ -1,0 +1,188 @@
+"""Gemma 3 through the real server: greedy tokens equal transformers' generate.
+
+The tiny checkpoint has a 24-token sliding window on every other layer, so every prompt
+here runs past it, and images whose tokens attend to each other both ways. Cases: one
+image; two images of different sizes (the wide one cut into pan-and-scan crops); text
+only; a tall image with crops; a wide image with pan-and-scan turned off by the request;
+a prompt several windows long with an image at its start. Each runs alone, then all
+concurrently; then a second turn (``cached_tokens``). A second server, with tensor
+parallelism over 2 ranks, a token budget of 24 (each image's 16 tokens kept whole in one
+step while text chunks around it) and a KV cache small enough to preempt, runs the cases
+its settings allow, concurrently. A first divergence is accepted only where transformers'
+own top-1/top-2 log-prob gap is < 1e-3, and the greedy tokens' log-probs must agree
+within 1e-3 up to it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import orjson
+import pytest
+
+from conftest import Server, image_data_url, random_image
+from gemma3_oracle import hf_gemma3_generate
+from oracle import assert_greedy_match
+
+LONG_TEXT = " ".join(["Describe what is here and what the image shows in some detail"] * 12)
+PAN_AND_SCAN = orjson.dumps({"do_pan_and_scan": True}).decode()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    from vlmd.tiny import build_tiny
+
+    return build_tiny("gemma3", tmp_path_factory.mktemp("tiny-gemma3"), seed=0, size="tiny")
+
+
+def _image(seed, width, height):
+    return random_image(seed, width, height)
+
+
+# name -> (images, text, per-request mm_processor_kwargs, max_tokens)
+CASES = {
+    "one_image": ([_image(1, 80, 70)], "What is in this image?", {}, 10),
+    "two_images_crops": ([_image(2, 200, 60), _image(3, 64, 64)], "Compare them.", {}, 12),
+    "text_only": ([], "Write a short poem about the sea.", {}, 14),
+    "tall_crops": ([_image(4, 60, 150)], "Describe the tall picture.", {}, 10),
+    "crops_off": ([_image(5, 220, 70)], "Read the banner.", {"do_pan_and_scan": False}, 8),
+    "long_after_image": ([_image(6, 90, 90)], LONG_TEXT, {}, 12),
+}
+# What the small server (no pan-and-scan) runs.
+SMALL_CASES = ["one_image", "two_images_crops", "text_only", "long_after_image"]
+
+
+def _body(images, text, kwargs, max_tokens, history=()):
+    content = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in images]
+    content.append({"type": "text", "text": text})
+    body = {"messages": [*history, {"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True, "logprobs": True}
+    if kwargs:
+        body["mm_processor_kwargs"] = kwargs
+    return body
+
+
+def _reference(model_dir, images, text, kwargs, max_tokens, pan_and_scan, history=()):
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    crops = kwargs.get("do_pan_and_scan", pan_and_scan)
+    return hf_gemma3_generate(model_dir, [*history, {"role": "user", "content": content}], images, max_tokens,
+                              pan_and_scan=crops)
+
+
+def _check(body, ref):
+    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
+    ours = body["choices"][0]["token_ids"]
+    assert_greedy_match(ours, ref)
+    theirs = ref["output_token_ids"]
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
+
+
+def _concurrently(server, bodies):
+    def one(body):
+        status, answer = server.chat(body)
+        assert status == 200, answer
+        return answer
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(one, bodies))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_gemma3_dir):
+    return {name: _reference(tiny_gemma3_dir, *case, pan_and_scan=True) for name, case in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gemma3_dir, tmp_path_factory):
+    server = Server(tiny_gemma3_dir, "--limit-mm-per-prompt", "image=3", "--max-model-len", "1024",
+                    "--mm-processor-kwargs", PAN_AND_SCAN, log_dir=tmp_path_factory.mktemp("gemma3-logs"))
+    yield server
+    server.stop()
+
+
+def test_prompts_run_past_the_window(references):
+    """The long case is several windows long, its image at the start; crops happened."""
+    assert len(references["long_after_image"]["prompt_token_ids"]) > 5 * 24
+    assert len(references["two_images_crops"]["prompt_token_ids"]) > len(references["crops_off"]["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_one_request(server, references, name):
+    status, body = server.chat(_body(*CASES[name]))
+    assert status == 200, body
+    _check(body, references[name])
+
+
+def test_parity_all_concurrently(server, references):
+    bodies = _concurrently(server, [_body(*case) for case in CASES.values()])
+    for name, body in zip(CASES, bodies):
+        _check(body, references[name])
+
+
+def test_second_turn_reuses_the_first(server, tiny_gemma3_dir, references):
+    images, text, kwargs, max_tokens = CASES["one_image"]
+    first = references["one_image"]
+    status, body = server.chat(_body(images, text, kwargs, max_tokens))
+    assert status == 200, body
+    answer = body["choices"][0]["message"]["content"]
+    history = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(images[0])}},
+                                            {"type": "text", "text": text}]},
+               {"role": "assistant", "content": answer}]
+    status, second = server.chat(_body([], "And what else?", {}, 10, history))
+    assert status == 200, second
+    ref_history = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]},
+                   {"role": "assistant", "content": answer}]
+    ref = hf_gemma3_generate(tiny_gemma3_dir, [*ref_history, {"role": "user", "content": [
+        {"type": "text", "text": "And what else?"}]}], images, 10, pan_and_scan=True)
+    _check(second, ref)
+    # The first turn's prompt blocks (the image inside them) came from the prefix cache.
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (len(first["prompt_token_ids"]) // 16) * 16 > 0
+
+
+def test_bad_input_is_a_400(server):
+    image = _image(7, 64, 64)
+    status, body = server.chat(_body([image] * 4, "Too many.", {}, 2))
+    assert status == 400 and "image" in body["error"]["message"], body
+    status, body = server.chat(_body([image], "Bad kwargs.", {"do_pan_and_scan": "yes"}, 2))
+    assert status == 400 and body["error"]["param"] == "mm_processor_kwargs", body
+    status, body = server.chat(_body([image], "More crops.", {"pan_and_scan_max_num_crops": 9}, 2))
+    assert status == 400 and "crops" in body["error"]["message"], body
+    bad = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+        {"type": "text", "text": "What?"}]}], "max_tokens": 2}
+    status, body = server.chat(bad)
+    assert status == 400, body
+    status, body = server.chat(_body([], "Typed <start_of_image> marker.", {}, 2))
+    assert status == 400 and "placeholder" in body["error"]["message"], body
+
+
+def test_an_image_larger_than_a_step_is_a_startup_error(tiny_gemma3_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="--max-num-batched-tokens >= "):
+        Server(tiny_gemma3_dir, "--max-num-batched-tokens", "12", "--max-model-len", "256", log_dir=tmp_path)
+
+
+def test_small_budget_small_cache_tensor_parallel(tiny_gemma3_dir, tmp_path):
+    """TP=2, 24 tokens a step (every image kept whole: a request that cannot fit its next
+    image waits for a step with room), 24 KV blocks of 16: preemption."""
+    refs = {name: _reference(tiny_gemma3_dir, *CASES[name], pan_and_scan=False) for name in SMALL_CASES}
+    server = Server(tiny_gemma3_dir, "--limit-mm-per-prompt", "image=3", "--max-num-batched-tokens", "24",
+                    "--num-kv-blocks", "24", "--max-model-len", "384", "--tensor-parallel-size", "2",
+                    "--torch-threads", "1", log_dir=tmp_path)
+    try:
+        status, body = server.chat(_body(*CASES["tall_crops"][:2], {"do_pan_and_scan": True}, 2))
+        assert status == 400 and "--mm-processor-kwargs" in body["error"]["message"], body
+        for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
+            bodies = _concurrently(server, [_body(*CASES[name]) for name in SMALL_CASES] * 2)
+            for name, body in zip(SMALL_CASES * 2, bodies):
+                _check(body, refs[name])
+            metrics = server.metrics()
+            if metrics["vlmd_num_preemptions_total"] > 0:
+                break
+        assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+    finally:
+        server.stop()
