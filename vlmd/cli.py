@@ -164,6 +164,11 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
                           thread=engine_thread)
     engine.attach(worker)
     worker.start()
+    grammar_queue = None
+    if built.grammar_compiler is not None:
+        from vlmd.structured.compile_queue import CompileQueue
+
+        grammar_queue = CompileQueue(built.grammar_compiler.compile, timeout_s=config.max_grammar_compile_s)
     state = ServerState(
         config=config,
         engine=engine,
@@ -177,6 +182,7 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         created=int(time.time()),
         transcriber=built.transcriber,
         grammar_compiler=built.grammar_compiler,
+        grammar_queue=grammar_queue,
     )
     app = create_app(state)
     app.on_startup.append(_announce_ready(config))
@@ -192,6 +198,8 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         # a child whose parent thread ends (rank_process._die_with_parent, PR_SET_PDEATHSIG).
         engine_thread.close(timeout=10.0)
         pool.shutdown(wait=False, cancel_futures=True)
+        if grammar_queue is not None:
+            grammar_queue.shutdown()
         log.info("shut down", model=config.model_name)
     if state.fatal_error is not None:
         log.error("exiting after a tensor-parallel failure", reason=state.fatal_error)

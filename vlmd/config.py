@@ -167,6 +167,9 @@ class ServeConfig:
     max_structured_output_bytes: int = setting(
         512 * 2**10, "largest structured-output constraint (JSON schema, regex, grammar or choice list, as "
         "canonical text), in bytes (more is a 400)", minimum=1)
+    max_grammar_compile_s: float = setting(
+        5.0, "seconds a request waits for its structured-output constraint to compile; past it a 400 "
+        "(the compile, bounded by the grammar library's own work limits, finishes and is cached)", minimum=0.001)
     preprocess_timeout: float = setting(
         5.0, "seconds one request may hold a preprocessing thread; past it the work is abandoned "
         "between stages and the client gets 503", minimum=0.001)
@@ -261,6 +264,7 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
 # --media-io-kwargs '{"video": {...}}' keys -> MediaPolicy fields.
 VIDEO_IO_FIELDS = {
     "num_frames": "video_num_frames",
+    "fps": "video_fps",
     "max_frames": "max_video_frames",
     "max_duration_s": "max_video_duration_s",
     "max_bytes": "max_video_bytes",

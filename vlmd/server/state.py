@@ -26,6 +26,8 @@ class ServerState:
     transcriber: object = None
     # vlmd.structured.compiler.GrammarCompiler: structured outputs, compiled on the pool.
     grammar_compiler: object = None
+    # vlmd.structured.compile_queue.CompileQueue: its compiles, bounded in time and number.
+    grammar_queue: object = None
     # Set when the model can no longer run (a tensor-parallel rank was lost): /health answers
     # 503 with it and the server exits non-zero.
     fatal_error: str | None = None

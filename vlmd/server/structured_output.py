@@ -22,8 +22,9 @@ def check_bounds(spec, max_choices: int, max_bytes: int) -> None:
 
 async def compile_structured_output(state: ServerState, spec):
     """The compiled grammar for a request's constraint: from the cache, or compiled on the
-    preprocessing pool (never on the event loop or the engine thread). Bad input is a 400
-    before any media is fetched."""
+    grammar threads (never on the event loop or the engine thread), within
+    ``--max-grammar-compile-s`` (vlmd/structured/compile_queue.py). Bad input is a 400 before
+    any media is fetched."""
     compiler = state.grammar_compiler
     if compiler is None:
         raise BadRequestError("this model does not support structured outputs", param=spec.param)
@@ -31,4 +32,12 @@ async def compile_structured_output(state: ServerState, spec):
     if cached is not None:  # it was within the bounds when it was compiled
         return cached
     check_bounds(spec, state.config.max_structured_output_choices, state.config.max_structured_output_bytes)
-    return await asyncio.get_running_loop().run_in_executor(state.pool, compiler.compile, spec)
+    queue = state.grammar_queue
+    future = queue.join(spec)
+    try:
+        # shield: a waiter that times out or leaves must not cancel a compile others share.
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), queue.timeout_s)
+    except TimeoutError:
+        raise queue.timed_out(spec) from None
+    finally:
+        queue.leave(spec, future)
