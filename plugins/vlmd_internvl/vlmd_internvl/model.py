@@ -3,7 +3,8 @@
 Every tile (448 px in the published checkpoints) goes through the tower on its own; its patch
 vectors (the CLS vector dropped) are pixel-shuffled 0.5, each 2x2 block of neighbours
 concatenated into one vector of 4x the width, so a tile's 32x32 patches become 16x16 = 256
-vectors, which a LayerNorm + two-layer MLP projects into the language model's width. The tower
+vectors, which a LayerNorm + two-layer MLP projects into the language model's width. A video's
+frames are tiles too. The tower
 needs no KV cache, so it is transformers' own module built from the checkpoint config, its
 linears on our seam (``adopt_linear_modules``); the Qwen2 decoder, where the paged cache lives,
 is ours, so tensor parallelism and the CPU fast paths come with it. Under tensor parallelism
@@ -24,6 +25,7 @@ from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_m
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_internvl.settings import read_pixel_norm
+from vlmd_internvl.video import interleave_frames
 
 # Checkpoint prefixes (transformers 5 and the 4.x layout of the published -hf checkpoints) -> ours.
 _PREFIXES = (
@@ -108,9 +110,10 @@ class InternVLModel(nn.Module):
         model.load_weights(iterate_weights(model_dir))
         model = model.to(dtype).eval()
         # Registered after the dtype cast: normalisation stays float32, as the reference's.
-        norm = read_pixel_norm(str(model_dir))
-        model.register_buffer("pixel_mean", torch.tensor(norm.mean).view(1, 3, 1, 1), persistent=False)
-        model.register_buffer("pixel_std", torch.tensor(norm.std).view(1, 3, 1, 1), persistent=False)
+        for modality in ("image", "video"):
+            norm = read_pixel_norm(str(model_dir), modality)
+            model.register_buffer(f"{modality}_mean", torch.tensor(norm.mean).view(1, 3, 1, 1), persistent=False)
+            model.register_buffer(f"{modality}_std", torch.tensor(norm.std).view(1, 3, 1, 1), persistent=False)
         return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -124,8 +127,8 @@ class InternVLModel(nn.Module):
         return not self.final_norm and target.startswith("vision_tower.layernorm.")
 
     def drop_encoders(self, modalities: set[str]) -> list[str]:
-        """--limit-mm-per-prompt image=0: the tower and projector are never needed."""
-        if "image" not in modalities:
+        """Images and videos share the tower: it and the projector go only when both are off."""
+        if not {"image", "video"} <= modalities:
             return []
         self.vision_tower = None
         self.multi_modal_projector = None
@@ -137,15 +140,31 @@ class InternVLModel(nn.Module):
         return self.language_model.embed_input_ids(input_ids)
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """Every tile of every item through the tower in one batch; one ``[tiles * 256,
-        hidden]`` tensor per item, tiles in the processor's order (the thumbnail last)."""
-        if modality != "image" or self.vision_tower is None:
+        """Every tile (a video's frames are tiles) of every item through the tower in one
+        batch. An image's output is ``[tiles * 256, hidden]``, tiles in the processor's order
+        (the thumbnail last); a video's also holds the embeddings of the frame labels between
+        its frames, as its placeholder span does (``video.py``)."""
+        if self.vision_tower is None:
             raise ValueError(f"this InternVL does not encode {modality} (its encoder is off: --limit-mm-per-prompt)")
+        if modality not in ("image", "video"):
+            raise ValueError(f"InternVL does not encode {modality}")
         counts = [len(inputs["tiles"]) for inputs in encoder_inputs]
+        tiles = np.concatenate([inputs["tiles"] for inputs in encoder_inputs])
+        per_tile = self.encode_tiles(tiles, getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std"))
+        outputs = []
+        for inputs, features in zip(encoder_inputs, per_tile.split(counts)):
+            if modality == "image":
+                outputs.append(features.reshape(-1, features.shape[-1]))
+                continue
+            between = [self.embed_input_ids(torch.as_tensor(ids, device=features.device)) for ids in inputs["between"]]
+            outputs.append(interleave_frames(list(features.unbind(0)), between))
+        return outputs
+
+    def encode_tiles(self, tiles: np.ndarray, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        """uint8 tiles ``[N, 3, S, S]`` -> ``[N, tokens_per_tile, text hidden]``."""
         # uint8 travels to the device as uint8 (a quarter of float32's bytes).
-        tiles = torch.from_numpy(np.concatenate([inputs["tiles"] for inputs in encoder_inputs]))
-        tiles = tiles.to(self.pixel_mean.device)
-        pixel_values = (tiles.to(torch.float32) / 255.0 - self.pixel_mean) / self.pixel_std
+        pixels = torch.from_numpy(tiles).to(mean.device)
+        pixel_values = (pixels.to(torch.float32) / 255.0 - mean) / std
         tower = self.vision_tower
         dtype = tower.embeddings.patch_embeddings.projection.weight.dtype
         hidden = tower.embeddings(pixel_values.to(dtype))
@@ -156,8 +175,7 @@ class InternVLModel(nn.Module):
         patches = hidden[:, 1:]  # the CLS vector is not an image token
         side = int(patches.shape[1] ** 0.5)
         shuffled = pixel_shuffle(patches.reshape(len(patches), side, side, -1), self.downsample_ratio)
-        projected = self.multi_modal_projector(shuffled.reshape(len(patches), -1, shuffled.shape[-1]))
-        return [item.reshape(-1, item.shape[-1]) for item in projected.split(counts)]
+        return self.multi_modal_projector(shuffled.reshape(len(patches), -1, shuffled.shape[-1]))
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)

@@ -1,4 +1,5 @@
-"""InternVL image processing: tiles (and a thumbnail) as uint8, and the placeholder run.
+"""InternVL media processing: tiles (and a thumbnail) as uint8, and the placeholder run;
+a video is one tile per frame under "FrameN:" labels (``video.py``).
 
 The chat template writes ``<IMG_CONTEXT>`` for an image; it becomes ``<img>``, then
 ``tokens_per_tile`` ``<IMG_CONTEXT>`` placeholders per tile, then ``</img>``, as
@@ -24,26 +25,39 @@ from vlmd.processing.base import (
     ItemTokens,
     ProcessedItem,
 )
-from vlmd_internvl.settings import read_tile_settings
+from vlmd_internvl.settings import read_frame_settings, read_tile_settings
 from vlmd_internvl.tiling import TileGrid, TileSettings, tile_boxes
+from vlmd_internvl.video import FrameLayout, frame_layout, resize_frames
+
+DEFAULT_NUM_FRAMES = 32  # vlmd.media.policy.MediaPolicy.video_num_frames
 
 
 class InternVLProcessingInfo(BaseProcessingInfo):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.settings = read_tile_settings(ctx.model_dir, ctx.hf_config)
+        self.frames = read_frame_settings(ctx.model_dir, self.settings)
         tokenizer = ctx.tokenizer
         self.context_token_id = int(ctx.hf_config.image_token_id)
         # The run's brackets: the tokenizer names them (a config-only directory has none, and
         # then only counts are asked of it, which need no ids).
         self.start_token_id = _token_id(tokenizer, "<img>")
         self.end_token_id = _token_id(tokenizer, "</img>")
+        self.video_token_id = _token_id(tokenizer, "<video>")
 
     def supported_mm_limits(self) -> dict[str, int | None]:
-        return {"image": None}
+        return {"image": None, "video": None}
 
     def marker_token_id(self, modality: str) -> int:
-        return self.context_token_id
+        return self.video_token_id if modality == "video" else self.context_token_id
+
+    def frame_layout(self, num_frames: int) -> FrameLayout:
+        return frame_layout(self.ctx.tokenizer, num_frames, self.settings.tokens_per_tile, "<IMG_CONTEXT>", "<img>",
+                            "</img>", self.context_token_id)
+
+    def video_num_frames(self) -> int:
+        video = self.ctx.media_io_kwargs.get("video") or {}
+        return int(video.get("num_frames", DEFAULT_NUM_FRAMES))
 
     def server_settings(self) -> TileSettings:
         """The checkpoint's settings under the server-wide --mm-processor-kwargs."""
@@ -53,7 +67,14 @@ class InternVLProcessingInfo(BaseProcessingInfo):
         return self.settings.with_kwargs(kwargs).grid(size.height, size.width)
 
     def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
-        """``<img>``, every tile's placeholders (the thumbnail's too), ``</img>``."""
+        """An image: ``<img>``, every tile's placeholders (the thumbnail's too), ``</img>``. A
+        video: each frame's label and one tile; its encoder output spans the labels between."""
+        if modality == "video":
+            self.settings.with_kwargs(kwargs)  # the same kwargs are valid (they do not apply to frames)
+            layout = self.frame_layout(size.frames)
+            return ItemTokens(replacement=len(layout.replacement), placeholders=layout.span_length,
+                              encoder_tokens=layout.span_length,
+                              layout={"frames": size.frames, "tokens_per_frame": self.settings.tokens_per_tile})
         grid = self.item_grid(size, kwargs)
         count = grid.tiles * self.settings.tokens_per_tile
         layout = {"grid": f"{grid.columns}x{grid.rows}", "tiles": grid.columns * grid.rows,
@@ -67,6 +88,8 @@ class InternVLProcessor(BaseMultiModalProcessor):
         self.ceiling = info.server_settings().max_patches
 
     def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        if modality == "video":
+            return self.process_video(media, kwargs)
         if modality != "image":
             raise BadRequestError(f"InternVL does not take {modality}")
         settings = self.info.settings.with_kwargs(kwargs)
@@ -90,6 +113,19 @@ class InternVLProcessor(BaseMultiModalProcessor):
             replacement=[info.start_token_id, *[info.context_token_id] * tokens.placeholders, info.end_token_id],
             placeholder_offset=1,
             num_placeholders=tokens.placeholders,
+        )
+
+
+    def process_video(self, video: Any, kwargs: dict[str, Any]) -> ProcessedItem:
+        self.info.settings.with_kwargs(kwargs)
+        frames = self.info.frames
+        tiles = resize_frames(video, frames.height, frames.width, frames.resample)
+        layout = self.info.frame_layout(len(tiles))
+        return ProcessedItem(
+            encoder_inputs={"tiles": tiles, "between": [np.asarray(ids, dtype=np.int64) for ids in layout.between]},
+            replacement=layout.replacement,
+            placeholder_offset=layout.span_start,
+            num_placeholders=layout.span_length,
         )
 
 
@@ -123,9 +159,12 @@ def _token_id(tokenizer, token: str) -> int | None:
 
 class InternVLDummyInputsBuilder(BaseDummyInputsBuilder):
     """The costliest image under the server's settings: one whose grid is the most tiles
-    (``max_patches`` in a row, with the thumbnail)."""
+    (``max_patches`` in a row, with the thumbnail); a video of the server's frame count."""
 
-    def dummy_item(self, modality: str) -> Image.Image:
+    def dummy_item(self, modality: str) -> Any:
+        if modality == "video":
+            frames = self.info.frames
+            return np.full((max(1, self.info.video_num_frames()), frames.height, frames.width, 3), 255, dtype=np.uint8)
         settings = self.info.server_settings()
         columns = max(1, settings.max_patches) if settings.crop_to_patches else 1
         image = Image.new("RGB", (columns * settings.tile_width, settings.tile_height), color=(255, 255, 255))

@@ -1,6 +1,6 @@
 """An InternVL checkpoint's media settings, read the way transformers reads them.
 
-The image processor's fields (tile size, ``min_patches``/``max_patches``, ``crop_to_patches``,
+The image (and video) processor's fields (tile size, ``min_patches``/``max_patches``, ``crop_to_patches``,
 mean and std, resampling) come from ``processor_config.json``'s nested ``image_processor``
 (transformers 5) or ``preprocessor_config.json`` (4.x); the placeholders per tile
 (``image_seq_length``) from the processor's own config. The tower's geometry fixes that
@@ -58,8 +58,30 @@ def read_tile_settings(model_dir: str, hf_config) -> TileSettings:
     )
 
 
-def read_pixel_norm(model_dir: str) -> PixelNorm:
-    raw = image_processor_config(Path(model_dir))
+@dataclass(frozen=True)
+class FrameSettings:
+    """How a video's frames are resized: each to one tile."""
+
+    height: int
+    width: int
+    resample: int
+
+
+def read_frame_settings(model_dir: str, tiles: TileSettings) -> FrameSettings:
+    """The video processor's frame size (the tile size where the checkpoint names none). The
+    reference gives every frame ``tokens_per_tile`` placeholders whatever its size, so a frame
+    size other than the tile's could not be encoded: such a checkpoint is refused."""
+    raw = video_processor_config(Path(model_dir))
+    size = raw.get("size") or {"height": tiles.tile_height, "width": tiles.tile_width}
+    if (size.get("height"), size.get("width")) != (tiles.tile_height, tiles.tile_width):
+        raise ValueError(f"InternVL video frame size {size} differs from the {tiles.tile_height}x{tiles.tile_width} tiles")
+    return FrameSettings(tiles.tile_height, tiles.tile_width, int(raw.get("resample", tiles.resample)))
+
+
+def read_pixel_norm(model_dir: str, modality: str = "image") -> PixelNorm:
+    """Mean and std of a modality's processor (a video's falls back to the image's)."""
+    image = image_processor_config(Path(model_dir))
+    raw = {**image, **video_processor_config(Path(model_dir))} if modality == "video" else image
     return PixelNorm(tuple(float(v) for v in raw.get("image_mean", CLIP_MEAN)),
                      tuple(float(v) for v in raw.get("image_std", CLIP_STD)))
 
@@ -69,6 +91,13 @@ def image_processor_config(model_dir: Path) -> dict:
     if "image_processor" in nested:
         return nested["image_processor"]
     return _load(model_dir / "preprocessor_config.json")
+
+
+def video_processor_config(model_dir: Path) -> dict:
+    nested = _load(model_dir / "processor_config.json")
+    if "video_processor" in nested:
+        return nested["video_processor"]
+    return _load(model_dir / "video_preprocessor_config.json")
 
 
 def _pair(value) -> tuple[int, int]:

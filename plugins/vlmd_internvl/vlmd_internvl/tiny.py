@@ -4,8 +4,9 @@ Layout written to ``out_dir`` (byte-identical for the same seed and size):
 
 * ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, transformers 5 names)
 * ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``
-* ``processor_config.json`` (transformers 5: the processor with its image processor nested) and
-  ``preprocessor_config.json`` (the image processor, what transformers 4.x reads)
+* ``processor_config.json`` (transformers 5: the processor with its image and video processors
+  nested), ``preprocessor_config.json`` (the image processor, what transformers 4.x reads) and
+  ``video_preprocessor_config.json`` (the video processor)
 * ``vlmd_tiny.json``: what was built (family, size, seed, parameter count, special token ids)
 
 Architecture as InternVL3: an InternViT tower (CLS + absolute positions, layer scale,
@@ -147,6 +148,16 @@ def _image_processor_settings() -> dict:
     }
 
 
+def _video_processor_settings() -> dict:
+    """Frames resized to one tile each, as InternVL3's video processor config says."""
+    return {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "do_sample_frames": False, "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD, "resample": 3,
+        "rescale_factor": 1 / 255, "size": {"height": TILE_SIZE, "width": TILE_SIZE},
+        "video_processor_type": "InternVLVideoProcessor",
+    }
+
+
 def _write_processor_files(out: Path, tokenizer) -> None:
     """Tokenizer, chat template and processor configs (as JSON: transformers' video processor
     for InternVL needs torchvision, so the processor is not saved through its class)."""
@@ -163,8 +174,10 @@ def _write_processor_files(out: Path, tokenizer) -> None:
     (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE, encoding="utf-8")
     image = _image_processor_settings()
     _write_json(out / "preprocessor_config.json", {**image, "processor_class": "InternVLProcessor"})
-    _write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor",
-                                                 "image_seq_length": TOKENS_PER_TILE, "image_processor": image})
+    video = _video_processor_settings()
+    _write_json(out / "video_preprocessor_config.json", {**video, "processor_class": "InternVLProcessor"})
+    _write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor", "image_seq_length": TOKENS_PER_TILE,
+                                                 "image_processor": image, "video_processor": video})
 
 
 def build_tiny_internvl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
