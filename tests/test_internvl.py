@@ -4,7 +4,8 @@ The tiny checkpoint has 112-px tiles, at most 6 tiles (plus the thumbnail) and 1
 tile. Cases: one tile (no thumbnail), the most tiles (a 3x2 grid + thumbnail), a thin wide
 strip and a thin tall one (6x1 and 1x6), two images of different grids (3x2 and 1x3), text only and a
 per-request ``max_patches``. Each runs alone, then all concurrently, then a second turn over
-the first one's answer must find its prefix cached. The shared server's token budget (32)
+the first one's answer must find its prefix cached, and a video (one tile per frame under
+"FrameN:" labels) alone and beside an image. The shared server's token budget (32)
 splits every image across steps; a second server adds ``--tensor-parallel-size 2``, a KV
 cache that forces preemption and a server-wide ``max_patches``. ``usage.prompt_tokens`` equals the length of transformers'
 processor output. A first divergence is accepted only where transformers' own top-1/top-2
@@ -20,10 +21,12 @@ import numpy as np
 import orjson
 import pytest
 
-from conftest import Server, image_data_url, random_image
+from conftest import Server, image_data_url, make_video, random_image, video_data_url
 from internvl_support import hf_internvl_generate, tiny_internvl_dir  # noqa: F401  (a fixture)
 from oracle import assert_greedy_match
+from test_qwen2_vl import reference_frames
 
+NUM_FRAMES = 4  # frames the servers keep of a video
 SERVER_MAX_PATCHES = 4  # the TP server's --mm-processor-kwargs, under the checkpoint's 6
 
 CASES = {  # name: ([(seed, width, height), ...], text, mm_processor_kwargs, tiles per image on the default server)
@@ -73,8 +76,10 @@ def references(tiny_internvl_dir):  # noqa: F811
 @pytest.fixture(scope="module")
 def server(tiny_internvl_dir, tmp_path_factory):  # noqa: F811
     # A token budget of 32: every image's placeholders are split across steps (of one rank).
-    server = Server(tiny_internvl_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "2048",
-                    "--max-num-batched-tokens", "32", log_dir=tmp_path_factory.mktemp("internvl-logs"))
+    server = Server(tiny_internvl_dir, "--limit-mm-per-prompt", "image=2,video=1", "--max-model-len", "2048",
+                    "--max-num-batched-tokens", "32", "--media-io-kwargs",
+                    orjson.dumps({"video": {"num_frames": NUM_FRAMES}}).decode(),
+                    log_dir=tmp_path_factory.mktemp("internvl-logs"))
     yield server
     server.stop()
 
@@ -148,7 +153,7 @@ def test_parity_tp2_split_across_steps_and_preempted(tiny_internvl_dir, tmp_path
     cost seconds to start): two ranks, a token budget that splits images across steps, a KV
     cache that preempts, server-wide ``max_patches`` under the checkpoint's."""
     server = Server(tiny_internvl_dir, "--tensor-parallel-size", "2", "--torch-threads", "1",
-                    "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", "32",
+                    "--limit-mm-per-prompt", "image=2,video=0", "--max-num-batched-tokens", "32",
                     "--num-kv-blocks", "20", "--max-model-len", "320",
                     "--mm-processor-kwargs", orjson.dumps({"max_patches": SERVER_MAX_PATCHES}).decode(),
                     log_dir=tmp_path)
@@ -176,6 +181,32 @@ def _image_request(url: str, count: int = 1, **extra) -> dict:
     parts = [{"type": "image_url", "image_url": {"url": url}}] * count
     return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
             "max_tokens": 2, **extra}
+
+
+def test_video_parity(server, tiny_internvl_dir):  # noqa: F811
+    """A video alone and beside an image, concurrently: one tile per kept frame, each under
+    its "FrameN:" label, as transformers' processor writes them."""
+    data = make_video(8, seed=3)
+    frames = reference_frames(data, NUM_FRAMES)
+    image = random_image(11, 300, 200)
+    video_part = {"type": "video_url", "video_url": {"url": video_data_url(data)}}
+    image_part = {"type": "image_url", "image_url": {"url": image_data_url(image)}}
+    cases = [([video_part], [{"type": "video"}], []), ([video_part, image_part], [{"type": "video"}, {"type": "image"}],
+                                                       [image])]
+
+    def one(case):
+        parts, _, _ = case
+        return server.chat({"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}],
+                            "max_tokens": 12, "temperature": 0, "return_token_ids": True, "logprobs": True})
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(one, cases))
+    for (_, ref_parts, images), (status, body) in zip(cases, answers):
+        assert status == 200, body
+        messages = [{"role": "user", "content": [*ref_parts, {"type": "text", "text": "What happens?"}]}]
+        ref = hf_internvl_generate(tiny_internvl_dir, messages, images, 12, videos=[frames])
+        _check(body, ref)
+        assert ref["num_tiles"] == NUM_FRAMES + (7 if images else 0)  # the image: 3x2 + thumbnail
 
 
 def _png_header(width: int, height: int) -> str:

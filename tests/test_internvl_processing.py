@@ -202,3 +202,39 @@ def test_tiny_checkpoint_loads_offline_with_every_weight(tiny_internvl_dir):  # 
     with safe_open(tiny_internvl_dir / "model.safetensors", "pt") as weights:
         lm_head = weights.get_tensor(next(name for name in weights.keys() if name.endswith("lm_head.weight")))
     assert not lm_head[special + summary["eos_token_ids"]].any() and lm_head[:100].abs().sum() > 0
+
+
+@pytest.mark.parametrize("num_frames", [1, 2, 5, 8])
+def test_video_expansion_and_counts_equal_transformers(tiny_internvl_dir, num_frames):  # noqa: F811
+    """A video's "FrameN:" labels and one tile per frame, as InternVLProcessor expands them
+    (frames through the stand-in video processor: transformers' PIL image processor)."""
+    video = np.stack([np.asarray(random_image(seed, 112, 84)) for seed in range(num_frames)])
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Watch:"}, {"type": "video"},
+                                             {"type": "text", "text": "What happens?"}]}]
+    _, hf = load_hf_internvl(tiny_internvl_dir)
+    prompt = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    reference = hf(text=prompt, videos=[video], return_tensors="pt", add_special_tokens=False)
+    processor = _processor(tiny_internvl_dir)
+    ours = processor.apply(processor.info.ctx.tokenizer.encode(prompt, add_special_tokens=False), {"video": [video]})
+    assert ours.prompt_token_ids == reference["input_ids"][0].tolist()
+    (item,) = ours.items
+    tokens = processor.info.item_tokens("video", ItemSize(112, 84, num_frames), {})
+    assert tokens.replacement == len(reference["input_ids"][0]) - len(processor.info.ctx.tokenizer.encode(
+        prompt, add_special_tokens=False)) + 1
+    assert (item.length, tokens.placeholders) == (tokens.encoder_tokens, tokens.encoder_tokens)
+    span = ours.prompt_token_ids[item.offset : item.end]
+    assert span.count(processor.info.context_token_id) == 16 * num_frames
+    assert span[0] == span[-1] == processor.info.context_token_id
+    frames = _normalised(processor, item.encoder_inputs["tiles"])
+    assert torch.equal(frames, reference["pixel_values"])
+
+
+def test_vlmd_cost_counts_a_video(tiny_internvl_dir):  # noqa: F811
+    from vlmd.cost import parse_video
+
+    report = compute_cost(str(tiny_internvl_dir), [parse_video("16x112x84", 30.0)],
+                          CostOptions(media_io_kwargs={"video": {"num_frames": 4}}))
+    (row,) = report["items"]
+    assert row["frames"] == 4 and row["layout"] == {"frames": 4, "tokens_per_frame": 16}
+    processor = _processor(tiny_internvl_dir)
+    assert row["prompt_tokens"] == processor.info.item_tokens("video", ItemSize(112, 84, 4), {}).replacement
