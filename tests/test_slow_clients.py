@@ -82,3 +82,26 @@ def test_an_idle_keep_alive_connection_is_closed(server):
         first = sock.recv(65536)
         assert first.startswith(b"HTTP/1.1 200"), first
         assert _read_until_closed(sock) == b""  # closed by the server after KEEPALIVE_S idle
+
+
+def test_trickled_headers_are_cut_off_by_the_keep_alive_deadline(server):
+    """A request whose headers never end: aiohttp (3.14) arms the keep-alive timer when a
+    connection opens and does not re-arm it on partial data, so --keepalive-timeout is also
+    the header-read deadline. One header line every 0.1-0.2 s: 600 of them would take over a
+    minute; the server must close long before the count runs out."""
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        sock.settimeout(0.1)
+        closed = False
+        for index in range(600):
+            try:
+                sock.sendall(f"X-Trickle-{index}: 1\r\n".encode())
+                if sock.recv(65536) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except OSError:  # reset under us: closed
+                closed = True
+                break
+    assert closed, "the server kept a connection whose headers never ended"
