@@ -82,7 +82,10 @@ def references(tiny_qwen3_vl_dir, cases):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_vl_dir, tmp_path_factory):
-    server = Server(tiny_qwen3_vl_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "2048",
+    # --max-num-seqs and the token budget bound the start-up profile (as many largest images
+    # as the encoder budget takes, beside a full prefill): seconds of this module's budget.
+    server = Server(tiny_qwen3_vl_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "1024",
+                    "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
                     log_dir=tmp_path_factory.mktemp("qwen3-vl-logs"))
     yield server
     server.stop()
@@ -115,6 +118,11 @@ def test_parity_one_request_at_a_time(server, cases, references, tiny_qwen3_vl_d
         status, body = server.chat(_body(*case, _max_tokens(index)))
         assert status == 200, body
         _check(body, references[name])
+        body_sent = _body(*case, _max_tokens(index))
+        status, raw = server.request("POST", "/tokenize", orjson.dumps({"messages": body_sent["messages"],
+                                                                        **({"mm_processor_kwargs": case[2]} if case[2] else {})}))
+        assert status == 200, raw
+        assert orjson.loads(raw)["tokens"] == references[name]["prompt_token_ids"]
         if name == "second_turn":
             image_end = len(body["prompt_token_ids"]) - body["prompt_token_ids"][::-1].index(_image_token(tiny_qwen3_vl_dir))
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= image_end - 16
@@ -129,9 +137,10 @@ def test_parity_all_concurrently(server, cases, references):
         _check(body, references[name])
 
 
-def test_parity_items_split_across_steps_and_preempted(tiny_qwen3_vl_dir, cases, references, tmp_path):
-    server = Server(tiny_qwen3_vl_dir, "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", "16",
-                    "--num-kv-blocks", "14", "--max-model-len", "200", "--torch-threads", "2", log_dir=tmp_path)
+def test_parity_tp2_items_split_across_steps_and_preempted(tiny_qwen3_vl_dir, cases, references, tmp_path):
+    server = Server(tiny_qwen3_vl_dir, "--tensor-parallel-size", "2", "--torch-threads", "1",
+                    "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
+                    "--num-kv-blocks", "14", "--max-model-len", "200", log_dir=tmp_path)
     try:
         for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
             steps_before = server.metrics()["vlmd_engine_steps_total"]
