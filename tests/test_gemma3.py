@@ -29,13 +29,6 @@ LONG_TEXT = " ".join(["Describe what is here and what the image shows in some de
 PAN_AND_SCAN = orjson.dumps({"do_pan_and_scan": True}).decode()
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3_dir(tmp_path_factory):
-    from vlmd.tiny import build_tiny
-
-    return build_tiny("gemma3", tmp_path_factory.mktemp("tiny-gemma3"), seed=0, size="tiny")
-
-
 def _image(seed, width, height):
     return random_image(seed, width, height)
 
