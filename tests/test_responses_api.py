@@ -54,9 +54,12 @@ def test_text_and_instructions_give_chats_greedy_answer(llava_server, client):
     assert response.usage.output_tokens == chat["usage"]["completion_tokens"]
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
     assert response.instructions == "Answer briefly." and response.store is False
-    # Text only: no per-modality counts on either route.
+    # Text only: no per-modality counts on any route.
     assert "multimodal_tokens" not in chat["usage"]["prompt_tokens_details"]
     assert response.usage.input_tokens_details.model_extra.get("multimodal_tokens") is None
+    status, raw = llava_server.request("POST", "/v1/completions", orjson.dumps(
+        {"model": llava_server.model, "prompt": "Name a colour.", "max_tokens": 2}))
+    assert status == 200 and orjson.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_image_input_and_usage_per_modality(llava_server, client, tiny_llava_dir):
