@@ -14,9 +14,11 @@ import torch
 
 from conftest import make_video
 
-# A 3 s clip at 4 fps; the servers keep 4 of its 12 frames: 4/12 x 4 = 4/3 fps sampled, so a
-# frame pair spans 1.5 s, 3 time positions at the tiny's 2 tokens per second.
-VIDEO_FRAMES, VIDEO_FPS, NUM_FRAMES = 12, 4, 4
+# A 2 s clip at 8 fps, sampled at 2 fps (--media-io-kwargs {"video": {"fps": 2, "num_frames": 8}}):
+# transformers' sample_frames keeps 4 of its 16 frames, [0, 4, 8, 12], 2 fps sampled, so a frame
+# pair spans 1 s: 2 time positions at the tiny's 2 tokens per second.
+VIDEO_FRAMES, VIDEO_FPS, SAMPLE_FPS, NUM_FRAMES, KEPT_FRAMES = 16, 8, 2, 8, 4
+MEDIA_IO = {"video": {"num_frames": NUM_FRAMES, "fps": SAMPLE_FPS, "max_duration_s": 5, "max_bytes": 2**20}}
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,7 +37,7 @@ def video_bytes() -> bytes:
     return make_video(VIDEO_FRAMES, fps=VIDEO_FPS, seed=11)
 
 
-def sampled_video(data: bytes, num_frames: int = NUM_FRAMES) -> tuple[np.ndarray, dict]:
+def sampled_video(data: bytes, num_frames: int = KEPT_FRAMES) -> tuple[np.ndarray, dict]:
     """The frames transformers' ``sample_frames`` keeps (``arange(0, total, total / n).int()``)
     from an independent PyAV decode, and the ``VideoMetadata`` fields that go with them."""
     import av

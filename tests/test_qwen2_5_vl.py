@@ -1,7 +1,7 @@
 """Qwen2.5-VL through the real server: greedy tokens equal transformers' generate.
 
-Cases: one image; two images of different sizes; a 3 s video (4 of its 12 frames kept, so
-each frame pair spans 1.5 s of absolute time); text only; a second turn about the first
+Cases: one image; two images of different sizes; a 2 s video sampled at 2 fps (4 of its 16
+frames kept, so each frame pair spans 1 s of absolute time); text only; a second turn about the first
 case's image (its prefix comes from the cache: ``cached_tokens``). All run concurrently on
 one server; then again on a second server under ``--tensor-parallel-size 2`` whose token
 budget (32) splits every image across steps, with a server-wide max_pixels and a KV cache
@@ -23,10 +23,9 @@ import pytest
 from conftest import Server, image_data_url, make_video, random_image, video_data_url
 from oracle import assert_greedy_match
 from oracle_qwen2_5_vl import hf_qwen2_5_vl_generate
-from qwen2_5_vl_support import NUM_FRAMES, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
+from qwen2_5_vl_support import MEDIA_IO, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
 
 SERVER_MAX_PIXELS = 64 * 28 * 28  # the second server's --mm-processor-kwargs
-MEDIA_IO = {"video": {"num_frames": NUM_FRAMES, "max_duration_s": 5, "max_bytes": 2**20}}
 FIRST_ANSWER = "It is a picture of noise."
 
 
@@ -110,7 +109,7 @@ def cases():
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_5_vl_dir, tmp_path_factory):
-    server = Server(tiny_qwen2_5_vl_dir, "--limit-mm-per-prompt", "image=2,video=1", "--max-model-len", "4096",
+    server = Server(tiny_qwen2_5_vl_dir, "--limit-mm-per-prompt", "image=2,video=1", "--max-model-len", "1024",
                     "--media-io-kwargs", orjson.dumps(MEDIA_IO).decode(),
                     log_dir=tmp_path_factory.mktemp("qwen2-5-vl-logs"))
     yield server
@@ -138,7 +137,10 @@ def test_parity_tp2_split_placeholders_server_kwargs_and_preemption(tiny_qwen2_5
         tiny_qwen2_5_vl_dir, "--tensor-parallel-size", "2", "--torch-threads", "1",
         "--limit-mm-per-prompt", "image=2,video=1", "--max-num-batched-tokens", "32", "--num-kv-blocks", "10",
         "--max-model-len", "160", "--mm-processor-kwargs", orjson.dumps({"max_pixels": SERVER_MAX_PIXELS}).decode(),
-        "--media-io-kwargs", orjson.dumps(MEDIA_IO).decode(), log_dir=tmp_path,
+        # At most 4 frames (2 pairs of 64 tokens) leave room for text in 160 tokens; the test
+        # video sampled at 2 fps keeps 4 either way.
+        "--media-io-kwargs", orjson.dumps({"video": {**MEDIA_IO["video"], "num_frames": 4}}).decode(),
+        log_dir=tmp_path,
     )
     try:
         refs = [_reference(tiny_qwen2_5_vl_dir, case, index, {"max_pixels": SERVER_MAX_PIXELS})

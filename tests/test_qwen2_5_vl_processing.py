@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from conftest import random_image
 from oracle_qwen2_5_vl import hf_qwen2_5_vl_generate, load_hf_qwen2_5_vl
-from qwen2_5_vl_support import NUM_FRAMES, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
+from qwen2_5_vl_support import KEPT_FRAMES, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
 from vlmd.cost import CostOptions, compute_cost, parse_image, parse_video
 from vlmd.errors import BadRequestError
 from vlmd.media.image import to_rgb
@@ -114,7 +114,7 @@ def test_video_time_and_positions_equal_transformers(tiny_qwen2_5_vl_dir):
     ours = processor.apply(_prompt(processor, messages), {"image": images, "video": [video]})
     assert ours.prompt_token_ids == ref["prompt_token_ids"]
     video_item = next(item for item in ours.items if item.modality == "video")
-    assert [video_item.encoder_inputs["second_per_grid_t"]] == ref["second_per_grid_ts"] == [1.5]
+    assert [video_item.encoder_inputs["second_per_grid_t"]] == ref["second_per_grid_ts"] == [1.0]
     model, _ = load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
     inputs = ref["inputs"]
     positions, delta = model.model.get_rope_index(
@@ -123,10 +123,10 @@ def test_video_time_and_positions_equal_transformers(tiny_qwen2_5_vl_dir):
     )
     assert np.array_equal(ours.family_state.table, positions[:, 0].numpy())
     assert ours.family_state.delta == int(delta)
-    # The time row moves by 3 per frame pair: absolute time, not Qwen2-VL's 1.
+    # The time row moves by 2 per frame pair (1 s at 2 tokens per second), not Qwen2-VL's 1.
     table = ours.family_state.table
     video_times = sorted(set(table[0, video_item.offset : video_item.end].tolist()))
-    assert np.diff(video_times).tolist() == [3] * (len(video_times) - 1) and len(video_times) == NUM_FRAMES // 2
+    assert np.diff(video_times).tolist() == [2] * (len(video_times) - 1) and len(video_times) == KEPT_FRAMES // 2
 
 
 def test_frames_without_a_rate_count_as_24_fps(tiny_qwen2_5_vl_dir):
@@ -208,3 +208,42 @@ def test_tiny_checkpoint_loads_offline_with_every_weight(tiny_qwen2_5_vl_dir):
     assert not any(info.values()), info
     vision = AutoConfig.from_pretrained(tiny_qwen2_5_vl_dir).vision_config
     assert (vision.window_size, list(vision.fullatt_block_indexes), vision.depth) == (56, [1], 3)
+
+
+# Indices transformers' Qwen2VLVideoProcessor.sample_frames(metadata, fps=2, max_frames=N)
+# returns (transformers 5.19 with torchvision, in the peer's venv: ../shared/peer/README.md;
+# torchvision cannot be installed beside this venv's torch): (total, source fps, N) -> indices.
+TRANSFORMERS_FPS_SAMPLES = {
+    (16, 8.0, 8): [0, 4, 8, 12],
+    (12, 4.0, 8): [0, 2, 4, 6, 8, 10],
+    (10, 6.0, 8): [0, 2, 5, 7],
+    (7, 30.0, 8): [0, 1, 3, 5],
+    (300, 30.0, 32): list(range(0, 300, 15)),
+    (90, 29.97, 8): [0, 15, 30, 45, 60, 75],
+    (45, 10.0, 8): [0, 5, 11, 16, 22, 28, 33, 39],
+}
+
+
+@pytest.mark.parametrize("key", list(TRANSFORMERS_FPS_SAMPLES))
+def test_sampling_by_rate_equals_transformers(key):
+    from vlmd.media.policy import MediaPolicy
+    from vlmd.media.video import frames_to_keep, sample_frame_indices
+
+    total, source_fps, bound = key
+    policy = MediaPolicy(video_num_frames=bound, video_fps=2.0)
+    count = frames_to_keep(total, source_fps, policy)
+    assert sample_frame_indices(total, count) == TRANSFORMERS_FPS_SAMPLES[key]
+    # Without a rate (or a source rate), num_frames as before.
+    assert frames_to_keep(total, source_fps, MediaPolicy(video_num_frames=bound)) == min(bound, total) // 2 * 2
+    assert frames_to_keep(total, None, policy) == min(bound, total) // 2 * 2
+    assert frames_to_keep(1, 30.0, policy) == 1
+
+
+def test_decoded_video_by_rate_carries_its_sampled_fps():
+    from conftest import make_video
+    from vlmd.media.policy import MediaPolicy
+    from vlmd.media.video import decode_video
+
+    video = decode_video(make_video(16, fps=8), MediaPolicy(video_num_frames=8, video_fps=2.0))
+    assert video.shape[0] == 4 and video.sampled_fps == pytest.approx(2.0)  # 4 of 16 frames at 8 fps
+    assert decode_video(make_video(16, fps=8), MediaPolicy(video_num_frames=8)).sampled_fps == pytest.approx(4.0)

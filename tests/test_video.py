@@ -150,8 +150,11 @@ def test_media_io_kwargs_map_to_policy_fields():
     fields = media_policy_fields({"video": {"num_frames": 16, "max_duration_s": 30, "max_bytes": 1000}})
     assert fields == {"video_num_frames": 16, "max_video_duration_s": 30, "max_video_bytes": 1000}
     assert MediaPolicy(**fields).video_num_frames == 16
-    for bad in ({"video": {"fps": 2}}, {"audio": {}}, {"video": {"num_frames": "8"}}):
+    assert media_policy_fields({"video": {"fps": 2}}) == {"video_fps": 2}
+    for bad in ({"video": {"frame_rate": 2}}, {"audio": {}}, {"video": {"num_frames": "8"}}):
         with pytest.raises(ValueError):
             media_policy_fields(bad)
     with pytest.raises(ValueError):
         MediaPolicy(video_num_frames=0)
+    with pytest.raises(ValueError):
+        MediaPolicy(video_fps=0)

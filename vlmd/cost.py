@@ -35,6 +35,7 @@ class ItemSpec:
     label: str
     size: ItemSize
     source_frames: int = 0  # a video's frames before sampling
+    source_fps: float | None = None  # its frame rate (sampling by rate needs it)
 
 
 def parse_image(text: str) -> ItemSpec:
@@ -55,7 +56,7 @@ def parse_video(text: str, fps: float) -> ItemSpec:
     if frames < 1:
         raise ValueError(f"--video {text!r} has no frames")
     label = f"video {match[1]}{'s' if seconds else ' frames'} {width}x{height}"
-    return ItemSpec("video", label, ItemSize(width, height), source_frames=frames)
+    return ItemSpec("video", label, ItemSize(width, height), source_frames=frames, source_fps=fps)
 
 
 def audio_clip(seconds: float) -> ItemSpec:
@@ -92,7 +93,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     from transformers import AutoConfig, AutoTokenizer
 
     from vlmd.media.policy import MediaPolicy
-    from vlmd.media.video import even_frame_count
+    from vlmd.media.video import frames_to_keep
     from vlmd.plugins.manager import build_registry
     from vlmd.processing.preprocess import InputPreprocessor
     from vlmd.processing.speech import SpeechToTextProcessor
@@ -119,7 +120,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     for spec in items:
         size = spec.size
         if spec.modality == "video":  # the frames the decoder keeps
-            size = ItemSize(size.width, size.height, even_frame_count(min(policy.video_num_frames, spec.source_frames)))
+            size = ItemSize(size.width, size.height, frames_to_keep(spec.source_frames, spec.source_fps, policy))
         label = spec.label
         if spec.modality == "audio" and isinstance(processor, SpeechToTextProcessor):
             size, label = ItemSize(seconds=min(size.seconds, processor.window_seconds)), label + " (per window)"
@@ -288,7 +289,8 @@ def add_parser(commands) -> None:
     cost.add_argument("--image", action="append", default=[], help="WIDTHxHEIGHT, repeatable: items of one prompt")
     cost.add_argument("--video", action="append", default=[],
                       help="FRAMESxWIDTHxHEIGHT (frames in the file) or SECONDSsxWIDTHxHEIGHT, repeatable")
-    cost.add_argument("--video-fps", type=float, default=30.0, help="frame rate for a video given in seconds")
+    cost.add_argument("--video-fps", type=float, default=30.0,
+                      help="frame rate of a --video (turns SECONDSs into frames; sampling by rate reads it)")
     cost.add_argument("--audio-seconds", type=float, action="append", default=[], help="a clip's length")
     cost.add_argument("--prompt", default="Describe this.", help="the text of the user message")
     cost.add_argument("--max-tokens", type=int, default=0, help="output tokens to add to the KV figure")

@@ -47,6 +47,9 @@ class MediaPolicy:
     # Video (frames are also held to the image limits above). Frames sampled uniformly from a
     # video; --media-io-kwargs '{"video": {"num_frames": N}}' sets it.
     video_num_frames: int = 32
+    # Or sample this many frames per second of video (at most video_num_frames): '{"video":
+    # {"fps": F}}'. None: video_num_frames whatever the length.
+    video_fps: float | None = None
     # A video is fetched whole before decoding, so it has its own, larger byte cap.
     max_video_bytes: int = 64 * 2**20
     # Decoding walks the stream up to the last sampled frame: frames and duration bound the CPU
@@ -72,6 +75,8 @@ class MediaPolicy:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"media policy {name} must be at least 1")
+        if self.video_fps is not None and not self.video_fps > 0:
+            raise ValueError("media policy video_fps must be positive")
         if not self.max_image_aspect_ratio >= 1:
             raise ValueError("media policy max_image_aspect_ratio must be at least 1")
         if not self.max_audio_duration_s > 0:

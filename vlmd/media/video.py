@@ -8,7 +8,9 @@ whatever the length of the video.
 Frames are sampled as transformers' video processors do it: ``num_frames`` indices spread
 uniformly from the first frame (index ``i * total // num_frames``), fewer when the video has
 fewer frames, and an even count so frame pairs fill Qwen2-VL's temporal patch of 2 (a single
-frame stays single; the processor repeats it).
+frame stays single; the processor repeats it). With ``fps`` set (--media-io-kwargs), the
+count follows the video's length instead, as transformers' ``sample_frames(fps=...)``
+counts it (``frames_to_keep``), still bounded by ``num_frames``.
 
 The frames remember the rate they stand for (``VideoFrames.sampled_fps``: frames kept per
 second of video, transformers' ``VideoMetadata.sampled_fps``), for families whose positions
@@ -62,7 +64,6 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
     """``[frames, height, width, 3]`` uint8 RGB frames sampled from ``data``, or MediaError."""
     import av
 
-    wanted = policy.video_num_frames if num_frames is None else num_frames
     if not data:
         raise MediaError("video data is empty")
     container = _open(data)
@@ -76,7 +77,10 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
             raise MediaError(f"video has {total} frames; the limit is {policy.max_video_frames}")
         if total == 0:
             raise MediaError("video has no frames")
-        count = even_frame_count(min(wanted, total))
+        if num_frames is not None:  # an explicit count overrides the policy's sampling
+            count = even_frame_count(min(num_frames, total))
+        else:
+            count = frames_to_keep(total, rate, policy)
         kept_bytes = count * width * height * 3
         if kept_bytes > policy.max_video_decoded_bytes:
             raise MediaError(
@@ -93,6 +97,27 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
     # The header may promise more frames than the stream holds: keep what was decoded.
     kept = np.stack(frames[: even_frame_count(len(frames))])
     return VideoFrames.of(kept, None if rate is None else len(indices) / total * rate)
+
+
+# transformers' Qwen-VL video processors sample at least this many frames by rate.
+MIN_FRAMES_BY_RATE = 4
+
+
+def frames_to_keep(total: int, source_fps: float | None, policy: MediaPolicy) -> int:
+    """How many of a video's ``total`` frames the decoder keeps (``vlmd cost`` asks too).
+
+    ``policy.video_num_frames`` of them, or with ``policy.video_fps`` set and a source rate
+    known, that many per second of video counted as transformers' ``sample_frames(fps=...)``
+    counts them: ``total / source_fps * fps`` frames, at least 4, at most ``video_num_frames``
+    and the video's own frames, rounded down to an even count. Always an even count but for
+    a lone frame.
+    """
+    if policy.video_fps is None or not source_fps:
+        return even_frame_count(min(policy.video_num_frames, total))
+    bound = min(policy.video_num_frames, total) // 2 * 2
+    by_rate = total / source_fps * policy.video_fps
+    count = int(min(max(by_rate, MIN_FRAMES_BY_RATE), bound, total)) // 2 * 2
+    return max(count, min(total, 1))
 
 
 def even_frame_count(count: int) -> int:
