@@ -99,7 +99,7 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
     return VideoFrames.of(kept, None if rate is None else len(indices) / total * rate)
 
 
-# transformers' Qwen-VL video processors sample at least this many frames by rate.
+# transformers' video processors sample at least this many frames by rate (their min_frames).
 MIN_FRAMES_BY_RATE = 4
 
 
