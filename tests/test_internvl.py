@@ -15,6 +15,7 @@ log-prob gap is < 1e-3, and the greedy tokens' log-probs agree within 1e-3 up to
 from __future__ import annotations
 
 import base64
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -207,6 +208,18 @@ def test_video_parity(server, tiny_internvl_dir):  # noqa: F811
         ref = hf_internvl_generate(tiny_internvl_dir, messages, images, 12, videos=[frames])
         _check(body, ref)
         assert ref["num_tiles"] == NUM_FRAMES + (7 if images else 0)  # the image: 3x2 + thumbnail
+
+
+def test_structured_output_with_an_image(server):
+    """Constraints work on this family as on the others: the grammar masks its logits."""
+    url = image_data_url(random_image(12, 640, 430))
+    status, body = server.chat(_image_request(url, structured_outputs={"choice": ["red", "green", "blue"]},
+                                              max_tokens=8, temperature=0))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] in {"red", "green", "blue"}
+    status, body = server.chat(_image_request(url, structured_outputs={"regex": r"[0-9]{3}"}, max_tokens=8))
+    assert status == 200, body
+    assert re.fullmatch(r"[0-9]{3}", body["choices"][0]["message"]["content"]), body
 
 
 def _png_header(width: int, height: int) -> str:
