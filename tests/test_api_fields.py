@@ -216,6 +216,7 @@ def test_qwen2_vl_video_through_responses_and_usage_per_modality(qwen2_vl_server
     markers = 4  # Qwen2-VL wraps each item's placeholders in a start and an end token
     assert set(counts) == {"video", "image"} and counts["image"] == (112 // 28) * (84 // 28) == 12
     assert counts["video"] + counts["image"] == with_media["count"] - without["count"] - markers
+    assert with_media["multimodal_tokens"] == counts and "multimodal_tokens" not in without
 
 
 # --- the audio form ------------------------------------------------------------------------
@@ -274,3 +275,37 @@ def test_text_routes_on_a_speech_model_say_where_it_is_served(whisper_server):
     assert_error(status, raw, 400, "/v1/audio/transcriptions")
     status, raw = whisper_server.request("POST", "/tokenize", orjson.dumps({"prompt": "hello"}))
     assert status == 200 and orjson.loads(raw)["count"] > 0
+
+
+def test_an_image_in_a_tool_result_reaches_the_model(llava_server):
+    """Agents return screenshots as tool results. LLaVA's template renders a tool message as
+    a user turn, so the same image and text sent as a tool result or as a user message make
+    the same prompt and the same greedy answer."""
+    url = image_message("hi", random_image(35, 48, 40))[0]["content"][0]["image_url"]["url"]
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "the screenshot"}]
+    opening = [{"role": "user", "content": "take a screenshot"}, {"role": "assistant", "content": "done"}]
+    as_tool = opening + [{"role": "tool", "tool_call_id": "call_1", "content": parts}]
+    as_user = opening + [{"role": "user", "content": parts}]
+    answers = []
+    for messages in (as_tool, as_user):
+        status, body = llava_server.chat({"messages": messages, "max_tokens": 4, "temperature": 0})
+        assert status == 200, body
+        answers.append((body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]))
+    assert answers[0] == answers[1] and answers[0][1] > 576
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}],
+         "does not render tool calls"),  # LLaVA's template writes an assistant turn's text only
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": 7}}]}],
+         "arguments as strings"),
+    ],
+)
+def test_tool_history_the_template_cannot_render_is_a_400(llava_server, messages, fragment):
+    status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
+    assert_error(status, body, 400, fragment, param="messages")

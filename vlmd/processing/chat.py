@@ -7,7 +7,7 @@ from typing import Any
 
 from vlmd.errors import BadRequestError
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # OpenAI content-part type -> (modality, key holding the URL object)
 _MEDIA_PARTS = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"), "audio_url": ("audio", "audio_url")}
 
@@ -18,10 +18,13 @@ INPUT_AUDIO_FORMATS = {
     "wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg",
     "m4a": "audio/mp4", "webm": "audio/webm",
 }
-# Keys a message may carry. OpenAI's ``name`` (a participant name the model is told about)
-# and ``tool_calls`` have an effect we do not implement, so they are refused by name, like
-# every other key; a null value asks for nothing.
+# Keys a message may carry, by role. OpenAI's ``name`` (a participant name the model is told
+# about) has an effect we do not implement, so it is refused by name, like every other key; a
+# null value asks for nothing. An assistant's ``tool_calls`` and a tool result's
+# ``tool_call_id`` are history: the chat template renders them (agents send images in tool
+# results), and ``check_rendered`` refuses a conversation whose template drops them.
 _MESSAGE_KEYS = {"role", "content"}
+_ROLE_KEYS = {"assistant": _MESSAGE_KEYS | {"tool_calls"}, "tool": _MESSAGE_KEYS | {"tool_call_id"}}
 # ``detail`` picks OpenAI's image resolution; our families have their own, so only "auto".
 _URL_KEYS = {"url", "detail"}
 
@@ -54,23 +57,74 @@ def to_conversation(messages: Any, part_for_modality) -> tuple[list[dict], list[
         if not isinstance(message, dict):
             raise BadRequestError(f"{where} must be an object", param="messages")
         role = message.get("role")
-        _check_keys(message, _MESSAGE_KEYS, where)
         if role not in _ROLES:
             raise BadRequestError(f"{where}.role must be one of {sorted(_ROLES)}", param="messages")
+        _check_keys(message, _ROLE_KEYS.get(role, _MESSAGE_KEYS), where)
         role = "system" if role == "developer" else role
+        history = _tool_history(message, role, where)
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, str):
-            conversation.append({"role": role, "content": content})
+            conversation.append({"role": role, "content": content, **history})
             continue
         if not isinstance(content, list):
             raise BadRequestError(f"{where}.content must be a string or a list of parts", param="messages")
         parts = []
         for part_index, part in enumerate(content):
             parts.append(_convert_part(part, f"{where}.content[{part_index}]", part_for_modality, media))
-        conversation.append({"role": role, "content": parts})
+        conversation.append({"role": role, "content": parts, **history})
     return conversation, media
+
+
+def _tool_history(message: dict, role: str, where: str) -> dict:
+    """An assistant's ``tool_calls`` or a tool result's ``tool_call_id``, checked, as the
+    template expects them (OpenAI's shape, which Hugging Face templates read)."""
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise BadRequestError(f"{where}.tool_call_id must be a non-empty string", param="messages")
+        return {"tool_call_id": call_id}
+    calls = message.get("tool_calls")
+    if role != "assistant" or calls is None:
+        return {}
+    if not isinstance(calls, list):
+        raise BadRequestError(f"{where}.tool_calls must be a list", param="messages")
+    checked = []
+    for index, call in enumerate(calls):
+        at = f"{where}.tool_calls[{index}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise BadRequestError(f"{at} must be an object of type 'function'", param="messages")
+        _check_keys(call, {"id", "type", "function"}, at)
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise BadRequestError(f"{at}.function must be an object with name and arguments", param="messages")
+        _check_keys(function, {"name", "arguments"}, f"{at}.function")
+        name, arguments = function.get("name"), function.get("arguments", "")
+        if not isinstance(name, str) or not name or not isinstance(arguments, str):
+            raise BadRequestError(f"{at}.function needs a name and arguments as strings", param="messages")
+        checked.append({"id": call.get("id") or f"call_{index}", "type": "function",
+                        "function": {"name": name, "arguments": arguments}})
+    return {"tool_calls": checked}
+
+
+def check_rendered(conversation: list[dict], rendered: str) -> None:
+    """400 when the chat template left out a tool call or a tool result's text: the model
+    would answer without what the client sent, silently. (Media a template leaves out are
+    found by the processor, which counts the markers.)"""
+    for index, message in enumerate(conversation):
+        for call in message.get("tool_calls", ()):
+            if call["function"]["name"] not in rendered:
+                raise BadRequestError(
+                    f"messages[{index}].tool_calls: this model's chat template does not render tool calls",
+                    param="messages")
+        if message["role"] != "tool":
+            continue
+        content = message["content"]
+        texts = [content] if isinstance(content, str) else [p["text"] for p in content if p.get("type") == "text"]
+        if any(text.strip() and text.strip() not in rendered for text in texts):
+            raise BadRequestError(
+                f"messages[{index}]: this model's chat template does not render tool messages", param="messages")
 
 
 def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef]) -> dict:

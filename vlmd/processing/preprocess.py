@@ -24,7 +24,7 @@ from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
 from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
-from vlmd.processing.chat import MediaRef, to_conversation
+from vlmd.processing.chat import MediaRef, check_rendered, to_conversation
 from vlmd.processing.deadline import NO_DEADLINE, Deadline
 
 _LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
@@ -142,6 +142,7 @@ class InputPreprocessor:
         text = self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
+        check_rendered(conversation, text)
         deadline.check("tokenizing")
         return self.tokenizer.encode(text, add_special_tokens=False), refs
 
