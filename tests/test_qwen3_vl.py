@@ -2,9 +2,12 @@
 
 Cases: a 640x480 image; two images of different sizes; a very wide image; text only; a
 per-request max_pixels; a second turn about the first case's image. Each runs alone, then
-all concurrently, then again on a second server whose token budget (16) splits every image's
-placeholders (and so its DeepStack rows) across steps and whose KV cache (12 blocks of 16)
-forces preemption and evicts cached blocks from inside items. ``usage.prompt_tokens`` must
+all concurrently, then again on a second server, under ``--tensor-parallel-size 2``, whose
+token budget (16) splits every image's placeholders (and so its DeepStack rows) across steps
+and whose KV cache (14 blocks of 16) forces preemption and evicts cached blocks from inside
+items. The second turn finds its first turn's blocks in the prefix cache (``cached_tokens``)
+and two cases share an image, whose encoder output one of them takes from the encoder cache.
+/tokenize must give transformers' prompt ids too. ``usage.prompt_tokens`` must
 equal the length of transformers' processor output; a first divergence is accepted only at a
 near tie (tests/oracle.py), and the greedy tokens' log-probs must agree within 1e-3 up to it.
 """

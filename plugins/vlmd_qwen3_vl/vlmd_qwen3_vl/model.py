@@ -29,10 +29,8 @@ from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen3 import Qwen3ForCausalLM
-from vlmd_qwen2_vl.model import patchify
-from vlmd_qwen2_vl.positions import MRopeState
-from vlmd_qwen2_vl.settings import VisionSettings
-from vlmd_qwen3_vl.settings import MODALITIES, read_qwen3_vl_settings
+from vlmd_qwen3_vl.positions import PositionTable
+from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, read_settings
 
 # Checkpoint prefixes (transformers 5 layout, and the published one) -> ours.
 _PREFIXES = (
@@ -56,6 +54,21 @@ def interleaved_mrope(text_config) -> MRotaryEmbedding:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     section = mrope_section(text_config) or DEFAULT_MROPE_SECTION
     return MRotaryEmbedding(head_dim, text_config.max_position_embeddings, theta, scaling, section, interleaved=True)
+
+
+def patchify(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, settings: VisionSettings) -> torch.Tensor:
+    """uint8 ``[3, H, W]`` -> normalised float32 patches ``[h * w, 3 * T * p * p]`` in the
+    layout of transformers' image processor: the image repeated along the temporal patch,
+    2x2 blocks of patches in a row, each patch ``[C, T, p, p]``."""
+    temporal, patch, merge = settings.temporal_patch_size, settings.patch_size, settings.merge_size
+    # Rescale and normalise in one expression, in float32 as the reference processor does.
+    image = (pixels.to(torch.float32) / 255.0 - mean.view(3, 1, 1)) / std.view(3, 1, 1)
+    channels, height, width = image.shape
+    grid_h, grid_w = height // patch, width // patch
+    patches = image.view(channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+    # -> (h-block, w-block, h-in-block, w-in-block, C, p, p), then T copies of each patch.
+    patches = patches.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
+    return patches.reshape(grid_h * grid_w, channels * temporal * patch * patch)
 
 
 class Qwen3VLModel(nn.Module):
@@ -92,7 +105,7 @@ class Qwen3VLModel(nn.Module):
         model = model.to(dtype).eval()
         # Registered after the dtype cast: normalisation stays float32, as the reference's.
         for modality in MODALITIES:
-            settings = read_qwen3_vl_settings(str(model_dir), modality)
+            settings = read_settings(str(model_dir), modality)
             model.settings[modality] = settings
             model.register_buffer(f"{modality}_mean", torch.tensor(settings.mean), persistent=False)
             model.register_buffer(f"{modality}_std", torch.tensor(settings.std), persistent=False)
@@ -141,7 +154,7 @@ class Qwen3VLModel(nn.Module):
         deepstack = features[:, self.hidden_size :].reshape(len(rows), self.num_deepstack, self.hidden_size)
         return rows, deepstack.transpose(0, 1)
 
-    def slice_positions(self, state: MRopeState | None, start: int, end: int,
+    def slice_positions(self, state: PositionTable | None, start: int, end: int,
                         num_prompt_tokens: int) -> torch.Tensor | None:
         """[3, end - start] M-RoPE positions from the request's table; None (plain
         positions, which are M-RoPE's (p, p, p)) for a request without media."""

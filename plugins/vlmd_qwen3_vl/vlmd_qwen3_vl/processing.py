@@ -1,32 +1,55 @@
-"""Qwen3-VL media processing: Qwen2-VL's image path at Qwen3-VL's patch size, and its own
-M-RoPE table.
+"""Qwen3-VL media processing: smart resize to uint8 pixels, grid_thw, placeholders, M-RoPE.
 
 An image is resized with PIL exactly as transformers' ``Qwen2VLImageProcessorPil`` (which
-Qwen3-VL checkpoints name) does, to multiples of 32 px; rescale, normalisation and patchify
-happen on the device (``model.py``). Each 2x2 block of 16-px patches is one placeholder.
+Qwen3-VL checkpoints name) does: bicubic, to the smart-resize size (``settings.py``);
+rescale, normalisation and patchify happen later on the device (``model.py``), so the
+processor cache holds uint8 pixels. Each 2x2 block of 16-px patches is one placeholder.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+from PIL import Image
+
 from vlmd.errors import BadRequestError
-from vlmd.processing.base import BaseMultiModalProcessor
+from vlmd.processing.base import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    ItemSize,
+    ItemTokens,
+    ProcessedItem,
+)
 from vlmd.types import MultiModalItem
-from vlmd_qwen2_vl.positions import MRopeState
-from vlmd_qwen2_vl.processing import Qwen2VLDummyInputsBuilder, Qwen2VLProcessingInfo, Qwen2VLProcessor
-from vlmd_qwen3_vl.positions import qwen3_vl_positions
-from vlmd_qwen3_vl.settings import MODALITIES, read_qwen3_vl_settings
+from vlmd_qwen3_vl.positions import PositionTable, qwen3_vl_positions
+from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings, smart_resize
 
 
-class Qwen3VLProcessingInfo(Qwen2VLProcessingInfo):
+class Qwen3VLProcessingInfo(BaseProcessingInfo):
     def __init__(self, ctx):
-        self.ctx = ctx
-        self.settings = {modality: read_qwen3_vl_settings(ctx.model_dir, modality) for modality in MODALITIES}
+        super().__init__(ctx)
+        self.settings = {modality: read_settings(ctx.model_dir, modality) for modality in MODALITIES}
         self.merge_size = int(ctx.hf_config.vision_config.spatial_merge_size)
 
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {modality: None for modality in MODALITIES}
+
+    def marker_token_id(self, modality: str) -> int:
+        config = self.ctx.hf_config
+        return int(config.image_token_id if modality == "image" else config.video_token_id)
+
+    def server_settings(self, modality: str) -> VisionSettings:
+        """The checkpoint's settings under the server-wide --mm-processor-kwargs."""
+        return self.settings[modality].with_kwargs(self.ctx.mm_processor_kwargs)
+
+    def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
+        """An image smart-resized, its 2x2 patches merged into one token."""
+        if modality not in self.settings:
+            raise BadRequestError(f"Qwen3-VL here takes {', '.join(MODALITIES)}, not {modality}")
+        count = num_tokens(size.height, size.width, self.settings[modality].with_kwargs(kwargs))
+        return ItemTokens(replacement=count, placeholders=count, encoder_tokens=count)
 
     def encoder_output_width(self) -> int:
         """Each placeholder's vector and one per DeepStack layer (``model.py``)."""
@@ -34,23 +57,64 @@ class Qwen3VLProcessingInfo(Qwen2VLProcessingInfo):
         return int(config.text_config.hidden_size) * (1 + len(config.vision_config.deepstack_visual_indexes))
 
 
-class Qwen3VLProcessor(Qwen2VLProcessor):
+class Qwen3VLProcessor(BaseMultiModalProcessor):
     def __init__(self, info: Qwen3VLProcessingInfo):
-        BaseMultiModalProcessor.__init__(self, info)
+        super().__init__(info)
         # A request may narrow the server's pixel limits, never raise them (sized at start-up).
         self.ceiling = {modality: info.server_settings(modality).max_pixels for modality in MODALITIES}
 
-    def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]):
+    def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         if modality not in MODALITIES:
             raise BadRequestError(f"Qwen3-VL here takes {', '.join(MODALITIES)}, not {modality}")
-        return super().process_item(modality, media, kwargs)
+        settings = self.info.settings[modality].with_kwargs(kwargs)
+        if settings.max_pixels > self.ceiling[modality]:
+            raise BadRequestError(
+                f"mm_processor_kwargs.max_pixels {settings.max_pixels} exceeds this server's {modality} "
+                f"limit of {self.ceiling[modality]} pixels", param="mm_processor_kwargs",
+            )
+        width, height = media.size
+        tokens = self.info.item_tokens(modality, ItemSize(width, height), kwargs)
+        pixels = resize_image(media, settings)
+        grid = (1, pixels.shape[1] // settings.patch_size, pixels.shape[2] // settings.patch_size)
+        if grid[1] * grid[2] // settings.merge_size**2 != tokens.placeholders:
+            # The encoder emits one vector per merged patch; a count from item_tokens that
+            # disagreed with the pixels would misplace every embedding after this item.
+            raise RuntimeError(f"{modality} grid {grid} does not give the {tokens.placeholders} tokens item_tokens says")
+        return ProcessedItem(encoder_inputs={"pixels": pixels, "grid_thw": grid},
+                             replacement=[self.info.marker_token_id(modality)] * tokens.replacement)
 
-    def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> MRopeState | None:
+    def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> PositionTable | None:
         if not items:
             return None  # text only: plain positions are M-RoPE's (p, p, p)
         placeholders = {self.info.marker_token_id(modality) for modality in MODALITIES}
-        return MRopeState(*qwen3_vl_positions(prompt_token_ids, items, placeholders, self.info.merge_size))
+        return PositionTable(*qwen3_vl_positions(prompt_token_ids, items, placeholders, self.info.merge_size))
 
 
-class Qwen3VLDummyInputsBuilder(Qwen2VLDummyInputsBuilder):
+def resize_image(image: Image.Image, settings: VisionSettings) -> np.ndarray:
+    """uint8 ``[3, H, W]`` at the smart-resize size."""
+    width, height = image.size
+    new_h, new_w = smart_resize(height, width, settings.factor, settings.min_pixels, settings.max_pixels)
+    image = image.convert("RGB")
+    if image.size != (new_w, new_h):
+        # As transformers' PIL backend: resize the uint8 image, no reducing_gap.
+        image = image.resize((new_w, new_h), resample=settings.resample, reducing_gap=None)
+    return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
+
+
+class Qwen3VLDummyInputsBuilder(BaseDummyInputsBuilder):
     """The most tokens an image may have under the server's settings."""
+
+    def dummy_item(self, modality: str) -> Any:
+        settings = self.info.server_settings(modality)
+        rows, cols = _largest_grid(settings.max_pixels // settings.factor**2)
+        return Image.new("RGB", (cols * settings.factor, rows * settings.factor), color=(255, 255, 255))
+
+
+def _largest_grid(cells: int, max_ratio: int = 200) -> tuple[int, int]:
+    """(rows, cols) with rows * cols <= cells as large as possible, closest to square."""
+    best = (1, 1)
+    for rows in range(1, int(cells**0.5) + 1):
+        cols = min(cells // rows, rows * max_ratio)
+        if rows * cols > best[0] * best[1]:
+            best = (rows, cols)
+    return best

@@ -5,7 +5,7 @@ a ViT over 16-px patches of frame pairs with learned positions (interpolated to 
 2D RoPE, a 2x2 merger and one DeepStack merger per ``deepstack_visual_indexes`` entry; a
 Qwen3 text model (q/k RMSNorm per head, GQA) with interleaved M-RoPE. Written to ``out_dir``:
 ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, transformers 5
-names), the tokenizer and chat template (Qwen2-VL's tokens and template), the image
+names), the tokenizer and chat template (Qwen's special tokens, Qwen3-VL's template for text and images), the image
 processor's configs and ``vlmd_tiny.json``. Pixel limits are small (4..64 tokens an image).
 """
 
@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 
 from vlmd.tiny.checkpoint_io import save_model
-from vlmd_qwen2_vl.tiny import QWEN2_VL_CHAT_TEMPLATE, SPECIAL_TOKENS, _build_tokenizer
 
 __all__ = ["SIZES", "build_tiny_qwen3_vl", "qwen3_vl_config"]
 
@@ -29,6 +28,24 @@ IMAGE_MAX_PIXELS = 64 * FACTOR * FACTOR
 HALF = [0.5, 0.5, 0.5]
 # Low, as the Qwen2-VL tiny's (see there): every M-RoPE row turns by radians across an image.
 ROPE_THETA = 100.0
+
+# After the trained vocabulary, in the order Qwen vocabularies have them.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+_EXTRA_WORDS = ("system", "user", "assistant", "You", "are", "helpful", "What", "Describe", "image", "video")
+
+# Qwen3-VL-Instruct's chat template for text and images (its tool and reasoning branches left
+# out): no default system turn, content parts in order.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 SIZES: dict[str, dict] = {
     "tiny": {
@@ -48,6 +65,20 @@ SIZES: dict[str, dict] = {
         "mrope_section": [12, 10, 10],  # head_dim 64
     },
 }
+
+
+def _build_tokenizer(seed: int, vocab_size: int):
+    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
+
+    return build_bpe_tokenizer(
+        seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,
+        tokenizer_kwargs=dict(
+            eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+            model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
+            chat_template=CHAT_TEMPLATE,
+        ),
+    )
 
 
 def qwen3_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
@@ -124,11 +155,11 @@ def _write_processor_files(out: Path, tokenizer) -> None:
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_cfg["extra_special_tokens"] = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
     tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[1:])
-    tok_cfg["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
     tok_cfg["add_bos_token"] = False
     tok_cfg["add_eos_token"] = False
     _write_json(tok_cfg_path, tok_cfg)
-    (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     image = {
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
         "image_mean": HALF, "image_std": HALF, "merge_size": MERGE_SIZE, "patch_size": PATCH_SIZE,
