@@ -80,6 +80,7 @@ def test_image_input_and_usage_per_modality(llava_server, client, tiny_llava_dir
     details = response.usage.input_tokens_details.model_extra
     assert details["multimodal_tokens"] == {"image": placeholders}
     assert response.usage.input_tokens == chat["usage"]["prompt_tokens"] == orjson.loads(tokens)["count"]
+    assert orjson.loads(tokens)["multimodal_tokens"] == {"image": placeholders}  # priced before it is sent
 
 
 def test_streaming_events_carry_the_same_answer(llava_server, client):

@@ -18,9 +18,9 @@ from typing import Any
 from vlmd.errors import BadRequestError
 from vlmd.server.protocol import ChatCompletionRequest
 from vlmd.server.request_fields import RequestFields
+from vlmd.server.responses_input import input_messages
 from vlmd.server.sampling_fields import SamplingFields
 from vlmd.structured.spec import ANY_JSON_OBJECT, StructuredOutputSpec, constraint
-from vlmd.server.responses_input import input_messages
 from vlmd.types import SamplingParams
 
 NO_LIMIT = 2**31  # max_tokens when none is given: the context's room decides (SamplingFields.for_choice)

@@ -3,7 +3,9 @@
 ``/tokenize`` takes a text ``prompt`` or chat ``messages``. With messages it runs the
 whole front end (chat template, media fetch and decode, the family's processor), but not
 the engine, so ``count`` includes every placeholder an image or video expands to: what
-the item will cost in the context. A prompt longer than the context is still counted.
+the item will cost in the context, and ``multimodal_tokens`` says how many of them each
+modality takes (as ``usage.prompt_tokens_details`` will). A prompt longer than the context
+is still counted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError
 from vlmd.server.chat import read_json, read_text_body
+from vlmd.server.modality_tokens import multimodal_token_counts
 from vlmd.server.request_fields import RequestFields
 from vlmd.server.state import ServerState
 
@@ -23,6 +26,7 @@ async def tokenize(request: web.Request) -> web.Response:
     fields = RequestFields(await read_text_body(request, state))
     _check_model(state, fields)
     return_strs = fields.get("return_token_strs", bool, False)
+    multimodal_tokens: dict[str, int] = {}
     if "messages" in fields and "prompt" in fields:
         raise BadRequestError("send either 'prompt' or 'messages', not both", param="messages")
     if "messages" in fields:
@@ -44,6 +48,7 @@ async def tokenize(request: web.Request) -> web.Response:
                                          deadline=deadline, lease=lease)
             )
         tokens = processed.prompt_token_ids
+        multimodal_tokens = multimodal_token_counts(processed.items)
     else:
         prompt = fields.get("prompt", str)
         add_special_tokens = fields.get("add_special_tokens", bool, True)
@@ -62,6 +67,8 @@ async def tokenize(request: web.Request) -> web.Response:
         "tokens": list(tokens),
         "token_strs": state.tokenizer.convert_ids_to_tokens(list(tokens)) if return_strs else None,
     }
+    if multimodal_tokens:  # what each modality will cost, as usage reports it (vLLM's name)
+        body["multimodal_tokens"] = multimodal_tokens
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
