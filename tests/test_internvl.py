@@ -124,6 +124,18 @@ def test_parity_one_request(server, references, name):
         16 * sum(CASES[name][3])
 
 
+@pytest.mark.parametrize("name", ["most_tiles_640x430", "two_images", "max_patches_2"])
+def test_tokenize_counts_equal_the_processors(server, references, name):
+    body = _body(name, 1)
+    request = {"model": server.model, "messages": body["messages"], **({"mm_processor_kwargs": body["mm_processor_kwargs"]}
+                                                                       if "mm_processor_kwargs" in body else {})}
+    status, raw = server.request("POST", "/tokenize", orjson.dumps(request))
+    tokens = orjson.loads(raw)
+    assert status == 200, tokens
+    assert tokens["tokens"] == references[name]["prompt_token_ids"]
+    assert tokens["count"] == len(references[name]["prompt_token_ids"])
+
+
 def test_parity_all_concurrently(server, references):
     for name, body in zip(CASE_NAMES, _run_concurrently(server)):
         _check(body, references[name])
