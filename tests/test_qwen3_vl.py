@@ -83,15 +83,33 @@ def references(tiny_qwen3_vl_dir, cases):
     return {name: _reference(tiny_qwen3_vl_dir, *case, _max_tokens(i)) for i, (name, case) in enumerate(cases)}
 
 
+# --max-num-seqs and the token budgets bound the start-up profile (as many largest images as
+# the encoder budget takes, beside a full prefill): seconds of this module's time.
+MAIN_FLAGS = ("--limit-mm-per-prompt", "image=2", "--max-model-len", "1024", "--max-num-seqs", "8",
+              "--max-num-batched-tokens", "256")
+SPLIT_FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2",
+               "--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--num-kv-blocks", "14",
+               "--max-model-len", "200")
+
+
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_vl_dir, tmp_path_factory):
-    # --max-num-seqs and the token budget bound the start-up profile (as many largest images
-    # as the encoder budget takes, beside a full prefill): seconds of this module's budget.
-    server = Server(tiny_qwen3_vl_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "1024",
-                    "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-                    log_dir=tmp_path_factory.mktemp("qwen3-vl-logs"))
-    yield server
-    server.stop()
+def launched(tiny_qwen3_vl_dir, tmp_path_factory):
+    """Both servers, starting while the references are computed (start-up is mostly one
+    thread's imports and loading): futures of (main, split)."""
+    logs = tmp_path_factory.mktemp("qwen3-vl-logs")
+    pool = ThreadPoolExecutor(2)
+    futures = {name: pool.submit(Server, tiny_qwen3_vl_dir, *flags, log_dir=logs)
+               for name, flags in (("main", MAIN_FLAGS), ("split", SPLIT_FLAGS))}
+    pool.shutdown(wait=False)
+    yield futures
+    for future in futures.values():
+        if future.exception() is None:
+            future.result().stop()
+
+
+@pytest.fixture(scope="module")
+def server(launched, references):
+    return launched["main"].result()
 
 
 def _check(body, ref):
@@ -140,24 +158,19 @@ def test_parity_all_concurrently(server, cases, references):
         _check(body, references[name])
 
 
-def test_parity_tp2_items_split_across_steps_and_preempted(tiny_qwen3_vl_dir, cases, references, tmp_path):
-    server = Server(tiny_qwen3_vl_dir, "--tensor-parallel-size", "2", "--torch-threads", "1",
-                    "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
-                    "--num-kv-blocks", "14", "--max-model-len", "200", log_dir=tmp_path)
-    try:
-        for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
-            steps_before = server.metrics()["vlmd_engine_steps_total"]
-            bodies = _run_concurrently(server, cases)
-            for (name, _), body in zip(cases, bodies):
-                _check(body, references[name])
-            metrics = server.metrics()
-            prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
-            assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 16
-            if metrics["vlmd_num_preemptions_total"] > 0:
-                break
-        assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
-    finally:
-        server.stop()
+def test_parity_tp2_items_split_across_steps_and_preempted(launched, cases, references):
+    server = launched["split"].result()
+    for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
+        steps_before = server.metrics()["vlmd_engine_steps_total"]
+        bodies = _run_concurrently(server, cases)
+        for (name, _), body in zip(cases, bodies):
+            _check(body, references[name])
+        metrics = server.metrics()
+        prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
+        assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 16
+        if metrics["vlmd_num_preemptions_total"] > 0:
+            break
+    assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
 
 
 def _image_request(*images: Image.Image) -> dict:
