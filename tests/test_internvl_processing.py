@@ -238,3 +238,20 @@ def test_vlmd_cost_counts_a_video(tiny_internvl_dir):  # noqa: F811
     assert row["frames"] == 4 and row["layout"] == {"frames": 4, "tokens_per_frame": 16}
     processor = _processor(tiny_internvl_dir)
     assert row["prompt_tokens"] == processor.info.item_tokens("video", ItemSize(112, 84, 4), {}).replacement
+
+
+def test_frames_of_another_size_leave_an_images_only_checkpoint(tiny_internvl_dir, tmp_path):  # noqa: F811
+    """The reference gives a frame one tile's placeholders whatever its size: a video
+    processor resizing to another size could not be encoded, so video is off (images stay)."""
+    import shutil
+
+    copy = shutil.copytree(tiny_internvl_dir, tmp_path / "internvl-56px-frames")
+    for name in ("processor_config.json", "video_preprocessor_config.json"):
+        config = json.loads((copy / name).read_text())
+        (config.get("video_processor") or config)["size"] = {"height": 56, "width": 56}
+        (copy / name).write_text(json.dumps(config))
+    processor = _processor(copy)
+    assert processor.info.supported_mm_limits() == {"image": None}
+    with pytest.raises(BadRequestError, match="takes no video"):
+        processor.process_item("video", np.zeros((2, 84, 112, 3), dtype=np.uint8), {})
+    assert len(processor.process_item("image", random_image(1, 640, 430), {}).encoder_inputs["tiles"]) == 7

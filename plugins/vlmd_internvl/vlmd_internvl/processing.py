@@ -25,7 +25,7 @@ from vlmd.processing.base import (
     ItemTokens,
     ProcessedItem,
 )
-from vlmd_internvl.settings import read_frame_settings, read_tile_settings
+from vlmd_internvl.settings import FrameSettings, read_frame_settings, read_tile_settings
 from vlmd_internvl.tiling import TileGrid, TileSettings, tile_boxes
 from vlmd_internvl.video import FrameLayout, frame_layout, resize_frames
 
@@ -43,15 +43,25 @@ class InternVLProcessingInfo(BaseProcessingInfo):
         # then only counts are asked of it, which need no ids).
         self.start_token_id = _token_id(tokenizer, "<img>")
         self.end_token_id = _token_id(tokenizer, "</img>")
-        self.video_token_id = _token_id(tokenizer, "<video>")
+        # Video needs frames of the tile's size and the tokenizer's <video> marker.
+        self.video_token_id = _token_id(tokenizer, "<video>", required=False)
+        if tokenizer is not None and self.video_token_id is None:
+            self.frames = None
 
     def supported_mm_limits(self) -> dict[str, int | None]:
-        return {"image": None, "video": None}
+        return {"image": None} if self.frames is None else {"image": None, "video": None}
 
     def marker_token_id(self, modality: str) -> int:
         return self.video_token_id if modality == "video" else self.context_token_id
 
+    def video_frames(self) -> FrameSettings:
+        if self.frames is None:
+            raise BadRequestError("this InternVL checkpoint takes no video (its frames are not tile-sized, or its "
+                                  "tokenizer has no <video> marker)")
+        return self.frames
+
     def frame_layout(self, num_frames: int) -> FrameLayout:
+        self.video_frames()
         return frame_layout(self.ctx.tokenizer, num_frames, self.settings.tokens_per_tile, "<IMG_CONTEXT>", "<img>",
                             "</img>", self.context_token_id)
 
@@ -118,7 +128,7 @@ class InternVLProcessor(BaseMultiModalProcessor):
 
     def process_video(self, video: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         self.info.settings.with_kwargs(kwargs)
-        frames = self.info.frames
+        frames = self.info.video_frames()
         tiles = resize_frames(video, frames.height, frames.width, frames.resample)
         layout = self.info.frame_layout(len(tiles))
         return ProcessedItem(
@@ -148,12 +158,14 @@ def _resized(image: Image.Image, width: int, height: int, resample: int) -> np.n
     return np.asarray(image)
 
 
-def _token_id(tokenizer, token: str) -> int | None:
+def _token_id(tokenizer, token: str, required: bool = True) -> int | None:
     if tokenizer is None:
         return None
     token_id = tokenizer.convert_tokens_to_ids(token)
     if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(f"the InternVL tokenizer has no {token} token")
+        if required:
+            raise ValueError(f"the InternVL tokenizer has no {token} token")
+        return None
     return int(token_id)
 
 
@@ -163,7 +175,7 @@ class InternVLDummyInputsBuilder(BaseDummyInputsBuilder):
 
     def dummy_item(self, modality: str) -> Any:
         if modality == "video":
-            frames = self.info.frames
+            frames = self.info.video_frames()
             return np.full((max(1, self.info.video_num_frames()), frames.height, frames.width, 3), 255, dtype=np.uint8)
         settings = self.info.server_settings()
         columns = max(1, settings.max_patches) if settings.crop_to_patches else 1

@@ -67,14 +67,14 @@ class FrameSettings:
     resample: int
 
 
-def read_frame_settings(model_dir: str, tiles: TileSettings) -> FrameSettings:
-    """The video processor's frame size (the tile size where the checkpoint names none). The
-    reference gives every frame ``tokens_per_tile`` placeholders whatever its size, so a frame
-    size other than the tile's could not be encoded: such a checkpoint is refused."""
+def read_frame_settings(model_dir: str, tiles: TileSettings) -> FrameSettings | None:
+    """The video processor's frame size (the tile size where the checkpoint names none), or
+    None: the reference gives every frame ``tokens_per_tile`` placeholders whatever its size,
+    so frames of another size could not be encoded, and such a checkpoint serves images only."""
     raw = video_processor_config(Path(model_dir))
     size = raw.get("size") or {"height": tiles.tile_height, "width": tiles.tile_width}
     if (size.get("height"), size.get("width")) != (tiles.tile_height, tiles.tile_width):
-        raise ValueError(f"InternVL video frame size {size} differs from the {tiles.tile_height}x{tiles.tile_width} tiles")
+        return None
     return FrameSettings(tiles.tile_height, tiles.tile_width, int(raw.get("resample", tiles.resample)))
 
 
