@@ -99,6 +99,8 @@ def test_streaming_events_carry_the_same_answer(llava_server, client):
     assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
     assert final.usage.output_tokens == 9 == full.usage.output_tokens
     assert final.usage.input_tokens_details.model_extra["multimodal_tokens"] == {"image": 576}
+    # The same prompt a second time: its image's blocks come from the prefix cache.
+    assert final.usage.input_tokens_details.cached_tokens >= 576 > full.usage.input_tokens_details.cached_tokens
     assert events[0].response.status == "in_progress" and events[0].response.id == final.id
     assert events[2].item.id == final.output[0].id
 
