@@ -241,3 +241,21 @@ def test_multimodal_token_counts_sum_placeholder_runs_per_modality():
     assert multimodal_token_counts(items) == {"image": 640, "audio": 750}  # a window without placeholders: none
     assert multimodal_token_counts([]) == {}
     assert merged_counts([{"image": 576}, {}, {"image": 10, "video": 7}]) == {"image": 586, "video": 7}
+
+
+def test_event_frames_are_numbered_sse_with_the_type_twice():
+    """Each frame names its type on the ``event:`` line and in the data (OpenAI sends both);
+    numbers run on across frames; an error after the status line is OpenAI's error event."""
+    from vlmd.errors import BadRequestError
+    from vlmd.server.response_objects import EventStream
+
+    events = EventStream()
+    frames = [events.text_delta("msg_1", "a"), events.error(BadRequestError("bad", param="input").to_dict()["error"])]
+    parsed = []
+    for frame in frames:
+        event_line, data_line, *rest = frame.decode().split("\n")
+        assert rest == ["", ""] and event_line.startswith("event: ") and data_line.startswith("data: ")
+        parsed.append(orjson.loads(data_line[6:]))
+        assert parsed[-1]["type"] == event_line[7:]
+    assert [p["sequence_number"] for p in parsed] == [0, 1]
+    assert parsed[1] == {"type": "error", "sequence_number": 1, "code": "400", "message": "bad", "param": "input"}
