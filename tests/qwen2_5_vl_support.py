@@ -18,7 +18,8 @@ from conftest import make_video
 # transformers' sample_frames keeps 4 of its 16 frames, [0, 4, 8, 12], 2 fps sampled, so a frame
 # pair spans 1 s: 2 time positions at the tiny's 2 tokens per second.
 VIDEO_FRAMES, VIDEO_FPS, SAMPLE_FPS, NUM_FRAMES, KEPT_FRAMES = 16, 8, 2, 8, 4
-MEDIA_IO = {"video": {"num_frames": NUM_FRAMES, "fps": SAMPLE_FPS, "max_duration_s": 5, "max_bytes": 2**20}}
+MEDIA_IO = {"video": {"num_frames": NUM_FRAMES, "fps": SAMPLE_FPS, "max_duration_s": 5, "max_frames": 20,
+                      "max_bytes": 2**20}}
 
 
 @functools.lru_cache(maxsize=1)

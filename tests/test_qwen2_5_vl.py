@@ -193,12 +193,14 @@ def _png_header(width: int, height: int) -> str:
         (lambda: _image_request(_png_header(20_000, 20_000)), "image is too large"),
         (lambda: _image_request(image_data_url(random_image(1, 64, 64)), count=3), "at most 2 image"),
         (lambda: _video_request(video_data_url(make_video(24, 32, 32, fps=4))), "video is 6.0 s long; the limit is 5 s"),
+        (lambda: _video_request(video_data_url(make_video(24, 32, 32, fps=8))), "video has 24 frames; the limit is 20"),
         (lambda: _image_request(image_data_url(random_image(1, 64, 64)), mm_processor_kwargs={"max_pixels": 10**7}),
          "exceeds this server's image limit"),
         (lambda: _image_request(image_data_url(random_image(1, 64, 64)), mm_processor_kwargs={"fps": 2}),
          "unknown mm_processor_kwargs"),
     ],
-    ids=["1x1", "huge", "too-many-items", "video-too-long", "max-pixels-over-server", "unknown-kwarg"],
+    ids=["1x1", "huge", "too-many-items", "video-too-long", "video-too-many-frames", "max-pixels-over-server",
+         "unknown-kwarg"],
 )
 def test_bad_input_is_a_4xx_and_a_good_request_follows(server, request_body, message):
     status, body = server.chat(request_body())

@@ -63,21 +63,26 @@ def test_cost_and_prompt_lengths_equal_transformers(tiny_qwen2_5_vl_dir):
     transformers' processed prompt for the same items (a video: the frames the decoder keeps,
     at most ``num_frames`` and an even count, a lone frame aside)."""
     _, hf = load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
-    for width, height in [(57, 1900), (1024, 1024), (1900, 57)]:
+    for width, height in [(57, 1900), (1024, 1024)]:
         report = compute_cost(str(tiny_qwen2_5_vl_dir), [parse_image(f"{width}x{height}")],
                               CostOptions(prompt="What is here?"))
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is here?"}]}]
         prompt = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         image = random_image(1, width, height)
         assert report["prompt_tokens"] == len(hf(text=prompt, images=[image])["input_ids"][0])
-    for in_file, kept in [(1, 1), (2, 2), (5, 4), (12, 8), (40, 8)]:
+    # (the --video spec, its frame rate, --media-io-kwargs video, frames kept): by count, and
+    # by rate (2 s at 8 fps sampled at 2 fps: 4 frames; 20 s: the num_frames bound).
+    for spec, fps, media_io, kept in [("1x200x150", 4, {"num_frames": 8}, 1), ("5x200x150", 4, {"num_frames": 8}, 4),
+                                      ("40x200x150", 4, {"num_frames": 8}, 8),
+                                      ("2sx200x150", 8, {"num_frames": 8, "fps": 2}, 4),
+                                      ("20sx200x150", 8, {"num_frames": 8, "fps": 2}, 8)]:
         video = np.stack([np.asarray(random_image(seed, 200, 150)) for seed in range(kept)])
-        report = compute_cost(str(tiny_qwen2_5_vl_dir), [parse_video(f"{in_file}x200x150", fps=4)],
-                              CostOptions(prompt="What happens?", media_io_kwargs={"video": {"num_frames": 8}}))
+        report = compute_cost(str(tiny_qwen2_5_vl_dir), [parse_video(spec, fps=fps)],
+                              CostOptions(prompt="What happens?", media_io_kwargs={"video": media_io}))
         messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
         prompt = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert report["items"][0]["frames"] == kept
-        assert report["prompt_tokens"] == len(hf(text=prompt, videos=[video])["input_ids"][0]), in_file
+        assert report["prompt_tokens"] == len(hf(text=prompt, videos=[video])["input_ids"][0]), spec
 
 
 @pytest.mark.parametrize("size", [(640, 480), (57, 1900), (300, 200)])
