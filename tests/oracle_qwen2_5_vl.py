@@ -5,6 +5,12 @@ through ``oracle.PilFramesVideoProcessor`` (transformers' PIL image processor pe
 torchvision video processor cannot be installed here) and Qwen2.5-VL's own processor turns each
 video's ``VideoMetadata`` (source rate, frame count, sampled indices) into
 ``second_per_grid_ts`` as it does for any video.
+
+The stand-in against transformers' own ``Qwen2VLVideoProcessor`` (5.19 with torchvision, in the
+peer's venv, on this tiny checkpoint): frames already at a multiple of 28 px (the tests' 112x84
+video) give the same grid and pixels within 2.4e-7; frames that need a resize differ by up to
+0.38 (normalised), torchvision's bicubic against PIL's. vlmd resizes video frames with PIL, as
+the PIL image backend does, so the parity videos are native-size.
 """
 
 from __future__ import annotations
