@@ -255,3 +255,21 @@ def test_frames_of_another_size_leave_an_images_only_checkpoint(tiny_internvl_di
     with pytest.raises(BadRequestError, match="takes no video"):
         processor.process_item("video", np.zeros((2, 84, 112, 3), dtype=np.uint8), {})
     assert len(processor.process_item("image", random_image(1, 640, 430), {}).encoder_inputs["tiles"]) == 7
+
+
+def test_tiled_even_where_the_image_processor_says_crop_to_patches_false(tiny_internvl_dir, tmp_path):  # noqa: F811
+    """Published InternVL3 configs say ``crop_to_patches: false``; InternVLProcessor's own
+    default turns it on, so their images are tiled all the same."""
+    import shutil
+
+    copy = shutil.copytree(tiny_internvl_dir, tmp_path / "internvl-crop-false")
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        config = json.loads((copy / name).read_text())
+        (config.get("image_processor") or config)["crop_to_patches"] = False
+        (copy / name).write_text(json.dumps(config))
+    _, hf = load_hf_internvl(copy)
+    assert hf.image_processor.crop_to_patches is False
+    image = random_image(1, 640, 430)
+    reference = hf(text="<IMG_CONTEXT>", images=[image], return_tensors="pt")
+    assert len(_processor(copy).process_item("image", image, {}).encoder_inputs["tiles"]) == \
+        len(reference["pixel_values"]) == 7

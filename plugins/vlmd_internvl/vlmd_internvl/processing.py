@@ -178,7 +178,7 @@ class InternVLDummyInputsBuilder(BaseDummyInputsBuilder):
             frames = self.info.video_frames()
             return np.full((max(1, self.info.video_num_frames()), frames.height, frames.width, 3), 255, dtype=np.uint8)
         settings = self.info.server_settings()
-        columns = max(1, settings.max_patches) if settings.crop_to_patches else 1
+        columns = max(1, settings.max_patches)
         image = Image.new("RGB", (columns * settings.tile_width, settings.tile_height), color=(255, 255, 255))
         if settings.grid(image.height, image.width).tiles != settings.most_tiles():
             raise RuntimeError("the dummy image does not take the most tiles")

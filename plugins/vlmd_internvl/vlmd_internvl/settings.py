@@ -1,6 +1,6 @@
 """An InternVL checkpoint's media settings, read the way transformers reads them.
 
-The image (and video) processor's fields (tile size, ``min_patches``/``max_patches``, ``crop_to_patches``,
+The image (and video) processor's fields (tile size, ``min_patches``/``max_patches``,
 mean and std, resampling) come from ``processor_config.json``'s nested ``image_processor``
 (transformers 5) or ``preprocessor_config.json`` (4.x); the placeholders per tile
 (``image_seq_length``) from the processor's own config. The tower's geometry fixes that
@@ -37,6 +37,8 @@ def tower_tokens_per_tile(hf_config) -> int:
 
 
 def read_tile_settings(model_dir: str, hf_config) -> TileSettings:
+    """The image processor's ``crop_to_patches`` is not read: InternVLProcessor's own default
+    (True) overrides it, so published configs saying false are tiled all the same."""
     raw = image_processor_config(Path(model_dir))
     size = raw.get("size") or {"height": 384, "width": 384}
     if not isinstance(size, dict) or "height" not in size or "width" not in size:
@@ -52,8 +54,6 @@ def read_tile_settings(model_dir: str, hf_config) -> TileSettings:
         min_patches=int(raw.get("min_patches", 1)),
         max_patches=int(raw.get("max_patches", 12)),
         tokens_per_tile=tokens,
-        # InternVLProcessor turns cropping on whatever the image processor's own default is.
-        crop_to_patches=bool(raw.get("crop_to_patches", True)),
         resample=int(raw.get("resample", BICUBIC)),
     )
 

@@ -51,7 +51,6 @@ class TileSettings:
     min_patches: int
     max_patches: int
     tokens_per_tile: int
-    crop_to_patches: bool = True
     resample: int = 3  # PIL bicubic
 
     def with_kwargs(self, kwargs: dict[str, Any]) -> "TileSettings":
@@ -81,14 +80,14 @@ class TileSettings:
 
     def grid(self, height: int, width: int) -> TileGrid:
         """The grid an image of this size is cut into."""
-        if not self.crop_to_patches or self.max_patches <= 1:
+        if self.max_patches <= 1:
             return TileGrid(1, 1, False)  # one resized tile, as transformers without cropping
         columns, rows = optimal_grid(height, width, self.tile_height, self.tile_width, self.min_patches, self.max_patches)
         return TileGrid(columns, rows, thumbnail=columns * rows > 1)
 
     def most_tiles(self) -> int:
         """Tiles of the costliest image: the largest grid, with its thumbnail."""
-        if not self.crop_to_patches or self.max_patches <= 1:
+        if self.max_patches <= 1:
             return 1
         return self.max_patches + 1
 
