@@ -173,6 +173,35 @@ def test_parity_tp2_items_split_across_steps_and_preempted(launched, cases, refe
     assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
 
 
+def test_parity_when_the_prefix_cache_ends_inside_the_image(launched, tiny_qwen3_vl_dir):
+    """On the split server (14 blocks of 16): an image request, then a text request taking
+    every block but two, which evicts the image request's blocks tail first (their order of
+    eviction), then the image request again: its prefix hit ends inside the image, so the
+    rest of the image's rows (and their DeepStack additions) come from its encoder output."""
+    server = launched["split"].result()
+    parts = [{"type": "image", "media": random_image(20, 640, 480)}]
+    reference = _reference(tiny_qwen3_vl_dir, parts, "What is in this image?", {}, None, 3)
+    status, first = server.chat(_body(parts, "What is in this image?", {}, None, 3))
+    assert status == 200, first
+    _check(first, reference)
+    words = ["sea"] * 150
+    while True:  # a text prompt that leaves two of the 14 blocks, whatever the tokenizer makes of it
+        messages = [{"role": "user", "content": " ".join(words)}]
+        status, raw = server.request("POST", "/tokenize", orjson.dumps({"messages": messages}))
+        count = orjson.loads(raw)["count"]
+        if count + 2 > 11 * 16:
+            break
+        words += ["sea"] * max(1, (11 * 16 + 1 - count - 2) // 2)
+    assert count + 2 <= 12 * 16, count
+    status, body = server.chat({"messages": messages, "max_tokens": 2, "ignore_eos": True})
+    assert status == 200, body
+    status, again = server.chat(_body(parts, "What is in this image?", {}, None, 3))
+    assert status == 200, again
+    _check(again, reference)
+    image = [i for i, token in enumerate(again["prompt_token_ids"]) if token == _image_token(tiny_qwen3_vl_dir)]
+    assert image[0] < again["usage"]["prompt_tokens_details"]["cached_tokens"] <= image[-1], (image, again["usage"])
+
+
 def _image_request(*images: Image.Image) -> dict:
     content = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in images]
     return {"messages": [{"role": "user", "content": content + [{"type": "text", "text": "hi"}]}], "max_tokens": 2}
