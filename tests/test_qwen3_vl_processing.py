@@ -115,7 +115,7 @@ def test_interleaved_rotary_equals_transformers(tiny_qwen3_vl_dir):
     assert not torch.equal(ours.row_of_column, torch.repeat_interleave(torch.arange(3), torch.tensor([2, 3, 3])).repeat(2))
 
 
-def test_deepstack_rows_reach_the_first_layers(tiny_qwen3_vl_dir):
+def test_merge_multimodal_splits_rows_into_embeddings_and_deepstack_additions(tiny_qwen3_vl_dir):
     """The model splits each encoder row into its placeholder's embedding, written in
     place, and one addition per DeepStack layer, handed back for the decoder."""
     from vlmd_qwen3_vl.model import Qwen3VLModel
