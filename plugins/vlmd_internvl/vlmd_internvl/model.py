@@ -98,6 +98,10 @@ class InternVLModel(nn.Module):
         shuffled_width = vision_config.hidden_size * int(1 / self.downsample_ratio) ** 2
         self.multi_modal_projector = InternVLProjector(shuffled_width, config.text_config.hidden_size,
                                                        config.projector_hidden_act)
+        text_type = getattr(config.text_config, "model_type", "qwen2")
+        if text_type != "qwen2":  # InternVL3-9B's InternLM3, and Llama-based InternVLs, are not built here
+            raise ValueError(f"InternVL with a {text_type} language model is not supported (Qwen2/Qwen2.5 is)")
+        # transformers ties lm_head to the embeddings by the outer config's flag (default True).
         tie = getattr(config, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(config.text_config, "tie_word_embeddings", False)
