@@ -47,6 +47,7 @@ class InternVLProcessingInfo(BaseProcessingInfo):
         self.video_token_id = _token_id(tokenizer, "<video>", required=False)
         if tokenizer is not None and self.video_token_id is None:
             self.frames = None
+        self._layouts: dict[int, FrameLayout] = {}
 
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {"image": None} if self.frames is None else {"image": None, "video": None}
@@ -61,9 +62,12 @@ class InternVLProcessingInfo(BaseProcessingInfo):
         return self.frames
 
     def frame_layout(self, num_frames: int) -> FrameLayout:
+        """The labels and placeholders of a video of ``num_frames`` (tokenized once per count)."""
         self.video_frames()
-        return frame_layout(self.ctx.tokenizer, num_frames, self.settings.tokens_per_tile, "<IMG_CONTEXT>", "<img>",
-                            "</img>", self.context_token_id)
+        if num_frames not in self._layouts:
+            self._layouts[num_frames] = frame_layout(self.ctx.tokenizer, num_frames, self.settings.tokens_per_tile,
+                                                     "<IMG_CONTEXT>", "<img>", "</img>", self.context_token_id)
+        return self._layouts[num_frames]
 
     def video_num_frames(self) -> int:
         video = self.ctx.media_io_kwargs.get("video") or {}
@@ -125,7 +129,6 @@ class InternVLProcessor(BaseMultiModalProcessor):
             num_placeholders=tokens.placeholders,
         )
 
-
     def process_video(self, video: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         self.info.settings.with_kwargs(kwargs)
         frames = self.info.video_frames()
@@ -133,7 +136,7 @@ class InternVLProcessor(BaseMultiModalProcessor):
         layout = self.info.frame_layout(len(tiles))
         return ProcessedItem(
             encoder_inputs={"tiles": tiles, "between": [np.asarray(ids, dtype=np.int64) for ids in layout.between]},
-            replacement=layout.replacement,
+            replacement=list(layout.replacement),  # the layout is shared between requests
             placeholder_offset=layout.span_start,
             num_placeholders=layout.span_length,
         )
