@@ -109,6 +109,12 @@ class MultiModalItem:
     chunk reaches ``offset`` and released once the request has computed past it (the runner
     keeps what it derived, e.g. cross-attention K/V). ``encoder_tokens`` is the size of its
     encoder output, which the encoder budget and cache count; it defaults to ``length``.
+
+    ``encoder_output``: this item's encoder output as an encoder server sent it
+    (``--encoder-urls``; a ``[num_encoder_tokens, width]`` tensor, docs/encoder-wire-format.md),
+    or None. The scheduler budgets and caches the item as any other; the runner stores this
+    output when the item is scheduled instead of running the encoder, and encodes
+    ``encoder_inputs`` itself when it is None.
     """
 
     modality: str
@@ -117,6 +123,7 @@ class MultiModalItem:
     length: int
     encoder_inputs: dict[str, Any] = field(default_factory=dict)
     encoder_tokens: int | None = None
+    encoder_output: Any = None
 
     @property
     def end(self) -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
-from vlmd.engine.worker import AbortRequests, AddRequest, EngineWorker
-from vlmd.types import EngineRequest, RequestDelta
+from vlmd.engine.worker import AbortRequests, AddRequest, EncodeItems, EngineWorker
+from vlmd.types import EngineRequest, MultiModalItem, RequestDelta
 
 
 class AsyncEngine:
@@ -56,3 +57,10 @@ class AsyncEngine:
             self._streams.pop(request.request_id, None)
             if not finished:
                 self.worker.submit(AbortRequests([request.request_id]))
+
+    async def encode(self, items: list[MultiModalItem]) -> dict:
+        """The encoder outputs of ``items`` by identifier (``WireTensor``s), computed on the
+        engine thread between steps; a client that leaves first cancels work not yet begun."""
+        done: Future = Future()
+        self.worker.submit(EncodeItems(items, done))
+        return await asyncio.wrap_future(done)

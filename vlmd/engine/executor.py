@@ -49,6 +49,9 @@ class Executor(Protocol):
 
     def on_failure(self, callback: Callable[[str], None]) -> None: ...
 
+    # Optional (one rank only): the encoder outputs of items, for an encoder-only server.
+    # def encode_items(self, items: list[MultiModalItem]) -> list[torch.Tensor]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -62,6 +65,7 @@ class InProcessExecutor:
         # The runner's own bound methods: no wrapper frame on the hot path.
         self.apply_schedule = runner.apply_schedule
         self.run = runner.run
+        self.encode_items = runner.encode_items
 
     @property
     def encoder_outputs(self) -> dict:

@@ -14,7 +14,7 @@ import structlog
 from vlmd.engine.core import EngineCore, StepMetrics
 from vlmd.engine.engine_thread import EngineThread
 from vlmd.errors import ENGINE_FAILED, ENGINE_REJECTED, VlmdError
-from vlmd.types import EngineRequest, FinishReason, RequestDelta
+from vlmd.types import EngineRequest, FinishReason, MultiModalItem, RequestDelta
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +32,32 @@ class AbortRequests:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class EncodeItems:
+    """An encoder-only server's work (``--encoder-only``): the encoder outputs of ``items``,
+    computed on the engine thread (its one OpenMP team) between steps; ``done`` gets
+    ``{identifier: WireTensor}`` (vlmd/encoder_wire.py) or the exception."""
+
+    items: list[MultiModalItem]
+    done: Future
+
+
+def _encode(executor, message: EncodeItems) -> None:
+    if not message.done.set_running_or_notify_cancel():
+        return  # its client left before the engine reached it
+    from vlmd.processing.encoder_tensors import to_wire  # torch: the engine thread's, never the loop's
+
+    try:
+        encode = getattr(executor, "encode_items", None)
+        if encode is None:
+            raise RuntimeError("this executor does not serve encoder outputs (one rank only)")
+        outputs = encode(message.items)
+        message.done.set_result({item.identifier: to_wire(item.modality, output)
+                                 for item, output in zip(message.items, outputs)})
+    except Exception as exc:  # the client's to hear about; the engine goes on
+        message.done.set_exception(exc)
 
 
 class EngineWorker:
@@ -115,6 +141,9 @@ class EngineWorker:
             return []
         if isinstance(message, AbortRequests):
             return self.core.abort(message.request_ids)
+        if isinstance(message, EncodeItems):
+            _encode(self.core.executor, message)
+            return []
         if isinstance(message, Shutdown):
             self._stopping = True
         return []

@@ -155,17 +155,39 @@ class ModelRunner:
                 needed = index in scheduled or (item.offset < end and item.use_end > start)
                 if needed and item.identifier not in self.encoder_outputs:
                     pending[item.modality][item.identifier] = item
-        for modality, by_id in pending.items():
-            items = list(by_id.values())
-            outputs = self.model.embed_multimodal(modality, [item.encoder_inputs for item in items])
-            self.num_encoder_forwards += len(items)
-            for item, output in zip(items, outputs):
+        for by_id in pending.values():
+            local = []
+            for item in by_id.values():
+                if item.encoder_output is None:
+                    local.append(item)
+                    continue
+                # Sent by an encoder server (--encoder-urls): stored as if encoded here. The
+                # item lets go of it, so a request keeps no second copy beside the cache (an
+                # eviction or a preemption later re-encodes it here, the same output).
+                output, item.encoder_output = item.encoder_output, None
+                self.encoder_outputs[item.identifier] = output.to(self.device)
+            if local:
+                self.encoder_outputs.update(zip((item.identifier for item in local), self.encode_items(local)))
+
+    @torch.inference_mode()
+    def encode_items(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """The encoder outputs of ``items`` (one modality), one ``[num_encoder_tokens, width]``
+        tensor each: the model's ``embed_multimodal`` over their encoder inputs, checked.
+        An encoder-only server (``--encoder-only``) serves these, on the engine thread."""
+        outputs = []
+        for modality in dict.fromkeys(item.modality for item in items):
+            group = [item for item in items if item.modality == modality]
+            encoded = self.model.embed_multimodal(modality, [item.encoder_inputs for item in group])
+            self.num_encoder_forwards += len(group)
+            for item, output in zip(group, encoded):
                 if output.shape[0] != item.num_encoder_tokens:
                     raise RuntimeError(
                         f"{modality} encoder produced {output.shape[0]} vectors for an item "
                         f"of {item.num_encoder_tokens} encoder tokens"
                     )
-                self.encoder_outputs[item.identifier] = output
+            outputs.extend(zip(group, encoded))
+        by_item = {id(item): output for item, output in outputs}
+        return [by_item[id(item)] for item in items]
 
     def _cross_states(self, batch: StepBatch) -> list[tuple[int, int, Any]]:
         """(first row, end row, cross state) per request, for an encoder-decoder model.
