@@ -160,6 +160,14 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         built.grammar_compiler.observer = metrics
     built.preprocessor.observer = metrics
     built.preprocessor.processor.observer = metrics
+    if config.encoder_urls:  # after the warm-up: it encodes here, whether or not they are up yet
+        from vlmd.processing.remote_encoder import RemoteEncoders
+
+        built.preprocessor.remote_encoders = RemoteEncoders(
+            config.encoder_urls, config.model_name, config.encoder_timeout_s, config.encoder_fallback,
+            built.preprocessor.info.encoder_output_width(), config.encoder_api_key,
+            is_resident=lambda identifier: identifier in executor.encoder_outputs,
+        )
     worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step,
                           thread=engine_thread)
     engine.attach(worker)

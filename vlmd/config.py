@@ -193,6 +193,24 @@ class ServeConfig:
         None, "port on node 0 where the ranks meet (default: a free port; required with --nnodes > 1)", minimum=1)
     distributed_timeout_s: float = setting(
         60.0, "a rank that does not answer a collective within this many seconds ends the server", minimum=1)
+    # Encoder disaggregation (docs/encoder-wire-format.md): encoder servers compute items'
+    # encoder outputs for language servers, keyed by the items' identifiers.
+    encoder_only: bool = setting(
+        False, "serve encoder outputs only: POST /v1/encoder_outputs fetches, decodes and processes media items "
+        "under this server's bounds and answers their encoder outputs (safetensors bytes); the generation "
+        "routes are off")
+    encoder_urls: tuple[str, ...] | None = setting(
+        None, "comma-separated base URLs of --encoder-only servers of the same model: each new media item's "
+        "encoder output comes from one of them (the next on failure) instead of this server's encoder",
+        parse=lambda text: parse_encoder_urls(text), metavar="URL,...")
+    encoder_timeout_s: float = setting(
+        10.0, "seconds one encoder server may take to answer (within --preprocess-timeout); slower is a failure "
+        "and the next URL is tried", minimum=0.001)
+    encoder_fallback: str = setting(
+        "local", "when every --encoder-urls server failed: local (this server encodes the items itself) or fail "
+        "(the request alone gets a 503 naming each server's failure)", choices=("local", "fail"))
+    encoder_api_key: str | None = setting(
+        None, "the API key the --encoder-urls servers require (their --api-key)", env="VLMD_ENCODER_API_KEY")
 
     @property
     def model_name(self) -> str:
@@ -214,6 +232,22 @@ class ServeConfig:
             raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("--nnodes > 1 needs --master-port (the port on node 0 every host connects to)")
+        if self.encoder_only and self.encoder_urls:
+            raise ValueError("--encoder-only and --encoder-urls exclude each other: an encoder server runs its own encoder")
+        if self.encoder_only and self.tensor_parallel_size > 1:
+            raise ValueError("--encoder-only runs one rank (its encoder is not sharded): drop --tensor-parallel-size")
+
+
+def parse_encoder_urls(text: str) -> tuple[str, ...] | None:
+    """``--encoder-urls``: http(s) base URLs (a trailing slash dropped), at least one."""
+    urls = _comma_list(text)
+    if urls is None:
+        raise ValueError("--encoder-urls needs at least one URL")
+    for url in urls:
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("http", "https") or not rest.strip("/"):
+            raise ValueError(f"--encoder-urls: {url!r} is not an http(s) URL such as http://10.0.0.5:8001")
+    return tuple(url.rstrip("/") for url in urls)
 
 
 def parse_device(text: str) -> str:

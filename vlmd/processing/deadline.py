@@ -36,6 +36,16 @@ class Deadline:
     def expired(self) -> bool:
         return self._abandoned or (self._expires_at is not None and time.monotonic() > self._expires_at)
 
+    @property
+    def remaining_s(self) -> float:
+        """Seconds left (infinite before ``start``; 0 once expired or abandoned): a bound
+        for blocking work inside a stage, such as a call to an encoder server."""
+        if self._abandoned:
+            return 0.0
+        if self._expires_at is None:
+            return self.seconds
+        return max(0.0, self._expires_at - time.monotonic())
+
     def check(self, next_stage: str) -> None:
         if self.expired:
             raise self.error(f"abandoned before {next_stage}")

@@ -28,6 +28,8 @@ from vlmd.processing.chat import MediaRef, check_rendered, to_conversation
 from vlmd.processing.deadline import NO_DEADLINE, Deadline
 
 _LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
+# The content parts that carry an item (processing/chat.py converts them).
+MEDIA_PART_TYPES = frozenset({"image_url", "video_url", "audio_url", "input_audio"})
 
 
 class InputPreprocessor:
@@ -61,6 +63,8 @@ class InputPreprocessor:
         self.max_prompt_chars = self.max_token_chars * max_model_len
         self.single_flight = SingleFlight()
         self.observer = None  # ``observe_fetch(modality, seconds)``, set by the server
+        # processing/remote_encoder.py:RemoteEncoders under --encoder-urls, set by the server.
+        self.remote_encoders = None
 
     def _part_for(self, modality: str) -> dict:
         if modality not in self.supported or modality not in _LOADERS:
@@ -156,6 +160,33 @@ class InputPreprocessor:
         lease: MediaLease | None = None,
     ) -> ProcessorOutput:
         prompt_ids, refs = self.chat_prompt_ids(messages, chat_template_kwargs, deadline)
+        media = self._load_all(refs, deadline, lease)
+        output = self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease)
+        if self.remote_encoders is not None and output.items:
+            deadline.check("asking the encoder servers")
+            self.remote_encoders.attach(output.items, refs, mm_processor_kwargs, deadline)
+        return output
+
+    def process_items(
+        self, parts: Any, mm_processor_kwargs: dict | None = None,
+        deadline: Deadline = NO_DEADLINE, lease: MediaLease | None = None,
+    ) -> list:
+        """An encoder server's items (``--encoder-only``): media content parts, as a chat
+        message holds them, fetched, decoded and processed as a chat request's are (the
+        same limits, identifiers and encoder inputs), with no template and no text."""
+        if not isinstance(parts, list) or not parts:
+            raise BadRequestError("items must be a non-empty list of media content parts", param="items")
+        for index, part in enumerate(parts):
+            if not isinstance(part, dict) or part.get("type") not in MEDIA_PART_TYPES:
+                raise BadRequestError(
+                    f"items[{index}] must be an object whose type is one of {sorted(MEDIA_PART_TYPES)}", param="items")
+        _, refs = to_conversation([{"role": "user", "content": parts}], self._part_for)
+        check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
+        prompt_ids = [self.info.marker_token_id(ref.modality) for ref in refs]
+        media = self._load_all(refs, deadline, lease)
+        return self._apply(prompt_ids, media, mm_processor_kwargs, "items", False, deadline, lease).items
+
+    def _load_all(self, refs: list[MediaRef], deadline: Deadline, lease: MediaLease | None) -> dict[str, list]:
         media: dict[str, list] = {}
         for index, ref in enumerate(refs):
             deadline.check(f"fetching {ref.modality} {index}")
@@ -163,7 +194,7 @@ class InputPreprocessor:
             if lease is not None:
                 lease.hold(decoded_nbytes(item), f"{ref.modality} {index}")
             media.setdefault(ref.modality, []).append(item)
-        return self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease)
+        return media
 
     def process_prompt(self, prompt_ids: list[int], check_length: bool = True) -> ProcessorOutput:
         """A text prompt given as token ids (``/v1/completions``): no media, but the same

@@ -15,6 +15,7 @@ from vlmd.errors import AuthenticationError, HttpError, VlmdError, as_client_err
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.completions import completions
+from vlmd.server.encoder_route import encoder_outputs
 from vlmd.server.responses_route import create_response
 from vlmd.server.tokenize import detokenize, tokenize
 from vlmd.server.metrics import CONTENT_TYPE
@@ -144,16 +145,19 @@ def create_app(state: ServerState) -> web.Application:
         middlewares.append(_auth_middleware(state.config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)
     app["state"] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    if state.config.encoder_only:  # an encoder server: encoder outputs, no generation
+        app.router.add_post("/v1/encoder_outputs", encoder_outputs)
+    else:
+        app.router.add_post("/v1/chat/completions", chat_completions)
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/responses", create_response)
+        app.router.add_post("/tokenize", tokenize)
+        app.router.add_post("/detokenize", detokenize)
+        app.router.add_post("/v1/audio/transcriptions", transcriptions)
+        app.router.add_post("/v1/audio/translations", translations)
     app.router.add_get("/version", version)
     app.router.add_get("/ping", health)
     app.router.add_post("/ping", health)
-    app.router.add_post("/v1/audio/transcriptions", transcriptions)
-    app.router.add_post("/v1/audio/translations", translations)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
