@@ -1,8 +1,9 @@
 """Qwen2.5-VL through the real server: greedy tokens equal transformers' generate.
 
 Cases: one image; two images of different sizes; a 2 s video sampled at 2 fps (4 of its 16
-frames kept, so each frame pair spans 1 s of absolute time); text only; a second turn about the first
-case's image (its prefix comes from the cache: ``cached_tokens``). All run concurrently on
+frames kept, so each frame pair spans 1 s of absolute time); text only; a small image under a
+per-request min_pixels/max_pixels; a second turn about the first case's image (its prefix
+comes from the cache: ``cached_tokens``). All run concurrently on
 one server; then again on a second server under ``--tensor-parallel-size 2`` whose token
 budget (32) splits every image across steps, with a server-wide max_pixels and a KV cache
 small enough to force preemption. ``usage.prompt_tokens`` must equal the length of
@@ -35,12 +36,14 @@ def _cases():
     image = lambda seed, w, h: {"type": "image", "media": random_image(seed, w, h)}  # noqa: E731
     video = {"type": "video", "media": frames, "metadata": metadata, "url": video_data_url(data)}
     first = image(1, 640, 480)
+    small = {"min_pixels": 24 * 28 * 28, "max_pixels": 48 * 28 * 28}  # per request: a small image grows
     return [
-        ("one_image", [first], "What is in this image?", None),
-        ("two_images", [image(2, 500, 300), image(3, 96, 160)], "Compare them.", None),
-        ("video", [video], "What happens in the video?", None),
-        ("text_only", [], "Write a short poem about the sea.", None),
-        ("second_turn", [first], "What is in this image?", "And what colour is it mostly?"),
+        ("one_image", [first], "What is in this image?", None, {}),
+        ("two_images", [image(2, 500, 300), image(3, 96, 160)], "Compare them.", None, {}),
+        ("video", [video], "What happens in the video?", None, {}),
+        ("text_only", [], "Write a short poem about the sea.", None, {}),
+        ("image_pixel_limits", [image(5, 80, 60)], "Describe it briefly.", None, small),
+        ("second_turn", [first], "What is in this image?", "And what colour is it mostly?", {}),
     ]
 
 
@@ -65,18 +68,21 @@ def _max_tokens(index: int) -> int:
 
 
 def _body(case, index):
-    _, parts, text, follow_up = case
-    return {"messages": _messages(parts, text, follow_up, True), "max_tokens": _max_tokens(index), "temperature": 0,
+    _, parts, text, follow_up, kwargs = case
+    body = {"messages": _messages(parts, text, follow_up, True), "max_tokens": _max_tokens(index), "temperature": 0,
             "return_token_ids": True, "logprobs": True}
+    return {**body, "mm_processor_kwargs": kwargs} if kwargs else body
 
 
-def _reference(model_dir, case, index, mm_processor_kwargs=None):
-    _, parts, text, follow_up = case
+def _reference(model_dir, case, index, server_kwargs=None):
+    """transformers' answer under the server-wide kwargs with the request's over them."""
+    _, parts, text, follow_up, kwargs = case
+    mm_processor_kwargs = {**(server_kwargs or {}), **kwargs}
     images = [part["media"] for part in parts if part["type"] == "image"]
     videos = [part for part in parts if part["type"] == "video"]
     return hf_qwen2_5_vl_generate(model_dir, _messages(parts, text, follow_up, False), images, _max_tokens(index),
                                   videos=[v["media"] for v in videos], video_metadata=[v["metadata"] for v in videos],
-                                  mm_processor_kwargs=mm_processor_kwargs)
+                                  mm_processor_kwargs=mm_processor_kwargs or None)
 
 
 def _check(body, ref):
