@@ -149,15 +149,39 @@ def test_vlmd_never_imports_a_family_package():
     assert violations(source_files(VLMD), REPO, forbidden) == []
 
 
+def declared_families(distribution: Path) -> set[str]:
+    """The family packages a plugin distribution declares as dependencies in its
+    pyproject.toml (``vlmd-qwen2-vl`` -> ``vlmd_qwen2_vl``): installed with it, as any third
+    party's dependency would be."""
+    import re
+    import tomllib
+
+    pyproject = distribution / "pyproject.toml"
+    if not pyproject.exists():
+        return set()
+    requirements = tomllib.loads(pyproject.read_text())["project"].get("dependencies", [])
+    names = {re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+             for requirement in requirements}
+    return {name for name in names if name.startswith("vlmd_")}
+
+
 @pytest.mark.parametrize("package", sorted(family_packages()))
 def test_family_packages_never_import_each_other(package):
+    """Unless the importer declares the other family as a dependency (Qwen2.5-VL builds on
+    Qwen2-VL's processor and positions): then it is a dependency like any other."""
     directory, root = family_packages()[package]
+    allowed = declared_families(root)
 
     def forbidden(name: str) -> bool:
         top = name.split(".")[0]
-        return top.startswith("vlmd_") and top != package
+        return top.startswith("vlmd_") and top != package and top not in allowed
 
     assert violations(source_files(directory), root, forbidden) == []
+
+
+def test_declared_family_dependencies_are_read():
+    assert declared_families(PLUGINS / "vlmd_qwen2_5_vl") == {"vlmd_qwen2_vl"}
+    assert declared_families(PLUGINS / "vlmd_llava") == set()
 
 
 def test_family_rules_catch_a_sibling_import():
