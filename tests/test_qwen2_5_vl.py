@@ -131,6 +131,12 @@ def test_parity_concurrent_and_second_turn_cached(server, tiny_qwen2_5_vl_dir, c
         bodies = answered.result()
     for body, ref in zip(bodies, refs):
         _check(body, ref)
+    # /tokenize counts as transformers' processor does (images, video, text).
+    for index, (case, ref) in enumerate(zip(cases, refs)):
+        request = {key: value for key, value in _body(case, index).items() if key in ("messages", "mm_processor_kwargs")}
+        status, raw = server.request("POST", "/tokenize", orjson.dumps({"model": server.model, **request}))
+        assert status == 200, raw
+        assert orjson.loads(raw)["tokens"] == ref["prompt_token_ids"], case[0]
     # The second turn again, now that the first turn's prefix is cached: the image's blocks
     # come from the prefix cache and the answer is the same.
     index = len(cases) - 1
