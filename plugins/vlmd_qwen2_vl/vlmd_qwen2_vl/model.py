@@ -110,9 +110,9 @@ class Qwen2VLModel(nn.Module):
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
         """One vision-tower pass over all items (attention stays within each frame pair)."""
         if self.visual is None:
-            raise ValueError("this Qwen2-VL's vision tower is off (--limit-mm-per-prompt image=0,video=0)")
+            raise ValueError("this model's vision tower is off (--limit-mm-per-prompt image=0,video=0)")
         if modality not in self.settings:
-            raise ValueError(f"Qwen2-VL does not encode {modality}")
+            raise ValueError(f"this model does not encode {modality}")
         settings = self.settings[modality]
         mean, std = getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std")
         # uint8 frames travel to the device as uint8 and are normalised there.

@@ -49,7 +49,7 @@ class VisionSettings:
         unknown = sorted(set(kwargs) - set(KWARG_NAMES))
         if unknown:
             raise BadRequestError(
-                f"unknown mm_processor_kwargs {unknown}; Qwen2-VL takes {list(KWARG_NAMES)}",
+                f"unknown mm_processor_kwargs {unknown}; this model takes {list(KWARG_NAMES)}",
                 param="mm_processor_kwargs",
             )
         values = {}
@@ -75,7 +75,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     agree exactly.
     """
     if max(height, width) / min(height, width) > 200:
-        raise BadRequestError(f"aspect ratio of {width}x{height} is over 200:1, which Qwen2-VL cannot take")
+        raise BadRequestError(f"aspect ratio of {width}x{height} is over 200:1, which this model cannot take")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
