@@ -273,3 +273,34 @@ def test_tiled_even_where_the_image_processor_says_crop_to_patches_false(tiny_in
     reference = hf(text="<IMG_CONTEXT>", images=[image], return_tensors="pt")
     assert len(_processor(copy).process_item("image", image, {}).encoder_inputs["tiles"]) == \
         len(reference["pixel_values"]) == 7
+
+
+def test_both_checkpoint_layouts_load_the_same_weights(tiny_internvl_dir, tmp_path):  # noqa: F811
+    """transformers 5 saves this checkpoint in the 4.x layout the published -hf checkpoints use
+    (``vision_tower.``, ``language_model.model.``, ``language_model.lm_head.``); its own module
+    names (``model.vision_tower.``, ``model.language_model.``, ``lm_head.``) load alike."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig as Config
+
+    from vlmd_internvl.model import InternVLModel
+
+    legacy = load_file(tiny_internvl_dir / "model.safetensors")
+    assert any(name.startswith("language_model.model.") for name in legacy)
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+    modern = {}
+    for name, tensor in legacy.items():
+        old, new = next((old, new) for old, new in renames if name.startswith(old))
+        modern[new + name[len(old):]] = tensor
+    copy = shutil.copytree(tiny_internvl_dir, tmp_path / "internvl-v5-names")
+    save_file(modern, copy / "model.safetensors")
+    config = Config.from_pretrained(tiny_internvl_dir)
+    ours = {name: p for name, p in InternVLModel.load(tiny_internvl_dir, config, torch.float32).state_dict().items()}
+    theirs = InternVLModel.load(copy, config, torch.float32).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    missing = {name: tensor for name, tensor in modern.items() if "multi_modal_projector.linear_2.bias" not in name}
+    save_file(missing, copy / "model.safetensors")
+    with pytest.raises(ValueError, match="InternVL checkpoint lacks weights"):
+        InternVLModel.load(copy, config, torch.float32)
