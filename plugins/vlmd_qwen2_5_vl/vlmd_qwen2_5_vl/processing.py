@@ -8,6 +8,11 @@ where ``second_per_grid_t = temporal_patch_size / sampled_fps`` is the video tim
 pair spans (transformers' ``Qwen2_5_VLProcessor._process_videos``). ``sampled_fps`` comes
 from the decoder (``vlmd.media.video.VideoFrames``); frames without a rate count as 24 fps,
 transformers' default for a video given as bare frames.
+
+Text after an item resumes one past the item's largest position (``mrope_positions``), the
+original Qwen2.5-VL rule and vLLM's. transformers 5.25 resumes it at ``start + max(h, w)``
+instead, which differs after a video whose time span exceeds its merged height and width
+(longer than ~4 s at 2 fps for a 448x448 video): there vlmd follows the original.
 """
 
 from __future__ import annotations
