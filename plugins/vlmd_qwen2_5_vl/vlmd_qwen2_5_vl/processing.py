@@ -12,7 +12,7 @@ transformers' default for a video given as bare frames.
 Text after an item resumes one past the item's largest position (``mrope_positions``), the
 original Qwen2.5-VL rule and vLLM's. transformers 5.25 resumes it at ``start + max(h, w)``
 instead, which differs after a video whose time span exceeds its merged height and width
-(longer than ~4 s at 2 fps for a 448x448 video): there vlmd follows the original.
+(a 448x448 video sampled at 2 fps, from 9 s on): there vlmd follows the original.
 """
 
 from __future__ import annotations
