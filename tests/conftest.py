@@ -67,10 +67,11 @@ class Server:
     """A real ``vlmd serve`` subprocess, talked to over HTTP."""
 
     def __init__(self, model_dir: Path, *flags: str, name: str = "tiny", log_dir: Path | None = None,
-                 kv_cache_gb: str | None = "0.25", faults: dict | None = None):
+                 kv_cache_gb: str | None = "0.25", faults: dict | None = None, port: int | None = None):
         """``faults``: the settings of the test-only fault injection (vlmd/testing/faults.py);
-        the server then runs under the launcher that installs it, its ranks too."""
-        self.port = free_port()
+        the server then runs under the launcher that installs it, its ranks too. ``port``:
+        chosen ahead (a server whose URL another server is started with); default a free one."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = name
         log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))

@@ -1,0 +1,309 @@
+"""Encoder disaggregation through the front door: an ``--encoder-only`` server and a language
+server started with ``--encoder-urls``, on 127.0.0.1.
+
+The language server's greedy tokens equal a single server's (the shared ``llava_server``);
+its own encoder stays idle while the encoder server's runs; a dead URL is passed over, an
+encoder that answers an error falls back to the local encoder, and under
+``--encoder-fallback fail`` only the request with media fails, with a message naming each
+server. The wire format is read with the documented parser (docs/encoder-wire-format.md)
+and carries no pickle; bad input to the encoder route is an OpenAI-shaped 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import pickletools
+import re
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from conftest import (Server, free_port, image_data_url, image_message, make_video, qwen2_audio_flags, random_image,
+                      video_data_url)
+from qwen2_audio_support import encode, input_audio, make_clip, text
+
+from vlmd.encoder_wire import FORMAT, unpack
+
+REPO = Path(__file__).resolve().parent.parent
+LLAVA_FLAGS = ("--limit-mm-per-prompt", "image=3", "--max-model-len", "2048")
+# The encoder server refuses media larger than this (its own bound; a 640x480 test image is
+# ~0.8 MB, an 800x600 one ~1.2 MB); the language server takes them, so such an image meets
+# an encoder that answers an error.
+ENCODER_MAX_BYTES = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def start_together(*specs: tuple[tuple, dict]) -> list[Server]:
+    """Servers started at once (each start mostly waits on imports and loading); a language
+    server may name an encoder server's URL before it is up (it is first asked after start-up)."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(Server, *args, **kwargs) for args, kwargs in specs]
+        servers, errors = [], []
+        for future in futures:
+            try:
+                servers.append(future.result())
+            except Exception as exc:  # stop the ones that did start before failing
+                errors.append(exc)
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+    return servers
+
+
+@pytest.fixture(scope="module")
+def llava_pair(tiny_llava_dir, dead_url, tmp_path_factory):
+    """(encoder, language): the language server lists a dead URL first, then the encoder, so
+    its first request is retried on the second URL."""
+    port = free_port()
+    encoder_url = f"http://127.0.0.1:{port}"
+    logs = tmp_path_factory.mktemp("logs")
+    servers = start_together(
+        ((tiny_llava_dir, "--encoder-only", *LLAVA_FLAGS, "--media-max-bytes", str(ENCODER_MAX_BYTES)),
+         {"log_dir": logs, "port": port}),
+        ((tiny_llava_dir, *LLAVA_FLAGS, "--encoder-urls", f"{dead_url},{encoder_url}", "--encoder-timeout-s", "20",
+          "--preprocess-timeout", "30"), {"log_dir": logs}),
+    )
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def encoder_server(llava_pair):
+    return llava_pair[0]
+
+
+@pytest.fixture(scope="module")
+def language_server(llava_pair):
+    return llava_pair[1]
+
+
+def greedy(server: Server, messages: list[dict], max_tokens: int = 8) -> list[int]:
+    status, body = server.chat({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                                "return_token_ids": True})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"]
+
+
+def encoder_forwards(server: Server) -> float:
+    return server.metrics()["vlmd_encoder_forwards_total"]
+
+
+def wait_for_forwards(server: Server, at_least: float) -> float:
+    deadline = time.monotonic() + 5
+    while (count := encoder_forwards(server)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count
+
+
+def test_tokens_equal_a_single_server_and_the_local_encoder_stays_idle(llava_server, language_server, encoder_server):
+    requests = [
+        image_message("What is in this image?", random_image(1)),
+        image_message("Compare them.", random_image(2, 320, 240), random_image(3, 200, 300)),
+        image_message("Twice the same.", random_image(4), random_image(4)),
+    ]
+    local_before, remote_before = encoder_forwards(language_server), encoder_forwards(encoder_server)
+    for messages in requests:
+        assert greedy(language_server, messages) == greedy(llava_server, messages)
+    assert encoder_forwards(language_server) == local_before
+    # 1 + 2 + 1 distinct items, each encoded once by the encoder server.
+    assert wait_for_forwards(encoder_server, remote_before + 4) == remote_before + 4
+
+
+def test_a_second_turn_reuses_the_language_servers_own_encoder_cache(language_server, encoder_server):
+    messages = image_message("Describe it.", random_image(5))
+    first = greedy(language_server, messages)
+    remote = wait_for_forwards(encoder_server, 0)
+    assert greedy(language_server, messages) == first
+    time.sleep(0.2)
+    assert encoder_forwards(encoder_server) == remote  # resident here: not sent again
+
+
+def test_an_encoder_that_answers_an_error_falls_back_to_the_local_encoder(llava_server, language_server):
+    # Over the encoder server's byte bound (its 400), within the language server's.
+    messages = image_message("And this one?", random_image(6, 800, 600))
+    before = encoder_forwards(language_server)
+    assert greedy(language_server, messages) == greedy(llava_server, messages)
+    assert encoder_forwards(language_server) == before + 1
+    # A request with media the encoder takes is served remotely again.
+    messages = image_message("One more.", random_image(7))
+    assert greedy(language_server, messages) == greedy(llava_server, messages)
+    assert encoder_forwards(language_server) == before + 1
+
+
+# ---- video (Qwen2-VL) and audio (Qwen2-Audio) ------------------------------------------------
+
+
+def test_qwen2_vl_video_and_image_through_an_encoder_server(tiny_qwen2_vl_dir, dead_url, tmp_path_factory):
+    """Video frames and an image, M-RoPE positions and all: the same tokens as one server."""
+    port = free_port()
+    flags = ("--max-model-len", "2048")
+    logs = tmp_path_factory.mktemp("logs")
+    encoder, language, single = start_together(
+        ((tiny_qwen2_vl_dir, "--encoder-only", *flags), {"name": "tiny-qwen2-vl", "log_dir": logs, "port": port}),
+        ((tiny_qwen2_vl_dir, *flags, "--encoder-urls", f"http://127.0.0.1:{port},{dead_url}", "--encoder-timeout-s",
+          "20", "--preprocess-timeout", "30"), {"name": "tiny-qwen2-vl", "log_dir": logs}),
+        ((tiny_qwen2_vl_dir, *flags), {"name": "tiny-qwen2-vl", "log_dir": logs}),
+    )
+    try:
+        video = {"type": "video_url", "video_url": {"url": video_data_url(make_video(4, seed=7))}}
+        image = {"type": "image_url", "image_url": {"url": image_data_url(random_image(12, 112, 84))}}
+        local_before, remote_before = encoder_forwards(language), encoder_forwards(encoder)  # the warm-ups'
+        for content in ([video, text("What happens?")], [video, image, text("Compare.")]):
+            messages = [{"role": "user", "content": content}]
+            assert greedy(language, messages) == greedy(single, messages)
+        assert encoder_forwards(language) == local_before
+        # The video once (then resident here), the image once.
+        assert wait_for_forwards(encoder, remote_before + 2) == remote_before + 2
+    finally:
+        for server in (encoder, language, single):
+            server.stop()
+
+
+def test_qwen2_audio_through_an_encoder_server_and_fallback_fail(tiny_qwen2_audio_dir, media_dir, dead_url,
+                                                                 qwen2_audio_server, tmp_path_factory):
+    """Audio clips equal the shared single server's; under --encoder-fallback fail, a clip no
+    encoder server takes (over the encoder's byte bound, after the dead URL) fails its request
+    alone with a 503 naming both, while other requests are served."""
+    port = free_port()
+    encoder_url = f"http://127.0.0.1:{port}"
+    flags = (*qwen2_audio_flags(media_dir), "--max-model-len", "2048")
+    logs = tmp_path_factory.mktemp("logs")
+    encoder, language = start_together(
+        ((tiny_qwen2_audio_dir, "--encoder-only", *flags, "--media-io-kwargs", '{"audio": {"max_bytes": 150000}}'),
+         {"name": "tiny-audio", "log_dir": logs, "port": port}),
+        ((tiny_qwen2_audio_dir, *flags, "--encoder-urls", f"{dead_url},{encoder_url}", "--encoder-fallback", "fail",
+          "--encoder-timeout-s", "20", "--preprocess-timeout", "30"), {"name": "tiny-audio", "log_dir": logs}),
+    )
+    try:
+        short = [input_audio(encode(make_clip(seconds, seed), "WAV"), "wav") for seconds, seed in ((1.0, 30), (2.0, 31))]
+        remote_before = encoder_forwards(encoder)  # its warm-up's
+        for content in ([short[0], text("What do you hear?")], [*short, text("Compare.")]):
+            messages = [{"role": "user", "content": content}]
+            assert greedy(language, messages) == greedy(qwen2_audio_server, messages)
+        assert wait_for_forwards(encoder, remote_before + 2) == remote_before + 2
+        # 6 s of 16 kHz PCM is ~190 kB: over the encoder's bound, within the language server's.
+        long_clip = input_audio(encode(make_clip(6.0, 32), "WAV"), "wav")
+        status, body = language.chat({"messages": [{"role": "user", "content": [long_clip, text("Hi")]}],
+                                      "max_tokens": 2})
+        assert status == 503, body
+        message = body["error"]["message"]
+        assert "--encoder-fallback fail" in message and dead_url in message and encoder_url in message
+        assert "400" in message and set(body["error"]) == {"message", "type", "param", "code"}
+        messages = [{"role": "user", "content": [short[1], text("Again?")]}]
+        assert greedy(language, messages) == greedy(qwen2_audio_server, messages)
+        status, body = language.chat({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
+        assert status == 200, body
+    finally:
+        for server in (encoder, language):
+            server.stop()
+
+
+# ---- the wire format ----------------------------------------------------------------------
+
+PICKLE_MARKERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04\x95", b"\x80\x05\x95", b"torch._utils", b"_rebuild_tensor",
+                  b"cnumpy", b"PK\x03\x04")
+
+
+def parse_as_documented(body: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """docs/encoder-wire-format.md, independently of vlmd: u64 LE header length, JSON, data."""
+    (length,) = struct.unpack_from("<Q", body)
+    header = json.loads(body[8 : 8 + length])
+    data = body[8 + length :]
+    metadata = header.pop("__metadata__")
+    tensors = {}
+    for name, entry in header.items():
+        assert entry["dtype"] == "F32"
+        begin, end = entry["data_offsets"]
+        tensors[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(entry["shape"])
+    assert sum(t.nbytes for t in tensors.values()) == len(data)
+    return metadata, tensors
+
+
+def post_items(server: Server, body: dict) -> tuple[int, bytes, str]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(server.url + "/v1/encoder_outputs", data=orjson.dumps(body), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read(), response.headers["Content-Type"]
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), error.headers["Content-Type"]
+
+
+def test_the_wire_format_is_documented_safetensors_without_pickle(encoder_server):
+    image = image_data_url(random_image(10))
+    parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "image_url", "image_url": image},
+             {"type": "image_url", "image_url": {"url": image_data_url(random_image(11))}}]
+    status, body, content_type = post_items(encoder_server, {"model": "tiny", "items": parts})
+    assert status == 200, body[:300]
+    assert content_type.startswith("application/vnd.vlmd.encoder-outputs+safetensors")
+    metadata, tensors = parse_as_documented(body)  # every data byte belongs to a float tensor
+    (length,) = struct.unpack_from("<Q", body)
+    assert not any(marker in body[: 8 + length] for marker in PICKLE_MARKERS)
+    with pytest.raises(Exception):  # not a pickle stream: no PROTO opcode, no STOP
+        list(pickletools.genops(body))
+    assert metadata["format"] == FORMAT and metadata["model"] == "tiny"
+    assert len(tensors) == 2  # one per distinct item
+    for name, tensor in tensors.items():
+        assert re.fullmatch(r"[0-9a-f]{64}", name) and metadata[f"modality:{name}"] == "image"
+        assert tensor.ndim == 2 and tensor.shape[0] > 0 and np.isfinite(tensor).all()
+    # vlmd's own parser and the safetensors library read the same tensors.
+    model, wire = unpack(body)
+    assert model == "tiny" and set(wire) == set(tensors)
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    loaded = safetensors_numpy.load(body)
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(loaded[name], tensor)
+
+
+def test_no_disaggregation_module_unpickles():
+    for path in ("vlmd/encoder_wire.py", "vlmd/processing/encoder_tensors.py", "vlmd/processing/remote_encoder.py",
+                 "vlmd/server/encoder_route.py"):
+        source = (REPO / path).read_text()
+        assert not re.search(r"import (c?pickle|dill|joblib)|pickle\.loads?\(|torch\.load\(|np\.load\(|"
+                             r"numpy\.load\(|allow_pickle|Unpickler", source), path
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"not json", 400, None),
+        ({"model": "tiny"}, 400, "items"),
+        ({"model": "tiny", "items": []}, 400, "items"),
+        ({"model": "tiny", "items": [{"type": "text", "text": "hi"}]}, 400, "items"),
+        ({"model": "tiny", "items": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+         400, None),
+        ({"model": "tiny", "items": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]},
+         400, "messages"),
+        ({"model": "tiny", "items": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}, 400, None),
+        ({"model": "tiny", "items": [{"type": "image_url", "image_url": {"url": "x"}}] * 4}, 400, None),
+        ({"model": "tiny", "items": [], "stream": True}, 400, "stream"),
+        ({"model": "tiny", "items": [], "mm_processor_kwargs": 3}, 400, "mm_processor_kwargs"),
+        ({"model": "other", "items": []}, 404, "model"),
+    ],
+)
+def test_bad_input_to_the_encoder_route_is_an_openai_shaped_4xx(encoder_server, body, status, param):
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    code, answer = encoder_server.request("POST", "/v1/encoder_outputs", raw)
+    assert code == status, answer
+    error = orjson.loads(answer)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_an_encoder_server_serves_no_generation(encoder_server):
+    code, answer = encoder_server.request("POST", "/v1/chat/completions", orjson.dumps({"model": "tiny"}))
+    assert code == 404 and "no route" in orjson.loads(answer)["error"]["message"]
