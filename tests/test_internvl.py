@@ -2,12 +2,13 @@
 
 The tiny checkpoint has 112-px tiles, at most 6 tiles (plus the thumbnail) and 16 tokens per
 tile. Cases: one tile (no thumbnail), the most tiles (a 3x2 grid + thumbnail), a thin wide
-strip and a thin tall one (6x1 and 1x6), two images of different grids (3x2 and 1x3), text only and a
-per-request ``max_patches``. Each runs alone, then all concurrently, then a second turn over
-the first one's answer must find its prefix cached, and a video (one tile per frame under
-"FrameN:" labels) alone and beside an image. The shared server's token budget (32)
-splits every image across steps; a second server adds ``--tensor-parallel-size 2``, a KV
-cache that forces preemption and a server-wide ``max_patches``. ``usage.prompt_tokens`` equals the length of transformers'
+strip and a thin tall one (6x1 and 1x6), two images of different grids (3x2 and 1x3), text
+only and a per-request ``max_patches`` (a 6x1 strip cut 2x1). Each runs alone, then all
+concurrently; a second turn over the first one's answer must find its prefix cached; a video
+(one tile per frame under "FrameN:" labels) runs alone and beside an image. The shared
+server's token budget (32) splits every image across steps; a second server adds
+``--tensor-parallel-size 2``, a KV cache that forces preemption and a server-wide
+``max_patches``. ``usage.prompt_tokens`` and ``/tokenize`` equal the length of transformers'
 processor output. A first divergence is accepted only where transformers' own top-1/top-2
 log-prob gap is < 1e-3, and the greedy tokens' log-probs agree within 1e-3 up to it.
 """
@@ -37,7 +38,7 @@ CASES = {  # name: ([(seed, width, height), ...], text, mm_processor_kwargs, til
     "strip_57x1900": ([(4, 57, 1900)], "Describe the tall picture.", {}, [7]),
     "two_images": ([(5, 320, 240), (6, 96, 300)], "Compare them.", {}, [7, 4]),
     "text_only": ([], "Write a short poem about the sea.", {}, []),
-    "max_patches_2": ([(7, 800, 400)], "Describe it briefly.", {"max_patches": 2}, [3]),
+    "max_patches_2": ([(7, 1500, 100)], "Describe it briefly.", {"max_patches": 2}, [3]),
 }
 CASE_NAMES = list(CASES)
 
@@ -50,10 +51,10 @@ def _images(name):
     return [random_image(seed, width, height) for seed, width, height in CASES[name][0]]
 
 
-def _body(name: str, max_tokens: int, history: list | None = None) -> dict:
+def _body(name: str, max_tokens: int) -> dict:
     _, text, kwargs, _ = CASES[name]
     content = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in _images(name)]
-    messages = [*(history or []), {"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
             "logprobs": True}
     if kwargs:
