@@ -14,6 +14,7 @@ near tie (tests/oracle.py), and the greedy tokens' log-probs must agree within 1
 
 from __future__ import annotations
 
+import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +25,7 @@ from PIL import Image
 from conftest import Server, image_data_url, random_image
 from oracle import assert_greedy_match
 from qwen3_vl_oracle import hf_qwen3_vl_generate
+from test_bad_input import png_header_only
 
 CASE_NAMES = ["image_640x480", "two_images", "wide_1500x200", "text_only", "image_max_pixels", "second_turn"]
 FIRST_ANSWER = "It is a picture of noise."
@@ -208,8 +210,12 @@ def _image_request(*images: Image.Image) -> dict:
 
 
 def test_bad_input_is_a_400_and_the_server_still_serves(server):
+    bomb = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png_header_only(20000, 20000)).decode()}}]}]}
     cases = [
         (_image_request(Image.new("RGB", (1, 1))), "too small"),
+        (bomb, "image is too large"),
+        (_image_request(Image.new("RGB", (2, 1000))), "aspect ratio"),
         (_image_request(*(random_image(seed, 64, 64) for seed in range(3))), "at most 2 image"),
         ({**_image_request(random_image(1, 64, 64)), "mm_processor_kwargs": {"max_pixels": 10**7}},
          "exceeds this server's image limit"),
