@@ -4,12 +4,12 @@ Cases: a 640x480 image; two images of different sizes; a very wide image; text o
 per-request max_pixels; a second turn about the first case's image. Each runs alone, then
 all concurrently, then again on a second server, under ``--tensor-parallel-size 2``, whose
 token budget (16) splits every image's placeholders (and so its DeepStack rows) across steps
-and whose KV cache (14 blocks of 16) forces preemption and evicts cached blocks from inside
-items. The second turn finds its first turn's blocks in the prefix cache (``cached_tokens``)
-and two cases share an image, whose encoder output one of them takes from the encoder cache.
-/tokenize must give transformers' prompt ids too. ``usage.prompt_tokens`` must
-equal the length of transformers' processor output; a first divergence is accepted only at a
-near tie (tests/oracle.py), and the greedy tokens' log-probs must agree within 1e-3 up to it.
+and whose KV cache (14 blocks of 16) forces preemption. The second turn finds its first
+turn's blocks in the prefix cache (``cached_tokens``); an image after new text takes its
+encoder output from the encoder cache; a prefix hit that ends inside an image computes the
+rest of it. ``usage.prompt_tokens`` and /tokenize must equal transformers' processor output;
+a first divergence is accepted only at a near tie (tests/oracle.py), and the greedy tokens'
+log-probs must agree within 1e-3 up to it.
 """
 
 from __future__ import annotations
@@ -158,6 +158,26 @@ def _image_token(model_dir) -> int:
 def test_parity_all_concurrently(server, cases, references):
     for (name, _), body in zip(cases, _run_concurrently(server, cases)):
         _check(body, references[name])
+
+
+def test_parity_when_the_image_comes_from_the_encoder_cache(server, tiny_qwen3_vl_dir):
+    """The same new image after different text: no prefix reaches it, so the second request
+    computes every image row, with the encoder output (and its DeepStack rows) the first one
+    left in the encoder cache."""
+    image = {"type": "image", "media": random_image(30, 500, 400)}
+    for text, follow_up in (("First look.", None), ("Then look again.", None)):
+        body = _body([], text, {}, follow_up, 6)
+        body["messages"][0]["content"].append({"type": "image_url", "image_url": {
+            "url": image_data_url(image["media"])}})
+        before = server.metrics()
+        status, answer = server.chat(body)
+        assert status == 200, answer
+        forwards = server.metrics()["vlmd_encoder_forwards_total"] - before["vlmd_encoder_forwards_total"]
+        messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
+        _check(answer, hf_qwen3_vl_generate(tiny_qwen3_vl_dir, messages, [image["media"]], 6))
+    assert forwards == 0, "the second request should have found the encoder output"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] < answer["prompt_token_ids"].index(
+        _image_token(tiny_qwen3_vl_dir))
 
 
 def test_parity_tp2_items_split_across_steps_and_preempted(launched, cases, references):
