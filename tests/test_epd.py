@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import pickletools
 import re
+import socketserver
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
@@ -34,6 +37,8 @@ LLAVA_FLAGS = ("--limit-mm-per-prompt", "image=3", "--max-model-len", "2048")
 # ~0.8 MB, an 800x600 one ~1.2 MB); the language server takes them, so such an image meets
 # an encoder that answers an error.
 ENCODER_MAX_BYTES = 1_000_000
+# --encoder-timeout-s of the LLaVA language server: a silent encoder costs this much a turn.
+SLOW_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="module")
@@ -60,31 +65,63 @@ def start_together(*specs: tuple[tuple, dict]) -> list[Server]:
 
 
 @pytest.fixture(scope="module")
-def llava_pair(tiny_llava_dir, dead_url, tmp_path_factory):
-    """(encoder, language): the language server lists a dead URL first, then the encoder, so
-    its first request is retried on the second URL."""
+def slow_url():
+    """An encoder that takes the request and never answers (until the module ends)."""
+    release = threading.Event()
+
+    class Silent(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(1 << 16)
+            release.wait(60)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def llava_pair(tiny_llava_dir, llava_server, dead_url, slow_url, tmp_path_factory):
+    """The encoder and the language server, which lists a dead URL and a silent one before the
+    encoder; its first request (here) meets both failures, timed."""
     port = free_port()
     encoder_url = f"http://127.0.0.1:{port}"
     logs = tmp_path_factory.mktemp("logs")
     servers = start_together(
         ((tiny_llava_dir, "--encoder-only", *LLAVA_FLAGS, "--media-max-bytes", str(ENCODER_MAX_BYTES)),
          {"log_dir": logs, "port": port}),
-        ((tiny_llava_dir, *LLAVA_FLAGS, "--encoder-urls", f"{dead_url},{encoder_url}", "--encoder-timeout-s", "20",
-          "--preprocess-timeout", "30"), {"log_dir": logs}),
+        ((tiny_llava_dir, *LLAVA_FLAGS, "--encoder-urls", f"{dead_url},{slow_url},{encoder_url}",
+          "--encoder-timeout-s", str(SLOW_TIMEOUT_S), "--preprocess-timeout", "30"), {"log_dir": logs}),
     )
-    yield servers
-    for server in servers:
-        server.stop()
+    try:
+        encoder, language = servers
+        before = encoder_forwards(language)
+        messages = image_message("Which colour?", random_image(20, 336, 336))
+        started = time.monotonic()
+        tokens = greedy(language, messages, max_tokens=2)
+        first_seconds = time.monotonic() - started
+        pair = SimpleNamespace(
+            encoder=encoder, language=language, first_seconds=first_seconds,
+            first_tokens_equal_a_single_server=tokens == greedy(llava_server, messages, max_tokens=2),
+            local_encodes=encoder_forwards(language) - before,
+        )
+        yield pair
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
 def encoder_server(llava_pair):
-    return llava_pair[0]
+    return llava_pair.encoder
 
 
 @pytest.fixture(scope="module")
 def language_server(llava_pair):
-    return llava_pair[1]
+    return llava_pair.language
 
 
 def greedy(server: Server, messages: list[dict], max_tokens: int = 8) -> list[int]:
@@ -126,6 +163,15 @@ def test_a_second_turn_reuses_the_language_servers_own_encoder_cache(language_se
     assert greedy(language_server, messages) == first
     time.sleep(0.2)
     assert encoder_forwards(encoder_server) == remote  # resident here: not sent again
+
+
+def test_the_first_request_waits_out_the_silent_encoder_then_the_encoder_answers(llava_pair):
+    """The language server's first request meets the dead URL, then the silent one (timed out
+    by --encoder-timeout-s), then the encoder; both failed servers are then asked last, so
+    the next request goes to the encoder at once."""
+    assert llava_pair.first_seconds >= SLOW_TIMEOUT_S
+    assert llava_pair.first_tokens_equal_a_single_server
+    assert llava_pair.local_encodes == 0
 
 
 def test_an_encoder_that_answers_an_error_falls_back_to_the_local_encoder(llava_server, language_server):

@@ -10,7 +10,8 @@ against the item it is for (identifier, modality, encoder tokens) and attached t
 
 A server that fails (refused connection, an error status, slower than
 ``--encoder-timeout-s``, a body that does not parse or does not match) is passed over for
-the next URL. When all have failed the items keep no output and the runner encodes them
+the next URL, and is left out for the next ``REST_AFTER_FAILURE_S`` unless every server
+is. When all have failed the items keep no output and the runner encodes them
 here (``--encoder-fallback local``), or the request alone fails with a 503 that names each
 server's failure (``fail``). Identifiers cover the model and the processor kwargs, so a
 server configured differently answers outputs that match nothing: a failure, never a
@@ -42,10 +43,19 @@ _PART_KEYS = {"image": "image_url", "video": "video_url", "audio": "audio_url"}
 _READ_CHUNK = 1 << 20
 # Bytes of header and padding an answer may hold besides its tensors' data.
 _HEADER_SLACK = 1 << 20
+# A server that failed is left out this long: a dead or hung encoder then costs one request
+# a timeout, not every request until it is back.
+REST_AFTER_FAILURE_S = 10.0
 
 
 class EncoderServerFailed(Exception):
-    """One encoder server's failure, in words fit for the request's error."""
+    """One encoder server's failure, in words fit for the request's error. ``rests``: whether
+    the server is left out for a while (not when it refused these items with a 4xx: it is
+    up, and other items may suit it)."""
+
+    def __init__(self, message: str, rests: bool = True):
+        super().__init__(message)
+        self.rests = rests
 
 
 def media_part(ref: MediaRef) -> dict:
@@ -70,6 +80,18 @@ class RemoteEncoders:
         self.api_key = api_key
         self.is_resident = is_resident or (lambda identifier: False)
         self._turn = itertools.count()  # spreads requests over the servers, one after another
+        # A failed server's URL -> (when it is asked again, why it failed).
+        self._resting: dict[str, tuple[float, str]] = {}
+
+    def _order(self) -> list[str]:
+        """This request's URLs, the next in turn first, leaving out those that failed in the
+        last ``REST_AFTER_FAILURE_S`` (a circuit breaker's open state); all of them when every
+        one is resting (so a server that is back is found)."""
+        first = next(self._turn)
+        turns = [self.urls[(first + turn) % len(self.urls)] for turn in range(len(self.urls))]
+        now = time.monotonic()
+        awake = [url for url in turns if url not in self._resting or self._resting[url][0] <= now]
+        return awake or turns
 
     def attach(self, items: list[MultiModalItem], refs: list[MediaRef], mm_processor_kwargs: dict | None,
                deadline: Deadline = NO_DEADLINE) -> int:
@@ -88,9 +110,8 @@ class RemoteEncoders:
         payload = orjson.dumps(body)
         limit = _HEADER_SLACK + sum(4 * item.num_encoder_tokens * self.output_width for item, _ in wanted.values())
         failures = []
-        first = next(self._turn)
-        for turn in range(len(self.urls)):
-            url = self.urls[(first + turn) % len(self.urls)]
+        order = self._order()
+        for url in order:
             try:
                 outputs = self._ask(url, payload, limit, deadline)
                 attached = self._match(wanted, outputs)
@@ -98,10 +119,15 @@ class RemoteEncoders:
                 reason = str(exc) or type(exc).__name__
                 log.warning("encoder server failed", url=url, reason=reason)
                 failures.append(f"{url}: {reason}")
+                if getattr(exc, "rests", True):
+                    self._resting[url] = (time.monotonic() + REST_AFTER_FAILURE_S, reason)
                 continue
+            self._resting.pop(url, None)
             for item in items:
                 item.encoder_output = attached.get(item.identifier)
             return len(attached)
+        failures += [f"{url}: left out, it failed in the last {REST_AFTER_FAILURE_S:g} s ({self._resting[url][1]})"
+                     for url in self.urls if url not in order and url in self._resting]
         if self.fallback == "fail":
             raise ServiceUnavailableError(
                 "no encoder server computed this request's media (--encoder-fallback fail): " + "; ".join(failures)
@@ -138,7 +164,8 @@ class RemoteEncoders:
             connection.close()
         body = b"".join(chunks)
         if response.status != 200:
-            raise EncoderServerFailed(f"it answered {response.status}: {_error_message(body)}")
+            raise EncoderServerFailed(f"it answered {response.status}: {_error_message(body)}",
+                                      rests=not 400 <= response.status < 500)
         model, tensors = unpack(body)
         if model != self.model:
             raise EncoderServerFailed(f"it serves the model {model!r}, not {self.model!r}")
