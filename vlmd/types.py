@@ -28,6 +28,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token only; k: plus top-k
+    # Log-probs of the distribution after the logits processors (constraints, the model's
+    # rule, bias, penalties, grammar) but before temperature: what openai-whisper and
+    # transformers average for Whisper's avg_logprob. Default: the raw distribution.
+    processed_logprobs: bool = False
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 = off
     # Penalties on tokens already seen. OpenAI's presence/frequency penalties subtract
     # ``presence * (count > 0) + frequency * count`` over the output so far; transformers'

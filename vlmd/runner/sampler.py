@@ -33,7 +33,7 @@ def sample(
     config's suppression before the model's processors.
     """
     # Log-probs describe the model's own distribution, before any processor (vLLM's
-    # default "raw" log-probs).
+    # default "raw" log-probs), unless a request asks for the processed ones.
     want_logprobs = any(state.sampling.logprobs is not None for state in states)
     logprobs_table = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
@@ -44,6 +44,10 @@ def sample(
     apply_penalties(logits, states)
     # Structured outputs last: whatever the other rules leave, the grammar has the final word.
     apply_grammar_masks(logits, states)
+    if logprobs_table is not None:
+        processed = [row for row, state in enumerate(states) if state.sampling.processed_logprobs]
+        if processed:  # before the warp: temperature shapes the draw, not the reported figure
+            logprobs_table[processed] = torch.log_softmax(logits[processed], dim=-1)
 
     tokens = logits.argmax(dim=-1).tolist()
     sampled = [row for row, state in enumerate(states) if not state.sampling.is_greedy]
