@@ -353,3 +353,39 @@ def test_bad_input_to_the_encoder_route_is_an_openai_shaped_4xx(encoder_server, 
 def test_an_encoder_server_serves_no_generation(encoder_server):
     code, answer = encoder_server.request("POST", "/v1/chat/completions", orjson.dumps({"model": "tiny"}))
     assert code == 404 and "no route" in orjson.loads(answer)["error"]["message"]
+
+
+def _body(header: dict, data: bytes = b"") -> bytes:
+    text = orjson.dumps(header)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+ID = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"\x01\x02", "shorter than its 8-byte header length"),
+        (struct.pack("<Q", 1 << 40) + b"{}", "does not fit the body"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (_body({"__metadata__": {"format": "other"}}), "__metadata__.format"),
+        (_body({"__metadata__": {"format": FORMAT, f"modality:{'x' * 64}": "image"},
+                "x" * 64: {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}}, b"\0" * 4), "not an item identifier"),
+        (_body({"__metadata__": {"format": FORMAT, f"modality:{ID}": "image"},
+                ID: {"dtype": "I64", "shape": [1, 1], "data_offsets": [0, 8]}}, b"\0" * 8), "expected one of"),
+        (_body({"__metadata__": {"format": FORMAT, f"modality:{ID}": "image"},
+                ID: {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 4]}}, b"\0" * 4), "4 bytes for shape"),
+        (_body({"__metadata__": {"format": FORMAT, f"modality:{ID}": "image"},
+                ID: {"dtype": "F32", "shape": [1, 1], "data_offsets": [4, 8]}}, b"\0" * 8), "do not tile"),
+        (_body({"__metadata__": {"format": FORMAT, f"modality:{ID}": "image"},
+                ID: {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}}, b"\0" * 9), "belong to no tensor"),
+        (_body({"__metadata__": {"format": FORMAT},
+                ID: {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}}, b"\0" * 4), "no modality"),
+    ],
+)
+def test_the_parser_refuses_what_is_not_the_format(body, fragment):
+    from vlmd.encoder_wire import WireFormatError
+
+    with pytest.raises(WireFormatError, match=re.escape(fragment)):
+        unpack(body)
