@@ -69,7 +69,8 @@ def test_response_formats(whisper_server):
     assert segments and [s["id"] for s in segments] == list(range(len(segments)))
     for segment in segments:
         assert 0 <= segment["start"] <= segment["end"] <= 5.0
-        assert set(segment) >= {"seek", "text", "tokens", "avg_logprob", "compression_ratio", "temperature"}
+        assert set(segment) >= {"seek", "text", "tokens", "avg_logprob", "compression_ratio", "temperature",
+                                "no_speech_prob"}
         assert segment["avg_logprob"] <= 0
     assert verbose["text"] == " ".join(s["text"].strip() for s in segments if s["text"].strip())
 
@@ -122,6 +123,7 @@ def test_concurrent_transcriptions_equal_one_at_a_time(whisper_server):
         # Same tokens, text and times; log-probs only to float32 noise (batch shapes differ).
         for segment, expected_segment in zip(ours.get("segments", []), expected.get("segments", [])):
             assert segment.pop("avg_logprob") == pytest.approx(expected_segment.pop("avg_logprob"), abs=1e-5)
+            assert segment.pop("no_speech_prob") == pytest.approx(expected_segment.pop("no_speech_prob"), abs=1e-6)
         assert ours == expected
 
 

@@ -43,6 +43,15 @@ class TimedSegment:
 
 
 @dataclass(frozen=True)
+class NoSpeechProbe:
+    """Where a model says "no speech here": the probability of ``token_id`` as the next token
+    after ``prompt`` (Whisper: the window's prompt through <|startoftranscript|>)."""
+
+    prompt: ProcessorOutput
+    token_id: int
+
+
+@dataclass(frozen=True)
 class TokenConstraints:
     suppress_token_ids: tuple[int, ...] = ()
     begin_suppress_token_ids: tuple[int, ...] = ()
@@ -55,6 +64,8 @@ class SpeechToTextProcessor(ABC):
     window_seconds: float = 30.0
     speech_tasks: tuple[str, ...] = TASKS  # the tasks this model serves
     timestamps: bool = True  # whether its output can carry segment timestamps
+    # Whether windows are judged and re-decoded at higher temperatures (needs no_speech_probe).
+    temperature_fallback: bool = False
 
     @abstractmethod
     def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
@@ -72,6 +83,11 @@ class SpeechToTextProcessor(ABC):
     def detection_prompt(self, samples: np.ndarray) -> ProcessorOutput:
         """The prompt whose next token, restricted to ``languages()``, names the spoken language."""
         raise NotImplementedError("this model does not detect languages")
+
+    def no_speech_probe(self, window_prompt: ProcessorOutput) -> NoSpeechProbe | None:
+        """How to read this model's no-speech probability for a window whose whole prompt is
+        ``window_prompt``; None for a model without one (then no temperature fallback)."""
+        return None
 
     def token_constraints(self) -> TokenConstraints:
         """Tokens the generation config forbids (always / as the first output token)."""

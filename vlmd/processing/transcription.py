@@ -119,15 +119,35 @@ class TranscriptionPreprocessor:
         """One window's decode under the generation config's suppressions (a ``seed`` makes a
         sampled decode reproducible). Blocking: run on the preprocessing pool."""
         output = self.window_prompt(window, options, language)
+        return self.decode_request(request_id, output, eos_token_ids, temperature, logprobs, seed)
+
+    def decode_request(
+        self, request_id: str, output: ProcessorOutput, eos_token_ids: tuple[int, ...], temperature: float = 0.0,
+        logprobs: int | None = None, seed: int | None = None, processed_logprobs: bool = False,
+    ) -> EngineRequest:
+        """A decode of a window whose prompt (``window_prompt``) is built: cheap, so each
+        temperature of a fallback is one more request on the same prompt and features."""
         constraints = self.token_constraints()
         prompt = output.prompt_token_ids
         sampling = SamplingParams(
             max_tokens=self.processor.max_output_tokens(len(prompt), self.max_model_len), temperature=temperature,
-            seed=seed, logprobs=logprobs, suppress_token_ids=constraints.suppress_token_ids,
+            seed=seed, logprobs=logprobs, processed_logprobs=processed_logprobs,
+            suppress_token_ids=constraints.suppress_token_ids,
             begin_suppress_token_ids=constraints.begin_suppress_token_ids,
         )
         return EngineRequest(request_id, prompt, sampling, output.items, eos_token_ids=eos_token_ids,
                              arrival_time=time.time(), family_state=output.family_state)
+
+    def no_speech_request(self, request_id: str, output: ProcessorOutput) -> tuple[EngineRequest, int] | None:
+        """One step whose (raw) log-prob of the no-speech token gives the window's
+        ``no_speech_prob``, with that token; None for a model without one."""
+        probe = self.processor.no_speech_probe(output)
+        if probe is None:
+            return None
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, allowed_token_ids=(probe.token_id,))
+        request = EngineRequest(request_id, probe.prompt.prompt_token_ids, sampling, probe.prompt.items,
+                                arrival_time=time.time(), family_state=probe.prompt.family_state)
+        return request, probe.token_id
 
     def detection_request(self, request_id: str, window: PreparedWindow) -> EngineRequest:
         """One step that picks the likeliest language token (transformers' detect_language)."""

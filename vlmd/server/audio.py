@@ -5,9 +5,11 @@ preprocessing pool. A model that detects languages, asked without a ``language``
 detects it on the first window. Every window then becomes one engine request (the family's
 whole generation prompt for it, built on the pool), all submitted at once, so the windows
 of one upload (and of other uploads) are batched together; the texts are joined in window
-order and segment times are offset by each window's start. ``stream`` sends text deltas as
-server-sent events (``transcript.text.delta`` then ``transcript.text.done``), window by
-window in order while later windows decode in the background.
+order and segment times are offset by each window's start. A Whisper window whose decode
+fails openai-whisper's thresholds is decoded again at a higher temperature
+(``audio_decode.py``). ``stream`` sends text deltas as server-sent events
+(``transcript.text.delta`` then ``transcript.text.done``), window by window in order while
+later windows decode in the background; each window is decoded once there.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
 from vlmd.processing.speech import TranscriptionOptions
-from vlmd.server.audio_form import TranscriptionForm, read_transcription_form
+from vlmd.processing.temperature_fallback import WindowDecode
+from vlmd.server.audio_decode import DecodeSettings, decode_tokens, decode_windows
+from vlmd.server.audio_form import THRESHOLD_FIELDS, TranscriptionForm, read_transcription_form
 from vlmd.server.body import within_read_deadline
 from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.state import ServerState
@@ -56,6 +60,9 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)
     transcriber.check(options)
+    if form.thresholds_given and not transcriber.processor.temperature_fallback:
+        raise BadRequestError("this model has no temperature fallback: drop the *_threshold fields",
+                              param=next(name for name in THRESHOLD_FIELDS if name in form.given_fields))
     started = time.perf_counter()
     prepared = await state.admission.preprocess(lambda deadline: transcriber.prepare(form.file, options))
     with state.admission.media_lease() as lease:  # the windows' samples, until the answer is done
@@ -71,81 +78,55 @@ async def _transcribe(request, state: ServerState, form: TranscriptionForm, opti
     if language is None and transcriber.multilingual:
         language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
 
-    def window_requests():  # on the pool: each window's prompt computes its features
-        return [
-            transcriber.engine_request(
-                f"{base_id}-{window.index}", window, options, language, state.eos_token_ids,
-                temperature=form.temperature, logprobs=0 if form.response_format == "verbose_json" else None,
-                seed=None if form.seed is None else form.seed + window.index,
-            )
-            for window in prepared.windows
-        ]
+    def window_prompts():  # on the pool: each window's prompt computes its features
+        return [transcriber.window_prompt(window, options, language) for window in prepared.windows]
 
-    requests = await asyncio.get_running_loop().run_in_executor(state.pool, window_requests)
+    prompts = await asyncio.get_running_loop().run_in_executor(state.pool, window_prompts)
     if form.stream:
+        requests = [
+            transcriber.decode_request(f"{base_id}-{index}", prompt, state.eos_token_ids, temperature=form.temperature,
+                                       seed=None if form.seed is None else form.seed + index)
+            for index, prompt in enumerate(prompts)
+        ]
         return await _stream(request, state, form, requests, prepared.duration)
-    outputs = await _decode_all(state, requests)
-    text, segments = _assemble(state, transcriber, prepared, outputs, form)
+    settings = DecodeSettings(base_id, form.temperature, form.seed, form.thresholds,
+                              fallback=transcriber.processor.temperature_fallback)
+    decodes = await decode_windows(state, prompts, settings, [w.end - w.start for w in prepared.windows])
+    text, segments = _assemble(state, transcriber, prepared, decodes, form, settings)
     language_name = transcriber.processor.language_name(language)
     body, content_type = render(form.response_format, text, segments, task=task, language=language_name,
-                                duration=prepared.duration, temperature=form.temperature)
+                                duration=prepared.duration)
     log.info("transcription finished", request_id=base_id, windows=len(prepared.windows),
+             decodes=sum(decode.attempts for decode in decodes),
              audio_seconds=round(prepared.duration, 2), seconds=round(time.perf_counter() - started, 3))
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def _detect_language(state: ServerState, transcriber, window, base_id: str) -> str:
     request = await asyncio.get_running_loop().run_in_executor(state.pool, transcriber.detection_request, f"{base_id}-language", window)
-    (tokens, _), = await _decode_all(state, [request])
+    tokens, _ = await decode_tokens(state, request)
     if not tokens:
         raise ServerError("language detection produced no token", request_id=base_id)
     return transcriber.language_of(tokens[0])
 
 
-async def _decode_window(state: ServerState, request: EngineRequest) -> tuple[list[int], list[float]]:
-    """One window's output tokens (end of text dropped) and their log-probabilities."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    async with aclosing(state.engine.generate(request)) as stream:
-        async for delta in stream:
-            if delta.finish_reason is FinishReason.ERROR:
-                raise from_engine(delta.error, delta.error_status, request.request_id)
-            tokens.extend(delta.new_token_ids)
-            logprobs.extend(entry.logprob for entry in delta.logprobs or ())
-    if tokens and tokens[-1] in state.eos_token_ids:
-        tokens.pop()
-        logprobs = logprobs[: len(tokens)]
-    return tokens, logprobs
-
-
-async def _decode_all(state: ServerState, requests: list[EngineRequest]) -> list[tuple[list[int], list[float]]]:
-    """Decode all windows concurrently; on failure or cancellation, abort every one."""
-    tasks = [asyncio.ensure_future(_decode_window(state, request)) for request in requests]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()  # leaving generate() early aborts the request in the engine
-
-
-def _assemble(state: ServerState, transcriber, prepared, outputs, form: TranscriptionForm) -> tuple[str, list[Segment]]:
-    decode = state.tokenizer.decode
+def _assemble(state: ServerState, transcriber, prepared, decodes: list[WindowDecode], form: TranscriptionForm,
+              settings: DecodeSettings) -> tuple[str, list[Segment]]:
+    """The text and segments of the windows in order; a window judged silent has none."""
+    kept = [(window, decode) for window, decode in zip(prepared.windows, decodes)
+            if not (settings.fallback and decode.is_silence(settings.thresholds))]
     if not form.timestamps:
-        return join_texts([decode(tokens, skip_special_tokens=True) for tokens, _ in outputs]), []
+        return join_texts([decode.text for _, decode in kept]), []
+    decode_text = state.tokenizer.decode
     segments: list[Segment] = []
-    for window, (tokens, logprobs) in zip(prepared.windows, outputs):
-        scored = list(zip(tokens, logprobs or [0.0] * len(tokens)))
-        cursor = 0
-        for timed in transcriber.segments(tokens, window):
-            segment_logprobs = []
-            for token in timed.token_ids:  # a segment's tokens are a subsequence of the output
-                while scored[cursor][0] != token:
-                    cursor += 1
-                segment_logprobs.append(scored[cursor][1])
-                cursor += 1
-            text = decode(timed.token_ids, skip_special_tokens=True)
-            segments.append(Segment(timed.start, timed.end, text, timed.token_ids, segment_logprobs,
-                                    seek=int(round(window.start * 100))))
+    for window, decode in kept:
+        for timed in transcriber.segments(decode.tokens, window):
+            segments.append(Segment(
+                timed.start, timed.end, decode_text(timed.token_ids, skip_special_tokens=True), timed.token_ids,
+                seek=int(round(window.start * 100)), temperature=decode.temperature,
+                avg_logprob=decode.avg_logprob, compression_ratio=decode.compression_ratio,
+                no_speech_prob=decode.no_speech_prob,
+            ))
     return join_texts([segment.text for segment in segments]), segments
 
 

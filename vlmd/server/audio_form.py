@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, PayloadTooLargeError
+from vlmd.processing.temperature_fallback import FallbackThresholds
 from vlmd.server.request_fields import unsupported_field_message
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 TIMESTAMP_FORMATS = ("srt", "verbose_json", "vtt")
 MAX_FIELD_BYTES = 64 * 1024
-_TEXT_FIELDS = ("model", "language", "prompt", "response_format", "temperature", "stream", "seed")
+# vlmd's extensions: openai-whisper's fallback thresholds, per request ("none" turns one off).
+THRESHOLD_FIELDS = ("compression_ratio_threshold", "logprob_threshold", "no_speech_threshold")
+_TEXT_FIELDS = ("model", "language", "prompt", "response_format", "temperature", "stream", "seed", *THRESHOLD_FIELDS)
 _LIST_FIELDS = ("timestamp_granularities", "include")
 
 
@@ -32,6 +35,12 @@ class TranscriptionForm:
     temperature: float = 0.0
     stream: bool = False
     seed: int | None = None
+    thresholds: FallbackThresholds = FallbackThresholds()
+    given_fields: tuple[str, ...] = ()  # the text fields the client sent
+
+    @property
+    def thresholds_given(self) -> bool:
+        return any(name in self.given_fields for name in THRESHOLD_FIELDS)
 
     @property
     def timestamps(self) -> bool:
@@ -115,13 +124,38 @@ def _validated(upload: tuple[bytes, str], fields: dict[str, str], lists: dict[st
     seed = fields.get("seed")
     if seed is not None and not seed.strip().lstrip("-").isdigit():
         raise BadRequestError("'seed' must be an integer", param="seed")
+    thresholds = _thresholds(fields)
+    thresholds_given = any(name in fields for name in THRESHOLD_FIELDS)
+    if stream and thresholds_given:
+        raise BadRequestError("a streamed transcription decodes each window once (sent text cannot be taken back): "
+                              "the fallback thresholds apply to non-streamed responses",
+                              param=next(name for name in THRESHOLD_FIELDS if name in fields))
     language = fields.get("language", "").strip().lower() or None
     prompt = fields.get("prompt")
     return TranscriptionForm(
         file=upload[0], filename=upload[1], model=model, language=language,
         prompt=prompt if prompt and prompt.strip() else None, response_format=response_format,
         temperature=temperature, stream=stream, seed=int(seed) if seed is not None else None,
+        thresholds=thresholds, given_fields=tuple(fields),
     )
+
+
+def _thresholds(fields: dict[str, str]) -> FallbackThresholds:
+    defaults = FallbackThresholds()
+    values = {}
+    for name, key in zip(THRESHOLD_FIELDS, ("compression_ratio", "logprob", "no_speech")):
+        if fields.get(name, "").strip().lower() == "none":
+            values[key] = None
+            continue
+        value = _number(fields, name, getattr(defaults, key))
+        if value in (float("inf"), float("-inf")):
+            raise BadRequestError(f"'{name}' must be a finite number, or none to turn the test off", param=name)
+        values[key] = value
+    if values["no_speech"] is not None and not 0.0 <= values["no_speech"] <= 1.0:
+        raise BadRequestError("'no_speech_threshold' is a probability: between 0 and 1", param="no_speech_threshold")
+    if values["compression_ratio"] is not None and values["compression_ratio"] <= 0:
+        raise BadRequestError("'compression_ratio_threshold' must be positive", param="compression_ratio_threshold")
+    return FallbackThresholds(**values)
 
 
 def _number(fields: dict[str, str], name: str, default: float) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import orjson
@@ -14,23 +13,29 @@ class Segment:
     end: float
     text: str
     token_ids: list[int]
-    logprobs: list[float]  # of each output token, under the model's distribution
     seek: int  # the window's start, in 10 ms mel frames (OpenAI's "seek")
+    # Of the window's kept decode, shared by its segments as in openai-whisper
+    # (processing/temperature_fallback.py says how each is computed).
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float | None = None
 
-    def body(self, index: int, temperature: float) -> dict:
-        encoded = self.text.encode("utf-8")
-        return {
+    def body(self, index: int) -> dict:
+        body = {
             "id": index,
             "seek": self.seek,
             "start": self.start,
             "end": self.end,
             "text": self.text,
             "tokens": self.token_ids,
-            "temperature": temperature,
-            "avg_logprob": sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0,
-            # OpenAI's measure of repetition: text bytes over their zlib-compressed size.
-            "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
+            "temperature": self.temperature,
+            "avg_logprob": self.avg_logprob,
+            "compression_ratio": self.compression_ratio,
         }
+        if self.no_speech_prob is not None:
+            body["no_speech_prob"] = self.no_speech_prob
+        return body
 
 
 def join_texts(texts: list[str]) -> str:
@@ -44,7 +49,7 @@ def usage(duration: float) -> dict:
 
 def render(
     response_format: str, text: str, segments: list[Segment], *, task: str, language: str,
-    duration: float, temperature: float,
+    duration: float,
 ) -> tuple[bytes, str]:
     """(body, content type) for a finished transcription."""
     if response_format == "json":
@@ -60,7 +65,7 @@ def render(
         "language": language,
         "duration": round(duration, 3),
         "text": text,
-        "segments": [segment.body(index, temperature) for index, segment in enumerate(segments)],
+        "segments": [segment.body(index) for index, segment in enumerate(segments)],
         "usage": usage(duration),
     }
     return orjson.dumps(body), "application/json"

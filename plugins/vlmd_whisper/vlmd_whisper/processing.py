@@ -25,7 +25,9 @@ from vlmd.processing.base import (
     ProcessedItem,
     ProcessorOutput,
 )
-from vlmd.processing.speech import SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions
+from vlmd.processing.speech import (
+    NoSpeechProbe, SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions,
+)
 from vlmd.types import KVSpec, MultiModalItem
 from vlmd_whisper.features import FeatureSettings, log_mel_features
 
@@ -74,6 +76,8 @@ class WhisperProcessingInfo(BaseProcessingInfo):
 
 
 class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
+    temperature_fallback = True
+
     def __init__(self, info: WhisperProcessingInfo):
         super().__init__(info)
         generation = info.generation
@@ -169,6 +173,14 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
 
     def detection_prompt(self, samples: np.ndarray) -> ProcessorOutput:
         return self.apply([self.sot], {"audio": [samples]})
+
+    def no_speech_probe(self, window_prompt: ProcessorOutput) -> NoSpeechProbe:
+        """<|nospeech|> (the token before <|notimestamps|>, as transformers' WhisperNoSpeechDetection
+        takes it) right after <|startoftranscript|>: openai-whisper reads it at that position,
+        before the language and task tokens, with the text prompt before it."""
+        prompt = window_prompt.prompt_token_ids
+        through_sot = prompt[: prompt.index(self.sot) + 1]
+        return NoSpeechProbe(ProcessorOutput(through_sot, window_prompt.items), self.no_timestamps - 1)
 
     def token_constraints(self) -> TokenConstraints:
         generation = self.info.generation

@@ -58,6 +58,8 @@ class TimestampRules:
         for row, state in enumerate(states):
             if not self.predicts_timestamps(state.token_ids, state.num_prompt_tokens):
                 continue
+            if state.sampling.allowed_token_ids is not None:
+                continue  # a probe restricted to named tokens (the no-speech probe), not a transcript
             scores = logits[row]
             generated = state.token_ids[state.num_prompt_tokens :]
             scores[self.no_timestamps_id] = NEG_INF
