@@ -148,3 +148,21 @@ def test_bad_thresholds_are_400s_naming_the_field(whisper_server, fields, param)
     status, body = post_audio(whisper_server, fields, wav_bytes(np.zeros(8000, dtype=np.float32)))
     assert status == 400, body
     assert orjson.loads(body)["error"]["param"] == param
+
+
+def test_the_rules_are_openai_whispers():
+    from vlmd.processing.temperature_fallback import FallbackThresholds, WindowDecode, temperature_ladder
+
+    assert temperature_ladder(0.0) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0) and temperature_ladder(0.3) == (0.3,)
+    # Three tokens and the end of text: the sum over four log-probs, divided by 3 + 1.
+    unsure = WindowDecode([1, 2, 3], [-1.0, -2.0, -1.5, -0.5], 0.0, "hello there", no_speech_prob=0.7)
+    assert unsure.avg_logprob == -1.25
+    defaults = FallbackThresholds()
+    assert not unsure.needs_fallback(defaults) and unsure.is_silence(defaults)  # silence: skipped, not retried
+    speech = WindowDecode([1, 2, 3], [-1.0, -2.0, -1.5, -0.5], 0.0, "hello there", no_speech_prob=0.1)
+    assert speech.needs_fallback(defaults) and not speech.is_silence(defaults)
+    assert not speech.needs_fallback(FallbackThresholds(logprob=None))
+    assert unsure.is_silence(FallbackThresholds(logprob=None)) and not unsure.is_silence(FallbackThresholds(no_speech=None))
+    repeated = WindowDecode([1], [-0.1, -0.1], 0.0, "la " * 40, no_speech_prob=0.0)
+    assert repeated.compression_ratio > 2.4 and repeated.needs_fallback(defaults)
+    assert not repeated.needs_fallback(FallbackThresholds(compression_ratio=None))
