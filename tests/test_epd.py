@@ -32,13 +32,16 @@ from qwen2_audio_support import encode, input_audio, make_clip, text
 from vlmd.encoder_wire import FORMAT, unpack
 
 REPO = Path(__file__).resolve().parent.parent
-LLAVA_FLAGS = ("--limit-mm-per-prompt", "image=3", "--max-model-len", "2048")
+# No warm-up: seven servers start at once on two cores, and no test times a first request
+# for its compile or allocation (the LLaVA one is timed against a timeout far above them).
+LLAVA_FLAGS = ("--limit-mm-per-prompt", "image=3", "--max-model-len", "2048", "--no-warmup")
 # The encoder server refuses media larger than this (its own bound; a 640x480 test image is
 # ~0.8 MB, an 800x600 one ~1.2 MB); the language server takes them, so such an image meets
 # an encoder that answers an error.
 ENCODER_MAX_BYTES = 1_000_000
 # --encoder-timeout-s of the LLaVA language server: a silent encoder costs this much a turn.
 SLOW_TIMEOUT_S = 4
+VL_FLAGS = ("--max-model-len", "2048", "--no-warmup")
 
 
 @pytest.fixture(scope="module")
@@ -84,44 +87,61 @@ def slow_url():
 
 
 @pytest.fixture(scope="module")
-def llava_pair(tiny_llava_dir, llava_server, dead_url, slow_url, tmp_path_factory):
-    """The encoder and the language server, which lists a dead URL and a silent one before the
-    encoder; its first request (here) meets both failures, timed."""
-    port = free_port()
-    encoder_url = f"http://127.0.0.1:{port}"
+def fleet(tiny_llava_dir, tiny_qwen2_vl_dir, tiny_qwen2_audio_dir, media_dir, llava_server, dead_url, slow_url,
+          tmp_path_factory):
+    """Every server of the module, started at once (a start mostly waits on one core):
+    - LLaVA: an encoder server and a language server that lists a dead URL and a silent one
+      before it (its first request, here, meets both failures, timed);
+    - Qwen2-VL: an encoder server, a language server and a single server to compare with;
+    - Qwen2-Audio: an encoder server (a lower byte bound) and a language server under
+      ``--encoder-fallback fail`` (the shared ``qwen2_audio_server`` is the single one)."""
+    ports = {name: free_port() for name in ("llava", "qwen2_vl", "audio")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     logs = tmp_path_factory.mktemp("logs")
+    timeouts = ("--encoder-timeout-s", "20", "--preprocess-timeout", "30")
+    audio_flags = (*qwen2_audio_flags(media_dir), "--max-model-len", "2048", "--no-warmup")
+    vl = {"name": "tiny-qwen2-vl", "log_dir": logs}
+    audio = {"name": "tiny-audio", "log_dir": logs}
     servers = start_together(
         ((tiny_llava_dir, "--encoder-only", *LLAVA_FLAGS, "--media-max-bytes", str(ENCODER_MAX_BYTES)),
-         {"log_dir": logs, "port": port}),
-        ((tiny_llava_dir, *LLAVA_FLAGS, "--encoder-urls", f"{dead_url},{slow_url},{encoder_url}",
+         {"log_dir": logs, "port": ports["llava"]}),
+        ((tiny_llava_dir, *LLAVA_FLAGS, "--encoder-urls", f"{dead_url},{slow_url},{url['llava']}",
           "--encoder-timeout-s", str(SLOW_TIMEOUT_S), "--preprocess-timeout", "30"), {"log_dir": logs}),
+        ((tiny_qwen2_vl_dir, "--encoder-only", *VL_FLAGS), {**vl, "port": ports["qwen2_vl"]}),
+        ((tiny_qwen2_vl_dir, *VL_FLAGS, "--encoder-urls", f"{url['qwen2_vl']},{dead_url}", *timeouts), vl),
+        ((tiny_qwen2_vl_dir, *VL_FLAGS), vl),
+        ((tiny_qwen2_audio_dir, "--encoder-only", *audio_flags, "--media-io-kwargs", '{"audio": {"max_bytes": 150000}}'),
+         {**audio, "port": ports["audio"]}),
+        ((tiny_qwen2_audio_dir, *audio_flags, "--encoder-urls", f"{dead_url},{url['audio']}", "--encoder-fallback",
+          "fail", *timeouts), audio),
     )
     try:
-        encoder, language = servers
-        before = encoder_forwards(language)
+        names = ("encoder", "language", "vl_encoder", "vl_language", "vl_single", "audio_encoder", "audio_language")
+        fleet = SimpleNamespace(**dict(zip(names, servers)), audio_encoder_url=url["audio"])
+        before = encoder_forwards(fleet.language)
         messages = image_message("Which colour?", random_image(20, 336, 336))
         started = time.monotonic()
-        tokens = greedy(language, messages, max_tokens=2)
-        first_seconds = time.monotonic() - started
-        pair = SimpleNamespace(
-            encoder=encoder, language=language, first_seconds=first_seconds,
-            first_tokens_equal_a_single_server=tokens == greedy(llava_server, messages, max_tokens=2),
-            local_encodes=encoder_forwards(language) - before,
-        )
-        yield pair
+        tokens = greedy(fleet.language, messages, max_tokens=2)
+        fleet.first_seconds = time.monotonic() - started
+        fleet.first_tokens_equal_a_single_server = tokens == greedy(llava_server, messages, max_tokens=2)
+        fleet.local_encodes = encoder_forwards(fleet.language) - before
+        yield fleet
     finally:
+        for server in servers:  # all told at once, then each waited for
+            if server.process.poll() is None:
+                server.process.terminate()
         for server in servers:
             server.stop()
 
 
 @pytest.fixture(scope="module")
-def encoder_server(llava_pair):
-    return llava_pair.encoder
+def encoder_server(fleet):
+    return fleet.encoder
 
 
 @pytest.fixture(scope="module")
-def language_server(llava_pair):
-    return llava_pair.language
+def language_server(fleet):
+    return fleet.language
 
 
 def greedy(server: Server, messages: list[dict], max_tokens: int = 8) -> list[int]:
@@ -165,13 +185,13 @@ def test_a_second_turn_reuses_the_language_servers_own_encoder_cache(language_se
     assert encoder_forwards(encoder_server) == remote  # resident here: not sent again
 
 
-def test_the_first_request_waits_out_the_silent_encoder_then_the_encoder_answers(llava_pair):
+def test_the_first_request_waits_out_the_silent_encoder_then_the_encoder_answers(fleet):
     """The language server's first request meets the dead URL, then the silent one (timed out
     by --encoder-timeout-s), then the encoder; both failed servers are then asked last, so
     the next request goes to the encoder at once."""
-    assert llava_pair.first_seconds >= SLOW_TIMEOUT_S
-    assert llava_pair.first_tokens_equal_a_single_server
-    assert llava_pair.local_encodes == 0
+    assert fleet.first_seconds >= SLOW_TIMEOUT_S
+    assert fleet.first_tokens_equal_a_single_server
+    assert fleet.local_encodes == 0
 
 
 def test_an_encoder_that_answers_an_error_falls_back_to_the_local_encoder(llava_server, language_server):
@@ -189,69 +209,43 @@ def test_an_encoder_that_answers_an_error_falls_back_to_the_local_encoder(llava_
 # ---- video (Qwen2-VL) and audio (Qwen2-Audio) ------------------------------------------------
 
 
-def test_qwen2_vl_video_and_image_through_an_encoder_server(tiny_qwen2_vl_dir, dead_url, tmp_path_factory):
+def test_qwen2_vl_video_and_image_through_an_encoder_server(fleet):
     """Video frames and an image, M-RoPE positions and all: the same tokens as one server."""
-    port = free_port()
-    flags = ("--max-model-len", "2048")
-    logs = tmp_path_factory.mktemp("logs")
-    encoder, language, single = start_together(
-        ((tiny_qwen2_vl_dir, "--encoder-only", *flags), {"name": "tiny-qwen2-vl", "log_dir": logs, "port": port}),
-        ((tiny_qwen2_vl_dir, *flags, "--encoder-urls", f"http://127.0.0.1:{port},{dead_url}", "--encoder-timeout-s",
-          "20", "--preprocess-timeout", "30"), {"name": "tiny-qwen2-vl", "log_dir": logs}),
-        ((tiny_qwen2_vl_dir, *flags), {"name": "tiny-qwen2-vl", "log_dir": logs}),
-    )
-    try:
-        video = {"type": "video_url", "video_url": {"url": video_data_url(make_video(4, seed=7))}}
-        image = {"type": "image_url", "image_url": {"url": image_data_url(random_image(12, 112, 84))}}
-        local_before, remote_before = encoder_forwards(language), encoder_forwards(encoder)  # the warm-ups'
-        for content in ([video, text("What happens?")], [video, image, text("Compare.")]):
-            messages = [{"role": "user", "content": content}]
-            assert greedy(language, messages) == greedy(single, messages)
-        assert encoder_forwards(language) == local_before
-        # The video once (then resident here), the image once.
-        assert wait_for_forwards(encoder, remote_before + 2) == remote_before + 2
-    finally:
-        for server in (encoder, language, single):
-            server.stop()
+    encoder, language, single = fleet.vl_encoder, fleet.vl_language, fleet.vl_single
+    video = {"type": "video_url", "video_url": {"url": video_data_url(make_video(4, seed=7))}}
+    image = {"type": "image_url", "image_url": {"url": image_data_url(random_image(12, 112, 84))}}
+    local_before, remote_before = encoder_forwards(language), encoder_forwards(encoder)
+    for content in ([video, text("What happens?")], [video, image, text("Compare.")]):
+        messages = [{"role": "user", "content": content}]
+        assert greedy(language, messages) == greedy(single, messages)
+    assert encoder_forwards(language) == local_before
+    # The video once (then resident here), the image once.
+    assert wait_for_forwards(encoder, remote_before + 2) == remote_before + 2
 
 
-def test_qwen2_audio_through_an_encoder_server_and_fallback_fail(tiny_qwen2_audio_dir, media_dir, dead_url,
-                                                                 qwen2_audio_server, tmp_path_factory):
+def test_qwen2_audio_through_an_encoder_server_and_fallback_fail(fleet, dead_url, qwen2_audio_server):
     """Audio clips equal the shared single server's; under --encoder-fallback fail, a clip no
-    encoder server takes (over the encoder's byte bound, after the dead URL) fails its request
-    alone with a 503 naming both, while other requests are served."""
-    port = free_port()
-    encoder_url = f"http://127.0.0.1:{port}"
-    flags = (*qwen2_audio_flags(media_dir), "--max-model-len", "2048")
-    logs = tmp_path_factory.mktemp("logs")
-    encoder, language = start_together(
-        ((tiny_qwen2_audio_dir, "--encoder-only", *flags, "--media-io-kwargs", '{"audio": {"max_bytes": 150000}}'),
-         {"name": "tiny-audio", "log_dir": logs, "port": port}),
-        ((tiny_qwen2_audio_dir, *flags, "--encoder-urls", f"{dead_url},{encoder_url}", "--encoder-fallback", "fail",
-          "--encoder-timeout-s", "20", "--preprocess-timeout", "30"), {"name": "tiny-audio", "log_dir": logs}),
-    )
-    try:
-        short = [input_audio(encode(make_clip(seconds, seed), "WAV"), "wav") for seconds, seed in ((1.0, 30), (2.0, 31))]
-        remote_before = encoder_forwards(encoder)  # its warm-up's
-        for content in ([short[0], text("What do you hear?")], [*short, text("Compare.")]):
-            messages = [{"role": "user", "content": content}]
-            assert greedy(language, messages) == greedy(qwen2_audio_server, messages)
-        assert wait_for_forwards(encoder, remote_before + 2) == remote_before + 2
-        # 6 s of 16 kHz PCM is ~190 kB: over the encoder's bound, within the language server's.
-        long_clip = input_audio(encode(make_clip(6.0, 32), "WAV"), "wav")
-        status, body = language.chat({"messages": [{"role": "user", "content": [long_clip, text("Hi")]}],
-                                      "max_tokens": 2})
-        assert status == 503, body
-        message = body["error"]["message"]
-        assert "--encoder-fallback fail" in message and dead_url in message and encoder_url in message
-        assert "400" in message and set(body["error"]) == {"message", "type", "param", "code"}
-        messages = [{"role": "user", "content": [short[1], text("Again?")]}]
+    encoder server takes (over the encoder's byte bound) fails its request alone with a 503
+    naming each server (the dead one too), while other requests are served."""
+    encoder, language, encoder_url = fleet.audio_encoder, fleet.audio_language, fleet.audio_encoder_url
+    short = [input_audio(encode(make_clip(seconds, seed), "WAV"), "wav") for seconds, seed in ((1.0, 30), (2.0, 31))]
+    remote_before = encoder_forwards(encoder)
+    for content in ([short[0], text("What do you hear?")], [*short, text("Compare.")]):
+        messages = [{"role": "user", "content": content}]
         assert greedy(language, messages) == greedy(qwen2_audio_server, messages)
-        status, body = language.chat({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
-        assert status == 200, body
-    finally:
-        for server in (encoder, language):
-            server.stop()
+    assert wait_for_forwards(encoder, remote_before + 2) == remote_before + 2
+    # 6 s of 16 kHz PCM is ~190 kB: over the encoder's bound, within the language server's.
+    long_clip = input_audio(encode(make_clip(6.0, 32), "WAV"), "wav")
+    status, body = language.chat({"messages": [{"role": "user", "content": [long_clip, text("Hi")]}],
+                                  "max_tokens": 2})
+    assert status == 503, body
+    message = body["error"]["message"]
+    assert "--encoder-fallback fail" in message and dead_url in message and encoder_url in message
+    assert "400" in message and set(body["error"]) == {"message", "type", "param", "code"}
+    messages = [{"role": "user", "content": [short[1], text("Again?")]}]
+    assert greedy(language, messages) == greedy(qwen2_audio_server, messages)
+    status, body = language.chat({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
+    assert status == 200, body
 
 
 # ---- the wire format ----------------------------------------------------------------------

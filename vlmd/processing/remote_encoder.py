@@ -90,7 +90,7 @@ class RemoteEncoders:
         first = next(self._turn)
         turns = [self.urls[(first + turn) % len(self.urls)] for turn in range(len(self.urls))]
         now = time.monotonic()
-        awake = [url for url in turns if url not in self._resting or self._resting[url][0] <= now]
+        awake = [url for url in turns if self._resting.get(url, (0.0, ""))[0] <= now]
         return awake or turns
 
     def attach(self, items: list[MultiModalItem], refs: list[MediaRef], mm_processor_kwargs: dict | None,
@@ -98,7 +98,7 @@ class RemoteEncoders:
         """Attach remote encoder outputs to ``items`` (``refs[i]`` is ``items[i]``'s media);
         returns how many items got one."""
         wanted: dict[str, tuple[MultiModalItem, MediaRef]] = {}
-        if len(items) == len(refs):
+        if len(items) == len(refs):  # one item per media part (else the items are encoded here)
             for item, ref in zip(items, refs):
                 if item.identifier not in wanted and ref.modality in _PART_KEYS and not self.is_resident(item.identifier):
                     wanted[item.identifier] = (item, ref)
@@ -126,8 +126,10 @@ class RemoteEncoders:
             for item in items:
                 item.encoder_output = attached.get(item.identifier)
             return len(attached)
-        failures += [f"{url}: left out, it failed in the last {REST_AFTER_FAILURE_S:g} s ({self._resting[url][1]})"
-                     for url in self.urls if url not in order and url in self._resting]
+        for url in self.urls:
+            resting = self._resting.get(url)  # other threads update it: read each entry once
+            if url not in order and resting is not None:
+                failures.append(f"{url}: left out, it failed in the last {REST_AFTER_FAILURE_S:g} s ({resting[1]})")
         if self.fallback == "fail":
             raise ServiceUnavailableError(
                 "no encoder server computed this request's media (--encoder-fallback fail): " + "; ".join(failures)
