@@ -155,6 +155,10 @@ def encoder_forwards(server: Server) -> float:
     return server.metrics()["vlmd_encoder_forwards_total"]
 
 
+def cache_lookups(server: Server) -> float:
+    return server.metrics()["vlmd_encoder_cache_queries_total"]
+
+
 def wait_for_forwards(server: Server, at_least: float) -> float:
     deadline = time.monotonic() + 5
     while (count := encoder_forwards(server)) < at_least and time.monotonic() < deadline:
@@ -169,11 +173,15 @@ def test_tokens_equal_a_single_server_and_the_local_encoder_stays_idle(llava_ser
         image_message("Twice the same.", random_image(4), random_image(4)),
     ]
     local_before, remote_before = encoder_forwards(language_server), encoder_forwards(encoder_server)
+    lookups_before = [cache_lookups(server) for server in (language_server, llava_server)]
     for messages in requests:
         assert greedy(language_server, messages) == greedy(llava_server, messages)
     assert encoder_forwards(language_server) == local_before
     # 1 + 2 + 1 distinct items, each encoded once by the encoder server.
     assert wait_for_forwards(encoder_server, remote_before + 4) == remote_before + 4
+    # The scheduler's encoder cache looks remote items up as the single server looks up its own.
+    lookups = [cache_lookups(server) - before for server, before in zip((language_server, llava_server), lookups_before)]
+    assert lookups[0] == lookups[1] > 0
 
 
 def test_a_second_turn_reuses_the_language_servers_own_encoder_cache(language_server, encoder_server):
