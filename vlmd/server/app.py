@@ -139,6 +139,18 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def get_load(request: web.Request) -> web.Response:
+    """``{"load": N}``: the requests this server holds now, admitted and not finished (bodies
+    being read, preprocessing, waiting for the engine, running). vllm-router and SGLang's
+    gateway ask each worker's ``GET /get_load`` for their load-aware policies (power_of_two,
+    and cache_aware's balance check), reading the integer ``load``; a worker without the
+    route counts as unknown load there. Counted in requests, not tokens, as those routers
+    compare it."""
+    state: ServerState = request.app["state"]
+    load = state.admission.num_waiting + state.engine.stats.num_running
+    return web.Response(body=orjson.dumps({"load": load}), content_type="application/json")
+
+
 def create_app(state: ServerState) -> web.Application:
     middlewares = [errors_as_json]
     if state.config.api_key:
@@ -161,4 +173,5 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/get_load", get_load)
     return app
