@@ -141,11 +141,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def get_load(request: web.Request) -> web.Response:
     """``{"load": N}``: the requests this server holds now, admitted and not finished (bodies
-    being read, preprocessing, waiting for the engine, running). vllm-router and SGLang's
-    gateway ask each worker's ``GET /get_load`` for their load-aware policies (power_of_two,
-    and cache_aware's balance check), reading the integer ``load``; a worker without the
-    route counts as unknown load there. Counted in requests, not tokens, as those routers
-    compare it."""
+    being read, preprocessing, waiting for the engine, running). vllm-router (and SGLang's
+    gateway, whose code it started from) polls each worker's ``GET /get_load`` for the
+    power_of_two policy and reads the integer ``load``; without the route every worker's
+    load is unknown and power_of_two cannot tell them apart. (cache_aware balances on the
+    router's own count of requests in flight, and reads nothing from the worker.) Counted in
+    requests, as those routers compare it; under ``--api-key`` it needs the key, as /metrics
+    does, and the router sends it (``--api-key``)."""
     state: ServerState = request.app["state"]
     load = state.admission.num_waiting + state.engine.stats.num_running
     return web.Response(body=orjson.dumps({"load": load}), content_type="application/json")
