@@ -195,6 +195,10 @@ def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> 
     )
     requests.append({"request": "transcription window", "prompt_tokens": len(prompt.prompt_token_ids),
                      "windows": fewest, "windows_max": most})
+    probe = processor.no_speech_probe(prompt) if processor.temperature_fallback else None
+    if probe is not None:  # with temperature 0 (the default) each window is also scored for silence
+        requests.append({"request": "no-speech probe", "prompt_tokens": len(probe.prompt.prompt_token_ids),
+                         "windows": fewest, "windows_max": most})
     return requests
 
 
