@@ -116,6 +116,10 @@ def test_models_health_and_load_through_the_router(fleet):
     # What the router's load-aware policies read from each worker.
     status, raw = replicas[0].request("GET", "/get_load")
     assert status == 200 and orjson.loads(raw) == {"load": 0}
+    # The router parsed it (a worker whose load it cannot read shows -1 there).
+    with urllib.request.urlopen(router.url + "/get_loads", timeout=10) as response:
+        loads = {w["worker"]: w["load"] for w in orjson.loads(response.read())["workers"]}
+    assert loads == {r.url: 0 for r in replicas}
 
 
 def test_answers_equal_a_single_servers_and_streaming_passes_through(fleet):
