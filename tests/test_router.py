@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -174,12 +175,37 @@ def test_a_killed_replica_loses_no_retryable_request_and_traffic_moves(fleet):
     grown = [prompt_tokens(r) - b for r, b in zip(replicas, before)]
     holder = max(range(2), key=lambda i: grown[i])
     survivor = replicas[1 - holder]
+    # Traffic keeps flowing while the replica dies: another client asks in a loop, and each
+    # of its requests records when it started and how it ended.
+    results: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def client():
+        for index in range(40):  # bounded: at most 40 requests of 8 tokens, until the checks end
+            if done.is_set():
+                return
+            started = time.monotonic()
+            status, _ = router.chat(body_for(40 + index))
+            results.append((started, status))
+
+    background = threading.Thread(target=client)
+    background.start()
+    deadline = time.monotonic() + 30
+    while not results and time.monotonic() < deadline:  # the client is under way
+        time.sleep(0.05)
+    killed_at = time.monotonic()
     replicas[holder].process.kill()  # SIGKILL: no graceful drain, connections refused
     replicas[holder].process.wait(10)
     survivor_before = prompt_tokens(survivor)
     answers = [router.chat(body_for(31)) for _ in range(4)]
+    done.set()
+    background.join(60)
     assert [status for status, _ in answers] == [200] * 4, answers
     assert all(a["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
                for _, a in answers)
-    # All four ran on the survivor.
-    assert prompt_tokens(survivor) - survivor_before == 4 * first["usage"]["prompt_tokens"]
+    # All four ran on the survivor (and the other client's, at most as many tokens again each).
+    assert prompt_tokens(survivor) - survivor_before >= 4 * first["usage"]["prompt_tokens"]
+    # Every request sent after the kill was answered: the router retried those it sent to
+    # the dead replica. Only one in flight on it at the moment of the kill may be lost.
+    after = [status for started, status in results if started > killed_at]
+    assert after and all(status == 200 for status in after), results
