@@ -1,7 +1,7 @@
-"""The runner's encoder rows: for the tokens a step computes, the batch rows of the
+"""The runner's encoder spans: for the tokens a step computes, the batch rows of the
 placeholders and each one's vector of its item's stored encoder output. A model with
-``merge_multimodal`` receives exactly these (wider than the embeddings if it likes); any
-other model gets them written into its embeddings."""
+``merge_multimodal`` receives them gathered (wider than the embeddings if it likes); any
+other model gets each span's slice written into its embeddings in place."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from vlmd.layers.attention import attention_backend_for
 from vlmd.runner.batch import build_batch
-from vlmd.runner.model_runner import ModelRunner
+from vlmd.runner.model_runner import encoder_spans, gather_spans
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.types import MultiModalItem, SamplingParams
 
@@ -27,7 +27,8 @@ def _state(name, prompt, computed, items):
 
 def _rows(runner, scheduled):
     batch = build_batch(scheduled, attention_backend_for("cpu", 16, "torch"))
-    return ModelRunner._encoder_rows(runner, batch)
+    spans = encoder_spans(batch, runner.encoder_outputs)
+    return gather_spans(spans, runner.device) if spans else None
 
 
 def test_a_chunk_gets_the_rows_of_the_part_of_each_item_it_computes():
@@ -51,3 +52,20 @@ def test_a_missing_encoder_output_is_an_error_not_a_silent_text_row():
     a = _state("a", 8, 0, [MultiModalItem("image", "gone", offset=2, length=3)])
     with pytest.raises(RuntimeError, match="encoder output for image item gone is missing"):
         _rows(runner, [(a, 8)])
+
+
+def test_spans_are_views_of_the_stored_output_and_fill_the_same_rows_as_the_gather():
+    wide = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
+    a = _state("a", 12, 5, [MultiModalItem("image", "wide", offset=3, length=6)])
+    b = _state("b", 4, 0, [MultiModalItem("image", "wide", offset=1, length=2)])
+    batch = build_batch([(a, 4), (b, 4)], attention_backend_for("cpu", 16, "torch"))
+    spans = encoder_spans(batch, {"wide": wide})
+    # No copy: each span's features share the stored output's memory.
+    assert all(features.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr() for _, features in spans)
+    in_place = torch.zeros(8, 3)
+    for row, features in spans:
+        in_place[row : row + len(features)] = features
+    gathered = torch.zeros(8, 3)
+    rows, features = gather_spans(spans, torch.device("cpu"))
+    gathered[rows] = features
+    assert torch.equal(in_place, gathered) and in_place.abs().sum() > 0

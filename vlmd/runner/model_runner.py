@@ -79,14 +79,16 @@ class ModelRunner:
         batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta, outputs=outputs)
         embeds = self.model.embed_input_ids(batch.input_ids)
         extra = {}
-        encoder_rows = self._encoder_rows(batch)
-        if encoder_rows is not None:
-            rows, features = encoder_rows
-            if self.merge_multimodal is not None:
-                # The model places the rows itself and gets back what it made of them.
-                extra["multimodal"] = self.merge_multimodal(embeds, rows, features)
-            else:
-                embeds[rows] = features.to(embeds.dtype)
+        spans = encoder_spans(batch, self.encoder_outputs)
+        if spans and self.merge_multimodal is not None:
+            # The model places the rows itself and gets back what it made of them.
+            rows, features = gather_spans(spans, self.device)
+            extra["multimodal"] = self.merge_multimodal(embeds, rows, features)
+        else:
+            # Each span is a run of consecutive rows: write its slice of the stored output
+            # in place (no gathered copy of every placeholder's features).
+            for row, features in spans:
+                embeds[row : row + len(features)] = features
         if getattr(self.model, "is_encoder_decoder", False):
             extra["cross_states"] = self._cross_states(batch)
         # Given the sampled rows, the model returns only theirs (its last layer runs them alone).
@@ -211,25 +213,27 @@ class ModelRunner:
             spans.append((piece.row, piece.row + piece.count, state.cross_state))
         return spans
 
-    def _encoder_rows(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows ``[n]``, features ``[n, width]``): the batch rows of this step's placeholders
-        and, for each, its vector of its item's encoder output (the slice of the item this
-        chunk computes, whether the output was just encoded or kept from an earlier step);
-        None when the step has no placeholder."""
-        rows: list[torch.Tensor] = []
-        features: list[torch.Tensor] = []
-        for piece in batch.slices:
-            for item in piece.state.mm_items:
-                first = max(item.offset, piece.start)
-                last = min(item.end, piece.end)
-                if first >= last:
-                    continue
-                output = self.encoder_outputs.get(item.identifier)
-                if output is None:
-                    raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
-                row = piece.row + first - piece.start
-                rows.append(torch.arange(row, row + last - first))
-                features.append(output[first - item.offset : last - item.offset])
-        if not rows:
-            return None
-        return torch.cat(rows).to(self.device), torch.cat(features)
+
+def encoder_spans(batch: StepBatch, encoder_outputs) -> list[tuple[int, torch.Tensor]]:
+    """(first batch row, features ``[n, width]``) for each run of this step's placeholders:
+    the slice of the item's stored encoder output that this chunk computes, whether the
+    output was just encoded or kept from an earlier step. A view, never a copy."""
+    spans: list[tuple[int, torch.Tensor]] = []
+    for piece in batch.slices:
+        for item in piece.state.mm_items:
+            first = max(item.offset, piece.start)
+            last = min(item.end, piece.end)
+            if first >= last:
+                continue
+            output = encoder_outputs.get(item.identifier)
+            if output is None:
+                raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
+            spans.append((piece.row + first - piece.start, output[first - item.offset : last - item.offset]))
+    return spans
+
+
+def gather_spans(spans: list[tuple[int, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows ``[n]``, features ``[n, width]``): the spans gathered, for a model that places
+    them itself (``merge_multimodal``: its rows may be wider than the embeddings)."""
+    rows = torch.cat([torch.arange(row, row + len(features)) for row, features in spans]).to(device)
+    return rows, torch.cat([features for _, features in spans])
