@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,23 +110,40 @@ def _tool_history(message: dict, role: str, where: str) -> dict:
     return {"tool_calls": checked}
 
 
-def check_rendered(conversation: list[dict], rendered: str) -> None:
-    """400 when the chat template left out a tool call or a tool result's text: the model
+def check_rendered(conversation: list[dict], render: Callable[[list[dict]], str]) -> None:
+    """400 when the chat template leaves out a tool call or a tool result's text: the model
     would answer without what the client sent, silently. (Media a template leaves out are
-    found by the processor, which counts the markers.)"""
-    for index, message in enumerate(conversation):
-        for call in message.get("tool_calls", ()):
-            if call["function"]["name"] not in rendered:
-                raise BadRequestError(
-                    f"messages[{index}].tool_calls: this model's chat template does not render tool calls",
-                    param="messages")
+    found by the processor, which counts the markers.)
+
+    The template renders a copy of the conversation whose tool-call names and tool-result
+    texts are replaced by plain probe words (each ends in x, so none is
+    a prefix of another), and each probe must appear: a template that
+    trims, escapes or JSON-encodes what it renders still passes, where a search for the
+    client's own text in the prompt would refuse it."""
+    probed = copy.deepcopy(conversation)
+    wanted: list[tuple[str, str]] = []  # (probe word, the message's complaint)
+    for index, message in enumerate(probed):
+        for number, call in enumerate(message.get("tool_calls", ())):
+            call["function"]["name"] = probe = f"vlmdprobe{index}c{number}x"
+            wanted.append((probe, f"messages[{index}].tool_calls: this model's chat template does not render tool calls"))
         if message["role"] != "tool":
             continue
-        content = message["content"]
-        texts = [content] if isinstance(content, str) else [p["text"] for p in content if p.get("type") == "text"]
-        if any(text.strip() and text.strip() not in rendered for text in texts):
-            raise BadRequestError(
-                f"messages[{index}]: this model's chat template does not render tool messages", param="messages")
+        complaint = f"messages[{index}]: this model's chat template does not render tool messages"
+        if isinstance(message["content"], str):
+            if message["content"].strip():
+                message["content"] = probe = f"vlmdprobe{index}tx"
+                wanted.append((probe, complaint))
+            continue
+        for number, part in enumerate(message["content"]):
+            if part.get("type") == "text" and part["text"].strip():
+                part["text"] = probe = f"vlmdprobe{index}t{number}x"
+                wanted.append((probe, complaint))
+    if not wanted:
+        return
+    rendered = render(probed)
+    for probe, complaint in wanted:
+        if probe not in rendered:
+            raise BadRequestError(complaint, param="messages")
 
 
 def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef]) -> dict:

@@ -143,10 +143,13 @@ class InputPreprocessor:
         check_mm_limits(Counter(ref.modality for ref in refs), self.mm_limits)
         template_kwargs = template_variables(self.tokenizer, chat_template_kwargs)
         deadline.check("rendering the chat template")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
-        )
-        check_rendered(conversation, text)
+        def render(conversation: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
+
+        text = render(conversation)
+        check_rendered(conversation, render)
         deadline.check("tokenizing")
         return self.tokenizer.encode(text, add_special_tokens=False), refs
 
