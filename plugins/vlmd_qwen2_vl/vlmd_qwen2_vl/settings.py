@@ -24,8 +24,6 @@ from vlmd.errors import BadRequestError
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = 3
-# transformers' class defaults when a checkpoint names no limits.
-_DEFAULT_PIXELS = {"image": (56 * 56, 28 * 28 * 1280), "video": (128 * 28 * 28, 28 * 28 * 768)}
 KWARG_NAMES = ("min_pixels", "max_pixels")
 
 
@@ -68,6 +66,13 @@ class VisionSettings:
         return settings
 
 
+# transformers' class defaults when a checkpoint names none.
+DEFAULTS = {
+    "image": VisionSettings(min_pixels=56 * 56, max_pixels=28 * 28 * 1280),
+    "video": VisionSettings(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768),
+}
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width): multiples of ``factor`` with an area in [min_pixels, max_pixels].
 
@@ -96,10 +101,13 @@ def num_tokens(height: int, width: int, settings: VisionSettings, num_frames: in
     return pairs * (h // settings.factor) * (w // settings.factor)
 
 
-def read_settings(model_dir: str, modality: str) -> VisionSettings:
-    """The checkpoint's settings for ``modality`` ("image" or "video")."""
+def read_settings(model_dir: str, modality: str, defaults: VisionSettings | None = None) -> VisionSettings:
+    """The checkpoint's settings for ``modality`` ("image" or "video"); what it does not name
+    is taken from ``defaults``: Qwen2-VL's unless a family with the same geometry passes its
+    own (Qwen3-VL: 16-px patches, mean = std = 0.5)."""
+    base = DEFAULTS[modality] if defaults is None else defaults
     raw = _processor_config(Path(model_dir), modality)
-    min_pixels, max_pixels = _DEFAULT_PIXELS[modality]
+    min_pixels, max_pixels = base.min_pixels, base.max_pixels
     size = raw.get("size")
     if isinstance(size, dict):
         min_pixels = int(size.get("shortest_edge", min_pixels))
@@ -109,12 +117,12 @@ def read_settings(model_dir: str, modality: str) -> VisionSettings:
     return VisionSettings(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
-        patch_size=int(raw.get("patch_size", 14)),
-        merge_size=int(raw.get("merge_size", 2)),
-        temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
-        resample=int(raw.get("resample", BICUBIC)),
-        mean=tuple(float(v) for v in raw.get("image_mean", CLIP_MEAN)),
-        std=tuple(float(v) for v in raw.get("image_std", CLIP_STD)),
+        patch_size=int(raw.get("patch_size", base.patch_size)),
+        merge_size=int(raw.get("merge_size", base.merge_size)),
+        temporal_patch_size=int(raw.get("temporal_patch_size", base.temporal_patch_size)),
+        resample=int(raw.get("resample", base.resample)),
+        mean=tuple(float(v) for v in raw.get("image_mean", base.mean)),
+        std=tuple(float(v) for v in raw.get("image_std", base.std)),
     )
 
 

@@ -2,7 +2,8 @@
 
 The vision tower needs no KV cache, so it is transformers' own module built from the
 checkpoint config (16-px patches of frame pairs, learned positions interpolated to each
-grid, 2D RoPE, a 2x2 merger); the language model, where the paged cache lives, is our
+grid, 2D RoPE, a 2x2 merger), fed by Qwen2-VL's ``patchify`` (the same patch layout, at
+16 px); the language model, where the paged cache lives, is our
 ``Qwen3ForCausalLM`` with interleaved M-RoPE (positions from the processor, see
 ``positions.py``).
 
@@ -29,6 +30,7 @@ from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen3 import Qwen3ForCausalLM
+from vlmd_qwen2_vl.model import patchify
 from vlmd_qwen3_vl.positions import PositionTable
 from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, read_settings
 
@@ -54,21 +56,6 @@ def interleaved_mrope(text_config) -> MRotaryEmbedding:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     section = mrope_section(text_config) or DEFAULT_MROPE_SECTION
     return MRotaryEmbedding(head_dim, text_config.max_position_embeddings, theta, scaling, section, interleaved=True)
-
-
-def patchify(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, settings: VisionSettings) -> torch.Tensor:
-    """uint8 ``[3, H, W]`` -> normalised float32 patches ``[h * w, 3 * T * p * p]`` in the
-    layout of transformers' image processor: the image repeated along the temporal patch,
-    2x2 blocks of patches in a row, each patch ``[C, T, p, p]``."""
-    temporal, patch, merge = settings.temporal_patch_size, settings.patch_size, settings.merge_size
-    # Rescale and normalise in one expression, in float32 as the reference processor does.
-    image = (pixels.to(torch.float32) / 255.0 - mean.view(3, 1, 1)) / std.view(3, 1, 1)
-    channels, height, width = image.shape
-    grid_h, grid_w = height // patch, width // patch
-    patches = image.view(channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
-    # -> (h-block, w-block, h-in-block, w-in-block, C, p, p), then T copies of each patch.
-    patches = patches.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
-    return patches.reshape(grid_h * grid_w, channels * temporal * patch * patch)
 
 
 class Qwen3VLModel(nn.Module):

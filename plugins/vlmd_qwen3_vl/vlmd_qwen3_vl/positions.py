@@ -14,12 +14,15 @@ transformers' ``Qwen3VLModel.get_rope_index``, token for token:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from vlmd.types import MultiModalItem
+# A request's family state (its prompt's table and the delta that continues it) is Qwen2-VL's:
+# only the rule that fills the table differs.
+from vlmd_qwen2_vl.positions import MRopeState as PositionTable
+
+__all__ = ["PositionTable", "qwen3_vl_positions"]
 
 
 def qwen3_vl_positions(token_ids: Sequence[int], items: Sequence[MultiModalItem],
@@ -57,24 +60,3 @@ def qwen3_vl_positions(token_ids: Sequence[int], items: Sequence[MultiModalItem]
         raise ValueError(f"the prompt's placeholders fill {frame} of its items' {len(frames)} frames")
     largest = int(positions.max()) if len(ids) else -1
     return positions, largest + 1 - len(ids)
-
-
-@dataclass(frozen=True)
-class PositionTable:
-    """A Qwen3-VL request's family state (vlmd's processor -> model seam): its prompt's
-    position table and the delta that continues it for generated tokens."""
-
-    table: np.ndarray  # [3, len(prompt)] int64
-    delta: int
-
-    def positions(self, start: int, end: int, num_prompt_tokens: int) -> torch.Tensor:
-        """[3, end - start] positions of tokens [start, end): the table's for prompt
-        tokens, ``index + delta`` in every row after them."""
-        prompt_end = min(end, num_prompt_tokens)
-        parts = []
-        if start < prompt_end:
-            parts.append(torch.as_tensor(self.table[:, start:prompt_end], dtype=torch.long))
-        first_generated = max(start, prompt_end)
-        if first_generated < end:
-            parts.append(torch.arange(first_generated, end).add_(self.delta).expand(3, -1))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -1,21 +1,19 @@
 """Qwen3-VL media processing: smart resize to uint8 pixels, grid_thw, placeholders, M-RoPE.
 
-An image is resized with PIL exactly as transformers' ``Qwen2VLImageProcessorPil`` (which
-Qwen3-VL checkpoints name) does: bicubic, to the smart-resize size (``settings.py``);
-rescale, normalisation and patchify happen later on the device (``model.py``), so the
-processor cache holds uint8 pixels. Each 2x2 block of 16-px patches is one placeholder.
+An image is resized by Qwen2-VL's code, as transformers' ``Qwen2VLImageProcessorPil`` (which
+Qwen3-VL checkpoints name) does: bicubic, to the smart-resize size (``settings.py``), into
+uint8 ``[1, 3, H, W]`` (one frame); rescale, normalisation and patchify happen later on the
+device (``model.py``), so the processor cache holds uint8 pixels. Each 2x2 block of 16-px
+patches is one placeholder. Qwen3-VL's own parts are its modalities (images), its encoder
+rows (DeepStack) and its positions (``positions.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 from vlmd.errors import BadRequestError
 from vlmd.processing.base import (
-    BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
     BaseProcessingInfo,
     ItemSize,
@@ -23,8 +21,9 @@ from vlmd.processing.base import (
     ProcessedItem,
 )
 from vlmd.types import MultiModalItem
+from vlmd_qwen2_vl.processing import Qwen2VLDummyInputsBuilder, grid_thw, resize_frames
 from vlmd_qwen3_vl.positions import PositionTable, qwen3_vl_positions
-from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings, smart_resize
+from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings
 
 
 class Qwen3VLProcessingInfo(BaseProcessingInfo):
@@ -74,9 +73,9 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
             )
         width, height = media.size
         tokens = self.info.item_tokens(modality, ItemSize(width, height), kwargs)
-        pixels = resize_image(media, settings)
-        grid = (1, pixels.shape[1] // settings.patch_size, pixels.shape[2] // settings.patch_size)
-        if grid[1] * grid[2] // settings.merge_size**2 != tokens.placeholders:
+        pixels = resize_frames([media], settings)
+        grid = grid_thw(pixels.shape, settings)
+        if grid[0] * grid[1] * grid[2] // settings.merge_size**2 != tokens.placeholders:
             # The encoder emits one vector per merged patch; a count from item_tokens that
             # disagreed with the pixels would misplace every embedding after this item.
             raise RuntimeError(f"{modality} grid {grid} does not give the {tokens.placeholders} tokens item_tokens says")
@@ -90,31 +89,6 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
         return PositionTable(*qwen3_vl_positions(prompt_token_ids, items, placeholders, self.info.merge_size))
 
 
-def resize_image(image: Image.Image, settings: VisionSettings) -> np.ndarray:
-    """uint8 ``[3, H, W]`` at the smart-resize size."""
-    width, height = image.size
-    new_h, new_w = smart_resize(height, width, settings.factor, settings.min_pixels, settings.max_pixels)
-    image = image.convert("RGB")
-    if image.size != (new_w, new_h):
-        # As transformers' PIL backend: resize the uint8 image, no reducing_gap.
-        image = image.resize((new_w, new_h), resample=settings.resample, reducing_gap=None)
-    return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
-
-
-class Qwen3VLDummyInputsBuilder(BaseDummyInputsBuilder):
-    """The most tokens an image may have under the server's settings."""
-
-    def dummy_item(self, modality: str) -> Any:
-        settings = self.info.server_settings(modality)
-        rows, cols = _largest_grid(settings.max_pixels // settings.factor**2)
-        return Image.new("RGB", (cols * settings.factor, rows * settings.factor), color=(255, 255, 255))
-
-
-def _largest_grid(cells: int, max_ratio: int = 200) -> tuple[int, int]:
-    """(rows, cols) with rows * cols <= cells as large as possible, closest to square."""
-    best = (1, 1)
-    for rows in range(1, int(cells**0.5) + 1):
-        cols = min(cells // rows, rows * max_ratio)
-        if rows * cols > best[0] * best[1]:
-            best = (rows, cols)
-    return best
+class Qwen3VLDummyInputsBuilder(Qwen2VLDummyInputsBuilder):
+    """The most tokens an image may have under the server's settings: Qwen2-VL's worst case,
+    at Qwen3-VL's settings (its processing info serves images only)."""
