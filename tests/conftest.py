@@ -6,9 +6,11 @@ import base64
 import io
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +154,50 @@ def random_image(seed: int, width: int = 640, height: int = 480) -> Image.Image:
     base = np.stack([(x * (seed + 1)) % 256, (y * 3 + seed * 40) % 256, ((x + y) * 2) % 256], axis=-1)
     noise = rng.integers(0, 64, size=(height, width, 3))
     return Image.fromarray(((base + noise) % 256).astype(np.uint8))
+
+
+def assert_error(status: int, body, expected_status: int, *fragments: str, param=...) -> dict:
+    """``body`` is OpenAI-shaped and its message contains every fragment (case-insensitive)."""
+    if isinstance(body, (bytes, bytearray)):
+        body = orjson.loads(body)
+    assert status == expected_status, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], (str, int)), error
+    message = error["message"].lower()
+    for fragment in fragments:
+        assert fragment.lower() in message, f"{fragment!r} not in {error['message']!r}"
+    if param is not ...:
+        assert error["param"] == param, error
+    # No internals leak to the client.
+    assert "traceback" not in message and "internal server error" not in message, error
+    return error
+
+
+def assert_refused_then_served(server: Server, bad: dict, fragment: str, good: dict) -> dict:
+    """A bad chat request gets an OpenAI-shaped 400 whose message names the problem, and the
+    good one sent right after it is answered (the bad one hurt nothing). Returns the good
+    answer's body."""
+    status, body = server.chat(bad)
+    error = assert_error(status, body, 400, fragment)
+    assert error["type"] == "invalid_request_error", error
+    status, body = server.chat(good)
+    assert status == 200, body
+    return body
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A ~60-byte PNG whose IHDR declares width x height (a decompression-bomb stand-in)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 def image_message(text: str, *images: Image.Image) -> list[dict]:

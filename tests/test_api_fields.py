@@ -11,8 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from conftest import Server, image_data_url, image_message, make_video, random_image, video_data_url
-from test_bad_input import assert_error
+from conftest import Server, assert_error, image_data_url, image_message, make_video, random_image, video_data_url
 
 TEXT = [{"role": "user", "content": "hi"}]
 

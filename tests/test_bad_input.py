@@ -10,44 +10,20 @@ from __future__ import annotations
 import base64
 import io
 import re
-import struct
 import time
 import urllib.error
 import urllib.request
-import zlib
 
 import orjson
 import pytest
 from PIL import Image
 
-from conftest import image_data_url, image_message, random_image
+from conftest import assert_error, image_data_url, image_message, png_header_only, random_image
 
 MAX_MODEL_LEN = 2048
 
 
 # --- helpers -----------------------------------------------------------------------------
-
-
-def assert_error(status: int, body, expected_status: int, *fragments: str, param=...) -> dict:
-    """``body`` is OpenAI-shaped and its message contains every fragment (case-insensitive)."""
-    if isinstance(body, (bytes, bytearray)):
-        body = orjson.loads(body)
-    assert status == expected_status, body
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"], error
-    assert isinstance(error["type"], str) and error["type"], error
-    assert error["param"] is None or isinstance(error["param"], str), error
-    assert error["code"] is None or isinstance(error["code"], (str, int)), error
-    message = error["message"].lower()
-    for fragment in fragments:
-        assert fragment.lower() in message, f"{fragment!r} not in {error['message']!r}"
-    if param is not ...:
-        assert error["param"] == param, error
-    # No internals leak to the client.
-    assert "traceback" not in message and "internal server error" not in message, error
-    return error
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -63,16 +39,6 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 def url_message(text: str, *urls: str) -> list[dict]:
     parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A ~60-byte PNG whose IHDR declares width x height (a decompression-bomb stand-in)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 GOOD_IMAGE = random_image(7, 96, 64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from test_bad_input import assert_error
+from conftest import assert_error
 
 
 def _complete(server, **body):

@@ -16,8 +16,7 @@ import pytest
 from PIL import Image
 
 import oracle
-from conftest import Server, image_message, random_image
-from test_bad_input import assert_error
+from conftest import Server, assert_error, image_message, random_image
 from vlmd.testing.soak import POISON_PIXEL, POISON_TEXT, run_soak
 
 FAULTS = {"encoder_pixel_value": POISON_PIXEL, "forward_token_id": 4095}  # 4095 = <pad>

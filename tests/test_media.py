@@ -12,17 +12,16 @@ import os
 import shutil
 import socket
 import ssl
-import struct
 import subprocess
 import threading
 import time
-import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 import pytest
 from PIL import Image, ImageFile
 
+from conftest import png_header_only
 from vlmd.errors import MediaError
 from vlmd.media import fetch
 from vlmd.media.fetch import fetch_bytes
@@ -39,18 +38,6 @@ def _encode(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
 
 
 PNG = _encode(Image.new("RGB", (4, 3), (10, 20, 30)))
-
-
-def _png_header_only(width: int, height: int) -> bytes:
-    """A tiny PNG whose IHDR declares width x height: a decompression-bomb stand-in."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
 
 
 # --- a local HTTP server -----------------------------------------------------------------
@@ -375,7 +362,7 @@ def test_bomb_header_refused_before_decoding(side, monkeypatch):
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
     start = time.monotonic()
-    _raises("image is too large", decode_image, _png_header_only(side, side), MediaPolicy())
+    _raises("image is too large", decode_image, png_header_only(side, side), MediaPolicy())
     assert time.monotonic() - start < 1
 
 

@@ -14,8 +14,7 @@ import pytest
 from openai import BadRequestError as OpenAIBadRequest
 from openai import OpenAI
 
-from conftest import image_data_url, image_message, random_image
-from test_bad_input import assert_error
+from conftest import assert_error, image_data_url, image_message, random_image
 from test_disconnect import RUNNING, assert_aborted_early, close_abruptly, wait_until_idle
 from vlmd.cost import CostOptions, compute_cost, parse_image
 from vlmd.server.modality_tokens import merged_counts, multimodal_token_counts
