@@ -181,6 +181,10 @@ def build_tiny_whisper(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     controls = [sot] + [vocab[t] for t in CONTROL_TOKENS[:-1]]
     suppress = ordinary + controls
     generation = whisper_generation_config(vocab, suppress, spec["max_target_positions"])
+    # Word timestamps need alignment heads: openai-whisper's default where a checkpoint names
+    # none, every head of the second half of the decoder's layers.
+    layers = spec["decoder_layers"]
+    generation["alignment_heads"] = [[layer, head] for layer in range(layers // 2, layers) for head in range(spec["heads"])]
 
     config = WhisperConfig(
         vocab_size=len(tokenizer), num_mel_bins=80, d_model=spec["d_model"],
