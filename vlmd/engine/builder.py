@@ -291,13 +291,17 @@ def _eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+class WarmUpFailed(ValueError):
+    """The model could not run its own warm-up request: a start-up error, not a 500 per request."""
+
+
 def warm_up(built: BuiltEngine) -> None:
     """Run one small request per modality through the engine before serving.
 
     The first forward of each shape pays for lazy initialisation (kernels, allocator);
     paying it here keeps it out of the first client's latency.
     """
-    from vlmd.types import EngineRequest, SamplingParams
+    from vlmd.types import EngineRequest, FinishReason, SamplingParams
 
     processor = built.preprocessor.processor
     info = processor.info
@@ -319,4 +323,10 @@ def warm_up(built: BuiltEngine) -> None:
         )
         core.add_request(request)
         while core.has_work():
-            core.step()
+            deltas, _ = core.step()
+            for delta in deltas:
+                if delta.finish_reason is FinishReason.ERROR:
+                    # Serving would answer every such request with a 500: refuse to start.
+                    raise WarmUpFailed(
+                        f"the warm-up request ({modality or 'text'}) failed: {delta.error}; the traceback "
+                        "is logged above ('request failed in an engine step'); --no-warmup serves anyway")
