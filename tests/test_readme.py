@@ -1,0 +1,65 @@
+"""The README's Quick start works as written: its curl and Python blocks run against a real
+server serving the default model's name, and its install lines name every family plugin in
+the repository (the test command is also the one .ci/run runs)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import Server
+from vlmd.cli import DEFAULT_MODEL_NAME
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+QUICK_START = README[README.index("## Quick start"):README.index("\n## ", README.index("## Quick start") + 1)]
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", QUICK_START, re.S)
+
+
+def _block(language: str, starts: str) -> str:
+    found = [code for lang, code in BLOCKS if lang == language and code.lstrip().startswith(starts)]
+    assert len(found) == 1, f"one {language} block starting with {starts!r} in the Quick start"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava_dir, tmp_path_factory):
+    server = Server(tiny_llava_dir, name=DEFAULT_MODEL_NAME, log_dir=tmp_path_factory.mktemp("readme-logs"))
+    yield server
+    server.stop()
+
+
+def _on(server: Server, code: str) -> str:
+    """The block, talking to the test's server instead of port 8000."""
+    assert "8000" in code
+    return code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+
+
+def test_the_curl_example_answers(server):
+    done = subprocess.run(["bash", "-c", _on(server, _block("bash", "curl"))], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    body = orjson.loads(done.stdout)
+    assert body["model"] == DEFAULT_MODEL_NAME and body["choices"][0]["message"]["content"], body
+    assert body["usage"]["prompt_tokens_details"]["multimodal_tokens"] == {"image": 576}, body
+
+
+def test_the_python_example_streams_an_answer(server):
+    done = subprocess.run([sys.executable, "-c", _on(server, _block("python", "import base64, io"))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip(), "the stream printed no text"
+
+
+def test_the_install_lines_name_every_family_plugin_and_ci_runs_the_test_command():
+    plugins = sorted(path.parent.name for path in (REPO / "plugins").glob("*/pyproject.toml"))
+    serve_install = _block("bash", "# 1.")
+    test_command = _block("bash", "pip install -q").strip()
+    for plugin in plugins:
+        assert f"./plugins/{plugin} " in serve_install + " ", plugin
+        assert f"-e plugins/{plugin} " in test_command, plugin
+    assert test_command in (REPO / ".ci" / "run").read_text()
