@@ -17,12 +17,15 @@ Pixel limits are small (images 4..128 merged tokens, video frames 4..64) so test
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.weights import StdRule, random_model
 
-__all__ = ["SIZES", "QWEN2_VL_CHAT_TEMPLATE", "build_tiny_qwen2_vl", "qwen2_vl_config"]
+__all__ = [
+    "PARAM_STD", "QWEN2_VL_CHAT_TEMPLATE", "SIZES", "build_qwen_vl_checkpoint", "build_tiny_qwen2_vl",
+    "build_tokenizer", "processor_settings", "qwen2_vl_config", "write_processor_files",
+]
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
@@ -100,8 +103,14 @@ QWEN2_VL_CHAT_TEMPLATE = (
 
 _EXTRA_WORDS = ("system", "user", "assistant", "You", "are", "helpful", "What", "Describe", "image", "video")
 
+# vlmd.tiny.weights' rule; the vision attention's fused qkv and the patch embedding are sharp
+# like q/k, and the merger's MLP puts image features on the scale of token embeddings.
+PARAM_STD = StdRule(gains=[(("attn.qkv.weight", "patch_embed.proj.weight", ".merger.mlp."), 1.0)])
 
-def _build_tokenizer(seed: int, vocab_size: int):
+
+def build_tokenizer(seed: int, vocab_size: int, chat_template: str = QWEN2_VL_CHAT_TEMPLATE):
+    """Qwen's special tokens after a trained vocabulary; Qwen2-VL's chat template unless
+    another family of Qwen vision models gives its own."""
     from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
@@ -116,7 +125,7 @@ def _build_tokenizer(seed: int, vocab_size: int):
             model_max_length=32768,
             padding_side="left",
             clean_up_tokenization_spaces=False,
-            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+            chat_template=chat_template,
         ),
     )
 
@@ -158,53 +167,7 @@ def qwen2_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
     return config
 
 
-def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
-    """(mean, std) of the normal distribution a parameter is drawn from (see ``_init_weights``)."""
-    if is_norm:
-        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
-    if len(shape) == 1:
-        return 0.0, 0.02  # biases
-    if name.startswith("lm_head"):
-        return 0.0, 2.0 / math.sqrt(text_hidden)
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    fan_in = math.prod(shape[1:])
-    if name.endswith(("q_proj.weight", "k_proj.weight", "attn.qkv.weight", "patch_embed.proj.weight")):
-        return 0.0, 1.0 / math.sqrt(fan_in)
-    if ".merger.mlp." in name:
-        return 0.0, 1.0 / math.sqrt(fan_in)  # image features on the scale of token embeddings
-    return 0.0, 0.5 / math.sqrt(fan_in)
-
-
-def _init_weights(model, seed: int, special_ids: list[int]) -> None:
-    """Overwrite every parameter from a seeded generator, in sorted-name order.
-
-    Fan-in scaled weights (sharp, position-dependent attention: q/k and the vision qkv at
-    1/sqrt(fan_in), other projections at 0.5/sqrt(fan_in)), unit token embeddings, norm weights
-    1 + N(0, 0.1) and biases N(0, 0.02) (so a loader that drops either is caught), and
-    ``lm_head`` at 2/sqrt(hidden) so greedy top-1/top-2 gaps sit far above float32 noise. The
-    ``lm_head`` rows of special tokens are zeroed so greedy decoding emits ordinary text.
-    """
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    norm_names: set[str] = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-            norm_names.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
-    text_hidden = model.config.text_config.hidden_size
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            mean, std = _param_std(name, tuple(param.shape), name in norm_names, text_hidden)
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
-        model.get_output_embeddings().weight[special_ids] = 0.0
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _processor_settings(min_pixels: int, max_pixels: int) -> dict:
+def processor_settings(min_pixels: int, max_pixels: int) -> dict:
     """Image/video processor fields shared by transformers 4.x and 5.x readers."""
     return {
         "do_convert_rgb": True,
@@ -224,64 +187,48 @@ def _processor_settings(min_pixels: int, max_pixels: int) -> dict:
     }
 
 
-def _write_processor_files(out: Path, tokenizer) -> None:
-    """Tokenizer, chat template and processor configs.
+def write_processor_files(out: Path, tokenizer, processor_class: str) -> None:
+    """Tokenizer, chat template and processor configs, naming ``processor_class`` (Qwen2.5-VL's
+    image and video processors are Qwen2-VL's).
 
     transformers' ``Qwen2VLVideoProcessor`` needs torchvision, which is not installed here, so
     the video processor config is written as JSON rather than through the class; readers that
     have torchvision load it as usual.
     """
-    tokenizer.save_pretrained(out)
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5.x writes a name 4.x does not know
-    # transformers 4.x wants a dict under "extra_special_tokens" (5.x writes a list there) and
-    # the list under "additional_special_tokens"; both versions read this pair.
-    tok_cfg["extra_special_tokens"] = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
-    tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[1:])
-    tok_cfg["chat_template"] = QWEN2_VL_CHAT_TEMPLATE
-    tok_cfg["add_bos_token"] = False
-    tok_cfg["add_eos_token"] = False
-    _write_json(tok_cfg_path, tok_cfg)
-    (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
-
-    image = {**_processor_settings(IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS), "image_processor_type": "Qwen2VLImageProcessor"}
-    video = {**_processor_settings(VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS), "video_processor_type": "Qwen2VLVideoProcessor"}
-    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "Qwen2VLProcessor"})
-    _write_json(out / "video_preprocessor_config.json", {**video, "processor_class": "Qwen2VLProcessor"})
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen2VLProcessor", "image_processor": image})
-
-
-def count_parameters(size: str) -> int:
-    """Parameter count of a ``size`` checkpoint, computed on the meta device."""
-    import torch
-    from transformers import Qwen2VLForConditionalGeneration
-
-    vocab = SIZES[size]["vocab_size"]
-    ids = {token: vocab - len(SPECIAL_TOKENS) + i for i, token in enumerate(SPECIAL_TOKENS)}
-    with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration(qwen2_vl_config(size, vocab_size=vocab, ids=ids))
-    return sum(p.numel() for p in model.parameters())
+    write_tokenizer(out, tokenizer, QWEN2_VL_CHAT_TEMPLATE,
+                    extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+                    additional_special_tokens=SPECIAL_TOKENS[1:])
+    image = {**processor_settings(IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS), "image_processor_type": "Qwen2VLImageProcessor"}
+    video = {**processor_settings(VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS), "video_processor_type": "Qwen2VLVideoProcessor"}
+    write_json(out / "preprocessor_config.json", {**image, "processor_class": processor_class})
+    write_json(out / "video_preprocessor_config.json", {**video, "processor_class": processor_class})
+    write_json(out / "processor_config.json", {"processor_class": processor_class, "image_processor": image})
 
 
 def build_tiny_qwen2_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Qwen2-VL checkpoint into ``out_dir`` and return its path."""
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    return build_qwen_vl_checkpoint(out_dir, seed, size, family="qwen2_vl", sizes=SIZES, make_config=qwen2_vl_config,
+                                    model_class="Qwen2VLForConditionalGeneration", processor_class="Qwen2VLProcessor")
 
-    spec = SIZES[size]
+
+def build_qwen_vl_checkpoint(out_dir, seed: int, size: str, *, family: str, sizes: dict, make_config,
+                             model_class: str, processor_class: str, summary: dict | None = None) -> Path:
+    """A random checkpoint of Qwen2-VL's layout (tokenizer, weights, processor files) for
+    ``family``: ``make_config(size, vocab_size=..., ids=...)`` gives its config,
+    ``model_class`` names its transformers class and ``summary`` adds to ``vlmd_tiny.json``."""
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(sizes)}")
+    import transformers
+    from transformers import GenerationConfig
+
+    spec = sizes[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(seed, spec["vocab_size"])
+    tokenizer = build_tokenizer(seed, spec["vocab_size"])
     vocab = tokenizer.get_vocab()
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
-    config = qwen2_vl_config(size, vocab_size=len(tokenizer), ids=ids)
-
-    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed, sorted(ids.values()))
+    config = make_config(size, vocab_size=len(tokenizer), ids=ids)
+    model = random_model(getattr(transformers, model_class), config, seed, PARAM_STD, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config = GenerationConfig(
@@ -295,14 +242,14 @@ def build_tiny_qwen2_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     rope = cfg["text_config"]["rope_parameters"]
     cfg["text_config"]["rope_theta"] = rope["rope_theta"]
     cfg["text_config"]["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
-    _write_json(cfg_path, cfg)
-    _write_json(out / "generation_config.json", json.loads((out / "generation_config.json").read_text()))
-    _write_processor_files(out, tokenizer)
+    write_json(cfg_path, cfg)
+    restamp_json(out, "generation_config.json")
+    write_processor_files(out, tokenizer, processor_class)
 
-    _write_json(
+    write_json(
         out / "vlmd_tiny.json",
         {
-            "family": "qwen2_vl",
+            "family": family,
             "size": size,
             "seed": int(seed),
             "num_parameters": int(num_params),
@@ -317,6 +264,7 @@ def build_tiny_qwen2_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
             "image_max_pixels": IMAGE_MAX_PIXELS,
             "video_min_pixels": VIDEO_MIN_PIXELS,
             "video_max_pixels": VIDEO_MAX_PIXELS,
+            **(summary or {}),
         },
     )
     return out
