@@ -17,11 +17,10 @@ model (q/k/v bias, GQA). The vocabulary ends with Qwen2's ``<|endoftext|> <|im_s
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "QWEN2_AUDIO_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_qwen2_audio"]
 
@@ -79,9 +78,11 @@ FEATURE_EXTRACTOR = {
 
 _EXTRA_WORDS = ("system", "user", "assistant", "Audio", "You", "are", "helpful", "Transcribe", "What", "sound")
 
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+# vlmd.tiny.weights' rule; the encoder's positions below the audio's own signal, so tokens
+# follow the sound; the convolutions and the projector at 2/sqrt(fan_in), so audio vectors are
+# on the scale of token embeddings and answers depend on the clip.
+PARAM_STD = StdRule(fixed=[(("embed_positions.weight",), 0.0, 0.2)],
+                    gains=[((".conv", "multi_modal_projector"), 2.0)])
 
 
 def _build_tokenizer(seed: int, vocab_size: int):
@@ -117,65 +118,11 @@ def qwen2_audio_config(size: str, *, vocab_size: int, ids: dict[str, int]):
     return config
 
 
-def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
-    """(mean, std) of the normal distribution a parameter is drawn from (see ``_init_weights``)."""
-    if is_norm:
-        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
-    if len(shape) == 1:
-        return 0.0, 0.02  # biases
-    if name.startswith("lm_head"):
-        return 0.0, 2.0 / math.sqrt(text_hidden)
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    if name.endswith("embed_positions.weight"):
-        return 0.0, 0.2  # below the audio's own signal, so tokens follow the sound
-    fan_in = math.prod(shape[1:])
-    if ".conv" in name or "multi_modal_projector" in name:
-        return 0.0, 2.0 / math.sqrt(fan_in)
-    if name.endswith(("q_proj.weight", "k_proj.weight")):
-        return 0.0, 1.0 / math.sqrt(fan_in)
-    return 0.0, 0.5 / math.sqrt(fan_in)
-
-
-def _init_weights(model, seed: int, special_ids: list[int]) -> None:
-    """Overwrite every parameter from a seeded generator, in sorted-name order.
-
-    As the Qwen2-VL builder: fan-in scaled projections (q/k at 1/sqrt(fan_in), sharp,
-    position-dependent attention), unit token embeddings, norms 1 + N(0, 0.1) and biases
-    N(0, 0.02) so a loader that drops either is caught, ``lm_head`` at 2/sqrt(hidden) so greedy
-    top-1/top-2 gaps sit far above float32 noise; the convolutions and the projector at
-    2/sqrt(fan_in) so audio vectors are on the scale of token embeddings and answers depend
-    on the clip. The ``lm_head`` rows of special tokens are zeroed (greedy emits ordinary text).
-    """
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    norm_names: set[str] = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-            norm_names.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
-    text_hidden = model.config.text_config.hidden_size
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            mean, std = _param_std(name, tuple(param.shape), name in norm_names, text_hidden)
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
-        model.get_output_embeddings().weight[special_ids] = 0.0
-
-
 def _write_processor_files(out: Path, tokenizer) -> None:
-    tokenizer.save_pretrained(out)
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5.x writes a name 4.x does not know
-    tok_cfg.pop("extra_special_tokens", None)
-    tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[1:])
-    tok_cfg["chat_template"] = QWEN2_AUDIO_CHAT_TEMPLATE
-    tok_cfg["add_bos_token"] = False
-    tok_cfg["add_eos_token"] = False
-    _write_json(tok_cfg_path, tok_cfg)
-    (out / "chat_template.jinja").write_text(QWEN2_AUDIO_CHAT_TEMPLATE, encoding="utf-8")
-    _write_json(out / "preprocessor_config.json", {**FEATURE_EXTRACTOR, "processor_class": "Qwen2AudioProcessor"})
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen2AudioProcessor",
+    write_tokenizer(out, tokenizer, QWEN2_AUDIO_CHAT_TEMPLATE, extra_special_tokens=None,
+                    additional_special_tokens=SPECIAL_TOKENS[1:])
+    write_json(out / "preprocessor_config.json", {**FEATURE_EXTRACTOR, "processor_class": "Qwen2AudioProcessor"})
+    write_json(out / "processor_config.json", {"processor_class": "Qwen2AudioProcessor",
                                                 "feature_extractor": dict(FEATURE_EXTRACTOR)})
 
 
@@ -183,7 +130,6 @@ def build_tiny_qwen2_audio(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Qwen2-Audio checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
     from transformers import GenerationConfig, Qwen2AudioForConditionalGeneration
 
     spec = SIZES[size]
@@ -194,19 +140,16 @@ def build_tiny_qwen2_audio(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
     config = qwen2_audio_config(size, vocab_size=len(tokenizer), ids=ids)
 
-    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
-    model = Qwen2AudioForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed, sorted(ids.values()))
+    model = random_model(Qwen2AudioForConditionalGeneration, config, seed, PARAM_STD, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
     )
     save_model(model, out)
-    for name in ("config.json", "generation_config.json"):  # stable bytes
-        _write_json(out / name, json.loads((out / name).read_text(encoding="utf-8")))
+    restamp_json(out, "config.json", "generation_config.json")
     _write_processor_files(out, tokenizer)
-    _write_json(
+    write_json(
         out / "vlmd_tiny.json",
         {
             "family": "qwen2_audio", "size": size, "seed": int(seed), "num_parameters": int(num_params),
