@@ -18,11 +18,10 @@ tests are fast while every grid rule (ties, thumbnails, thin strips) is exercise
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "INTERNVL_CHAT_TEMPLATE", "build_tiny_internvl", "internvl_config"]
 
@@ -65,6 +64,12 @@ INTERNVL_CHAT_TEMPLATE = (
 
 _EXTRA_WORDS = ("system", "user", "assistant", "You", "are", "helpful", "What", "Describe", "image", "Frame")
 
+# vlmd.tiny.weights' rule; layer scales at 0.5 so the blocks change the residual stream
+# visibly, the CLS token and positions at 0.5, the patch embedding sharp like q/k and the
+# projector putting image features on the scale of token embeddings.
+PARAM_STD = StdRule(fixed=[(("lambda_1", "lambda_2"), 0.5, 0.1), (("cls_token", "position_embeddings"), 0.0, 0.5)],
+                    gains=[(("projection.weight", ".multi_modal_projector."), 1.0)])
+
 
 def _build_tokenizer(seed: int, vocab_size: int):
     from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
@@ -97,48 +102,6 @@ def internvl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
     return config
 
 
-def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
-    """(mean, std) of the normal distribution a parameter is drawn from (see ``_init_weights``)."""
-    if is_norm:
-        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
-    if name.endswith(("lambda_1", "lambda_2")):
-        return 0.5, 0.1  # layer scale: the blocks change the residual stream visibly
-    if name.endswith(("cls_token", "position_embeddings")):
-        return 0.0, 0.5
-    if len(shape) == 1:
-        return 0.0, 0.02  # biases
-    if name.startswith("lm_head"):
-        return 0.0, 2.0 / math.sqrt(text_hidden)
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    fan_in = math.prod(shape[1:])
-    if name.endswith(("q_proj.weight", "k_proj.weight", "projection.weight")) or ".multi_modal_projector." in name:
-        return 0.0, 1.0 / math.sqrt(fan_in)  # sharp attention; image features on the scale of token embeddings
-    return 0.0, 0.5 / math.sqrt(fan_in)
-
-
-def _init_weights(model, seed: int, special_ids: list[int]) -> None:
-    """Overwrite every parameter from a seeded generator, in sorted-name order; the
-    ``lm_head`` rows of special tokens are zeroed so greedy decoding emits ordinary text."""
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    norm_names: set[str] = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-            norm_names.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
-    text_hidden = model.config.text_config.hidden_size
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            mean, std = _param_std(name, tuple(param.shape), name in norm_names, text_hidden)
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
-        model.get_output_embeddings().weight[special_ids] = 0.0
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def _image_processor_settings() -> dict:
     return {
         "crop_to_patches": True, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
@@ -161,22 +124,13 @@ def _video_processor_settings() -> dict:
 def _write_processor_files(out: Path, tokenizer) -> None:
     """Tokenizer, chat template and processor configs (as JSON: transformers' video processor
     for InternVL needs torchvision, so the processor is not saved through its class)."""
-    tokenizer.save_pretrained(out)
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tok_cfg["extra_special_tokens"] = IMAGE_TOKENS
-    tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[1:])
-    tok_cfg["chat_template"] = INTERNVL_CHAT_TEMPLATE
-    tok_cfg["add_bos_token"] = False
-    tok_cfg["add_eos_token"] = False
-    _write_json(tok_cfg_path, tok_cfg)
-    (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE, encoding="utf-8")
+    write_tokenizer(out, tokenizer, INTERNVL_CHAT_TEMPLATE, extra_special_tokens=IMAGE_TOKENS,
+                    additional_special_tokens=SPECIAL_TOKENS[1:])
     image = _image_processor_settings()
-    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "InternVLProcessor"})
+    write_json(out / "preprocessor_config.json", {**image, "processor_class": "InternVLProcessor"})
     video = _video_processor_settings()
-    _write_json(out / "video_preprocessor_config.json", {**video, "processor_class": "InternVLProcessor"})
-    _write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor", "image_seq_length": TOKENS_PER_TILE,
+    write_json(out / "video_preprocessor_config.json", {**video, "processor_class": "InternVLProcessor"})
+    write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor", "image_seq_length": TOKENS_PER_TILE,
                                                  "image_processor": image, "video_processor": video})
 
 
@@ -184,7 +138,6 @@ def build_tiny_internvl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random InternVL3 checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
     from transformers import GenerationConfig, InternVLForConditionalGeneration
 
     spec = SIZES[size]
@@ -195,19 +148,16 @@ def build_tiny_internvl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
     config = internvl_config(size, vocab_size=len(tokenizer), ids=ids)
 
-    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
-    model = InternVLForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed, sorted(ids.values()))
+    model = random_model(InternVLForConditionalGeneration, config, seed, PARAM_STD, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
     )
     save_model(model, out)
-    for name in ("config.json", "generation_config.json"):  # stable bytes
-        _write_json(out / name, json.loads((out / name).read_text(encoding="utf-8")))
+    restamp_json(out, "config.json", "generation_config.json")
     _write_processor_files(out, tokenizer)
-    _write_json(out / "vlmd_tiny.json", {
+    write_json(out / "vlmd_tiny.json", {
         "family": "internvl", "size": size, "seed": int(seed), "num_parameters": int(num_params),
         "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<|endoftext|>"],
         "image_token_id": ids["<IMG_CONTEXT>"], "start_image_token_id": ids["<img>"],
