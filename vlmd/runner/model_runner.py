@@ -51,6 +51,9 @@ class ModelRunner:
         # Where the model merges encoder outputs itself (a wider output than its embeddings,
         # read by later layers): optional (models/base.py).
         self.merge_multimodal = getattr(model, "merge_multimodal", None)
+        # An encoder-decoder whose cross state comes from several items and the family
+        # state: optional (docs/adding-a-family.md, step 5).
+        self.prepare_request_cross_attention = getattr(model, "prepare_request_cross_attention", None)
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -198,17 +201,29 @@ class ModelRunner:
         from the encoder output of its item without placeholders, in the chunk that covers
         the item's offset; it lives in the request's state until the request is dropped
         (finished, aborted or preempted), so the encoder output itself may be evicted.
+
+        A model with ``prepare_request_cross_attention(outputs, family_state)`` gets the
+        outputs of all the items the chunk reaches at once, in prompt order, with the
+        request's family state (a decoder attending to several inputs, laid out by where
+        their tokens sit); a request without any such item then has no cross state (None in
+        its span: the model skips cross-attention for its rows).
         """
         spans = []
         for piece in batch.slices:
             state = piece.state
-            for item in state.mm_items:
-                if item.length == 0 and piece.start <= item.offset < piece.end:
-                    output = self.encoder_outputs.get(item.identifier)
-                    if output is None:
-                        raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
-                    state.cross_state = self.model.prepare_cross_attention(output)
-            if state.cross_state is None:
+            reached = [item for item in state.mm_items if item.length == 0 and piece.start <= item.offset < piece.end]
+            outputs = []
+            for item in reached:
+                output = self.encoder_outputs.get(item.identifier)
+                if output is None:
+                    raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
+                outputs.append(output)
+            if outputs and self.prepare_request_cross_attention is not None:
+                state.cross_state = self.prepare_request_cross_attention(outputs, state.family_state)
+            elif outputs:
+                state.cross_state = self.model.prepare_cross_attention(outputs[-1])
+            if state.cross_state is None and (self.prepare_request_cross_attention is None
+                                              or any(item.length == 0 for item in state.mm_items)):
                 raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
             spans.append((piece.row, piece.row + piece.count, state.cross_state))
         return spans

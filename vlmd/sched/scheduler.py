@@ -72,6 +72,15 @@ class Scheduler:
         limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
         if largest_output > limit:
             raise RequestRejected(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit}")
+        # Items without placeholders at one offset are all needed by the chunk that reaches it
+        # (the decoder attends to them together from there): together they must fit.
+        together: dict[int, int] = {}
+        for item in request.mm_items:
+            if item.length == 0:
+                together[item.offset] = together.get(item.offset, 0) + item.num_encoder_tokens
+        if max(together.values(), default=0) > limit:
+            raise RequestRejected(f"the media items of this request need {max(together.values())} encoder tokens "
+                                  f"at once, more than the encoder budget of {limit}")
         largest_run = max((item.length for item in request.mm_items), default=0)
         if self.config.disable_chunked_mm_input and largest_run > self.config.max_num_batched_tokens:
             raise RequestRejected(

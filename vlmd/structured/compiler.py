@@ -81,6 +81,10 @@ class GrammarCompiler:
                  cache_entries: int = DEFAULT_CACHE_ENTRIES):
         if cache_entries < 1:
             raise ValueError("the grammar cache needs at least one entry")
+        # The library's vocabulary covers every token the tokenizer names, also one past the
+        # model's head (an input-only media token): masks are then wider than the logits, and
+        # applying one reads only the logits' bits (grammar_mask.py).
+        vocab_size = max(vocab_size, len(tokenizer))
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.mask_words = (vocab_size + 31) // 32
