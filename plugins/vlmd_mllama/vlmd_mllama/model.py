@@ -1,0 +1,135 @@
+"""The Llama 3.2 Vision model for the runner: transformers' vision tower, our text decoder.
+
+The runner treats it as an encoder-decoder (``is_encoder_decoder``): each image is an item
+without placeholders (``processing.py``); the runner encodes all of a request's images with
+its first chunk and asks :meth:`MllamaModel.prepare_request_cross_attention` once for the
+request's cross-attention K/V, which it keeps until the request is dropped; every step then
+hands them back per request as ``cross_states``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.models.loader import iterate_weights
+from vlmd_mllama.decoder import CrossState, MllamaTextDecoder
+from vlmd_mllama.layout import CrossLayout
+from vlmd_mllama.tiles import read_tile_settings
+
+# Checkpoint prefixes, transformers 5 and the published 4.x layout -> (part, our prefix).
+_PREFIXES = (
+    ("model.language_model.", "text", ""),
+    ("language_model.model.", "text", ""),
+    ("language_model.lm_head.", "text", "lm_head."),
+    ("lm_head.", "text", "lm_head."),
+    ("model.vision_model.", "vision", "vision_model."),
+    ("vision_model.", "vision", "vision_model."),
+    ("model.multi_modal_projector.", "vision", "multi_modal_projector."),
+    ("multi_modal_projector.", "vision", "multi_modal_projector."),
+)
+# checkpoint fragment -> (our fused parameter fragment, shard id for its weight_loader)
+_FUSED = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".cross_attn.k_proj.": (".cross_attn.kv_proj.", 0),
+    ".cross_attn.v_proj.": (".cross_attn.kv_proj.", 1),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+
+
+class MllamaModel(nn.Module):
+    """Under tensor parallelism (``tp``) the text decoder is sharded by heads and columns; the
+    vision tower and projector are replicated (every rank encodes every image)."""
+
+    is_encoder_decoder = True
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        from vlmd_mllama.vision import MllamaVisionTower
+
+        self.config = config
+        self.vision = MllamaVisionTower(config)
+        self.language_model = MllamaTextDecoder(config.text_config, tp)
+        self.language_model.max_tiles = self.vision.max_tiles
+        self.language_model.tokens_per_tile = self.vision.tokens_per_tile
+        self.kv_spec = self.language_model.kv_spec
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "MllamaModel":
+        model = cls(config, tp)
+        model.load_weights(iterate_weights(model_dir))
+        model = model.to(dtype).eval()
+        model.vision.set_pixel_norm(read_tile_settings(str(model_dir), config))
+        return model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.language_model.named_parameters())
+        vision_params = dict(self.vision.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            part, target = _our_name(name)
+            shard = None
+            if part == "text":
+                for fragment, (fused, index) in _FUSED.items():
+                    if fragment in f".{target}":
+                        target, shard = f".{target}".replace(fragment, fused)[1:], index
+                        break
+                param = params.get(target)
+            else:
+                param = vision_params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} in the Mllama checkpoint")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:  # a linear layer's: it takes this rank's slice (or shard)
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as exc:
+                    raise ValueError(f"weight {name!r}: {exc}") from None
+            elif param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            else:
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.dtype))
+            loaded.add(f"{part}:{target}")
+        expected = {f"text:{n}" for n in params} | {f"vision:{n}" for n in vision_params}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the Mllama checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+    # ---- the runner's contract -----------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        if modality != "image":
+            raise ValueError(f"Llama 3.2 Vision does not encode {modality}")
+        return self.vision(encoder_inputs)
+
+    def prepare_request_cross_attention(self, encoder_outputs: list[torch.Tensor], family_state) -> CrossState:
+        """The request's cross-attention K/V of every cross-attention layer, from all its
+        images' tower outputs (in prompt order) and where their tokens sit."""
+        if not isinstance(family_state, CrossLayout) or len(family_state.tiles) != len(encoder_outputs):
+            raise RuntimeError(f"{len(encoder_outputs)} images reached the decoder without their layout")
+        return self.language_model.cross_attention_state(torch.cat(encoder_outputs), family_state)
+
+    def forward(self, inputs_embeds, positions, meta, kv_caches, cross_states, outputs=None) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, meta, kv_caches, cross_states, outputs)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+
+def _our_name(name: str) -> tuple[str, str]:
+    for prefix, part, ours in _PREFIXES:
+        if name.startswith(prefix):
+            return part, ours + name.removeprefix(prefix)
+    raise ValueError(f"unexpected weight {name!r} in the Mllama checkpoint")
