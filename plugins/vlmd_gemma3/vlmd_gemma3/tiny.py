@@ -14,16 +14,17 @@ rotary tables (a linear-scaled one on the full layers), embeddings scaled by sqr
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "SIZES", "build_tiny_gemma3", "gemma3_config"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                   "<end_of_image>", "<image_soft_token>")
+IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 SIZES: dict[str, dict] = {
     "tiny": {
@@ -79,8 +80,7 @@ def _build_tokenizer(seed: int, vocab_size: int):
         seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,
         tokenizer_kwargs=dict(
             bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-            extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                  "image_token": "<image_soft_token>"},
+            extra_special_tokens=IMAGE_TOKENS,
             model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
             chat_template=GEMMA3_CHAT_TEMPLATE,
         ),
@@ -110,59 +110,31 @@ def gemma3_config(size: str, *, vocab_size: int, ids: dict[str, int]):
     return config
 
 
-def _init_weights(model, seed: int, special_ids: list[int]) -> None:
-    """Every parameter from a seeded generator, in sorted-name order: fan-in scaled weights
-    (q/k sharper), unit embeddings, an output at 2/sqrt(hidden) whose special-token rows
-    are zeroed so greedy decoding writes text, Gemma norms' weights N(0, 0.1) (they scale by 1 + w),
-    LayerNorm weights 1 + N(0, 0.1), biases N(0, 0.02)."""
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            shape = tuple(param.shape)
-            if "norm" in name and name.endswith("weight") and len(shape) == 1:
-                mean, std = (0.0, 0.1) if "vision_tower" not in name else (1.0, 0.1)
-            elif len(shape) == 1:
-                mean, std = 0.0, 0.02
-            elif name.endswith("embed_tokens.weight"):
-                mean, std = 0.0, 1.0
-            elif name.startswith("lm_head"):
-                mean, std = 0.0, 2.0 / math.sqrt(shape[1])
-            elif name.endswith("mm_input_projection_weight"):
-                mean, std = 0.0, 1.0 / math.sqrt(shape[0])
-            else:
-                fan_in = math.prod(shape[1:])
-                sharp = name.endswith(("q_proj.weight", "k_proj.weight"))
-                mean, std = 0.0, (1.0 if sharp else 0.5) / math.sqrt(fan_in)
-            param.copy_(torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean)
-        model.get_output_embeddings().weight[special_ids] = 0.0
+_COMMON_STD = StdRule()
 
 
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+def _param_std(name: str, shape: tuple[int, ...], is_norm: bool) -> tuple[float, float]:
+    """vlmd.tiny.weights' common rule, but Gemma's RMSNorms scale by 1 + w, so their weights
+    are N(0, 0.1) (the SigLIP tower's LayerNorms keep 1 + N(0, 0.1)), and the image projection
+    is stored [in, out], so its fan-in is its first dimension."""
+    if "norm" in name and name.endswith("weight") and len(shape) == 1:
+        return (0.0, 0.1) if "vision_tower" not in name else (1.0, 0.1)
+    if name.endswith("mm_input_projection_weight"):
+        return 0.0, 1.0 / math.sqrt(shape[0])
+    return _COMMON_STD(name, shape, is_norm)
+
 
 
 def _write_processor_files(out: Path, tokenizer, spec: dict) -> None:
-    tokenizer.save_pretrained(out)
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tok_cfg["extra_special_tokens"] = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                       "image_token": "<image_soft_token>"}
-    tok_cfg["chat_template"] = GEMMA3_CHAT_TEMPLATE
-    tok_cfg["add_bos_token"] = False
-    tok_cfg["add_eos_token"] = False
-    _write_json(tok_cfg_path, tok_cfg)
-    (out / "chat_template.jinja").write_text(GEMMA3_CHAT_TEMPLATE, encoding="utf-8")
+    write_tokenizer(out, tokenizer, GEMMA3_CHAT_TEMPLATE, extra_special_tokens=IMAGE_TOKENS)
     image = {
         "image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": True, "do_normalize": True,
         "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "resample": 2, "rescale_factor": 1 / 255, "size": {"height": spec["image_size"], "width": spec["image_size"]},
         "do_pan_and_scan": False, **PAN_AND_SCAN,
     }
-    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "Gemma3Processor"})
-    _write_json(out / "processor_config.json", {"processor_class": "Gemma3Processor", "image_processor": image,
+    write_json(out / "preprocessor_config.json", {**image, "processor_class": "Gemma3Processor"})
+    write_json(out / "processor_config.json", {"processor_class": "Gemma3Processor", "image_processor": image,
                                                 "image_seq_length": spec["mm_tokens_per_image"]})
 
 
@@ -170,7 +142,6 @@ def build_tiny_gemma3(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Gemma 3 checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
     from transformers import Gemma3ForConditionalGeneration, GenerationConfig
 
     spec = SIZES[size]
@@ -180,18 +151,15 @@ def build_tiny_gemma3(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     vocab = tokenizer.get_vocab()
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
     config = gemma3_config(size, vocab_size=len(tokenizer), ids=ids)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed, sorted(ids.values()))
+    model = random_model(Gemma3ForConditionalGeneration, config, seed, _param_std, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<eos>"], ids["<end_of_turn>"]]
     model.generation_config = GenerationConfig(bos_token_id=ids["<bos>"], eos_token_id=eos_ids,
                                                pad_token_id=ids["<pad>"])
     save_model(model, out)
-    _write_json(out / "config.json", json.loads((out / "config.json").read_text(encoding="utf-8")))
-    _write_json(out / "generation_config.json", json.loads((out / "generation_config.json").read_text()))
+    restamp_json(out, "config.json", "generation_config.json")
     _write_processor_files(out, tokenizer, spec)
-    _write_json(out / "vlmd_tiny.json", {
+    write_json(out / "vlmd_tiny.json", {
         "family": "gemma3", "size": size, "seed": int(seed), "num_parameters": int(num_params),
         "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<pad>"],
         "image_token_id": ids["<image_soft_token>"], "boi_token_id": ids["<start_of_image>"],
