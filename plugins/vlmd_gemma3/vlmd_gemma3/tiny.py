@@ -124,7 +124,6 @@ def _param_std(name: str, shape: tuple[int, ...], is_norm: bool) -> tuple[float,
     return _COMMON_STD(name, shape, is_norm)
 
 
-
 def _write_processor_files(out: Path, tokenizer, spec: dict) -> None:
     write_tokenizer(out, tokenizer, GEMMA3_CHAT_TEMPLATE, extra_special_tokens=IMAGE_TOKENS)
     image = {
