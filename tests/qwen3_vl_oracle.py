@@ -1,8 +1,22 @@
-"""transformers' Qwen3-VL as the oracle for the Qwen3-VL tests: float32, PIL image processor.
+"""transformers' Qwen3-VL as the oracle for the Qwen3-VL tests: float32, PIL image processor,
+and transformers' own ``Qwen3VLVideoProcessor`` for video.
 
-``Qwen3VLProcessor`` asks for a video processor, which in transformers needs torchvision
-(not installed beside the CPU torch here); images and text do not use it, so the processor
-is built from its parts without one.
+That video processor calls torchvision (not installed beside the CPU torch here) three times,
+and nothing else of it: ``TorchvisionFreeVideoProcessor`` replaces exactly those calls and
+keeps the rest of transformers' code (metadata, frame-count and pixel-limit arithmetic, the
+fused rescale and normalisation, patchify, the grid; ``Qwen3VLProcessor`` writes the timestamps
+and ``get_rope_index`` the positions):
+
+- the RGB conversion: the frames are RGB already (checked), so it is the identity;
+- the resampling at the end of its ``resize``: its own ``smart_resize`` (with the frame cap
+  when asked) still picks the size, and the frames must already be at it (checked), so the
+  test videos are native size, a multiple of 32 px within the limits;
+- ``normalize``: torchvision's ``F.normalize`` on a float tensor, ``(x - mean) / std`` per
+  channel, the same two operations.
+
+Frames are not sampled here (``do_sample_frames=False``): the oracle gets the frames vlmd's
+decoder kept, with their ``VideoMetadata`` (source rate, frame count, kept indices), as the
+Qwen2.5-VL oracle does.
 """
 
 from __future__ import annotations
@@ -10,7 +24,37 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_processing_utils import BaseVideoProcessor
+
 from oracle import _greedy, _key
+
+
+class _FramesAtSize(BaseVideoProcessor):
+    """Sits between ``Qwen3VLVideoProcessor`` and the torchvision backend in the method
+    order: the resampling its ``resize`` ends with must be the identity."""
+
+    def resize(self, image, size, resample=None, **kwargs):
+        if tuple(image.shape[-2:]) != (size.height, size.width):
+            raise AssertionError(f"the oracle resizes no frames: {tuple(image.shape[-2:])} -> "
+                                 f"{(size.height, size.width)}; give frames at the processor's size")
+        return image
+
+
+class TorchvisionFreeVideoProcessor(Qwen3VLVideoProcessor, _FramesAtSize):
+    """transformers' ``Qwen3VLVideoProcessor`` with its three torchvision calls replaced (above)."""
+
+    def convert_to_rgb(self, video):
+        if video.shape[-3] != 3:
+            raise AssertionError(f"the oracle takes RGB frames, not {video.shape[-3]} channels")
+        return video
+
+    def normalize(self, image, mean, std, inplace=False, **kwargs):
+        import torch
+
+        mean = torch.as_tensor(mean, dtype=image.dtype, device=image.device).view(-1, 1, 1)
+        std = torch.as_tensor(std, dtype=image.dtype, device=image.device).view(-1, 1, 1)
+        return (image if inplace else image.clone()).sub_(mean).div_(std)
 
 
 @functools.lru_cache(maxsize=2)
@@ -28,7 +72,8 @@ def _load(model_dir: str):
         lambda self, name, arg: None if name == "video_processor" else check(self, name, arg)
     )
     try:
-        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                     video_processor=TorchvisionFreeVideoProcessor.from_pretrained(model_dir),
                                      chat_template=tokenizer.chat_template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
@@ -40,23 +85,38 @@ def load_hf_qwen3_vl(model_dir):
     return _load(_key(model_dir))
 
 
+def hf_qwen3_vl_inputs(model_dir, messages: list[dict[str, Any]], images: list, videos: list | None = None,
+                       video_metadata: list | None = None, mm_processor_kwargs: dict | None = None):
+    """(prompt text, transformers' processor output) for ``messages`` with these items;
+    ``video_metadata``: one dict of ``VideoMetadata`` fields per video (None: bare frames)."""
+    _, processor = load_hf_qwen3_vl(model_dir)
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    kwargs: dict[str, Any] = {"videos_kwargs": {"do_sample_frames": False}}
+    if mm_processor_kwargs:
+        for key, size in (("images_kwargs", processor.image_processor.size),
+                          ("videos_kwargs", processor.video_processor.size)):
+            kwargs.setdefault(key, {})["size"] = {
+                "shortest_edge": mm_processor_kwargs.get("min_pixels", size.shortest_edge),
+                "longest_edge": mm_processor_kwargs.get("max_pixels", size.longest_edge),
+            }
+    if videos and video_metadata is not None:
+        kwargs["videos_kwargs"]["video_metadata"] = list(video_metadata)
+    inputs = processor(text=prompt, images=list(images) if images else None,
+                       videos=list(videos) if videos else None, return_tensors="pt", add_special_tokens=False,
+                       **kwargs)
+    inputs.pop("video_metadata", None)
+    return prompt, inputs
+
+
 def hf_qwen3_vl_generate(model_dir, messages: list[dict[str, Any]], images: list, max_new_tokens: int,
-                         mm_processor_kwargs: dict | None = None) -> dict:
+                         mm_processor_kwargs: dict | None = None, videos: list | None = None,
+                         video_metadata: list | None = None) -> dict:
     """Greedy generation with transformers' Qwen3-VL, as ``oracle.hf_qwen2_vl_generate``:
     prompt and output ids, each step's top-1/top-2 gap and the greedy tokens' log-probs."""
     import torch
 
-    model, processor = load_hf_qwen3_vl(model_dir)
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    kwargs = {}
-    if mm_processor_kwargs:
-        size = processor.image_processor.size
-        kwargs["images_kwargs"] = {"size": {
-            "shortest_edge": mm_processor_kwargs.get("min_pixels", size.shortest_edge),
-            "longest_edge": mm_processor_kwargs.get("max_pixels", size.longest_edge),
-        }}
-    inputs = processor(text=prompt, images=list(images) if images else None, return_tensors="pt",
-                       add_special_tokens=False, **kwargs)
+    model, _ = load_hf_qwen3_vl(model_dir)
+    prompt, inputs = hf_qwen3_vl_inputs(model_dir, messages, images, videos, video_metadata, mm_processor_kwargs)
     prompt_ids = inputs["input_ids"][0].tolist()
     output_ids, gaps, logits = _greedy(model, inputs, max_new_tokens)
     logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[token]) for step, token in zip(logits, output_ids)]

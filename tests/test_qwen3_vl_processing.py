@@ -132,3 +132,178 @@ def test_merge_multimodal_splits_rows_into_embeddings_and_deepstack_additions(ti
     assert torch.equal(rows_back, rows) and additions.shape == (layers, 2, hidden)
     for layer in range(layers):
         assert torch.equal(additions[layer], features[:, hidden * (1 + layer) : hidden * (2 + layer)])
+
+
+# ---- video ----------------------------------------------------------------------------
+
+
+def _video(frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+def _video_prompt(processor, messages) -> list[int]:
+    tokenizer = processor.info.ctx.tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+
+
+def test_video_prompt_positions_and_pixels_equal_transformers(tiny_qwen3_vl_dir):
+    """An image, then a video of 8 frames decoded from a 7 fps source (every third frame):
+    the expanded prompt (timestamps, brackets per frame pair, the template's wrapper gone),
+    the M-RoPE table and delta, the grid and the normalised patches equal transformers'."""
+    from vlmd.media.video import VideoFrames
+    from vlmd_qwen2_vl.model import patchify
+    from vlmd_qwen3_vl.settings import read_settings
+
+    from qwen3_vl_oracle import hf_qwen3_vl_inputs
+
+    frames, indices = _video(8, 128, 96), [0, 3, 6, 9, 12, 15, 18, 21]
+    video = VideoFrames.of(frames, 8 / 24 * 7.0, indices, 7.0)
+    image = random_image(1, 320, 240)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                             {"type": "text", "text": "What happens?"}]}]
+    _, ref = hf_qwen3_vl_inputs(tiny_qwen3_vl_dir, messages, [image], [frames],
+                                [{"total_num_frames": 24, "fps": 7.0, "frames_indices": indices}])
+    processor = _processor(tiny_qwen3_vl_dir)
+    output = processor.apply(_video_prompt(processor, messages), {"image": [image], "video": [video]})
+    assert output.prompt_token_ids == ref["input_ids"][0].tolist()
+    text = processor.info.ctx.tokenizer.decode(output.prompt_token_ids)
+    assert "<0.2 seconds><|vision_start|>" in text and "<2.8 seconds><|vision_start|>" in text  # (18 + 21) / 2 / 7
+    model, _ = load_hf_qwen3_vl(tiny_qwen3_vl_dir)
+    positions, delta = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
+                                                  image_grid_thw=ref["image_grid_thw"],
+                                                  video_grid_thw=ref["video_grid_thw"])
+    assert np.array_equal(output.family_state.table, positions[:, 0].numpy())
+    assert output.family_state.delta == int(delta)
+    item = output.items[1]
+    assert list(item.encoder_inputs["grid_thw"]) == ref["video_grid_thw"][0].tolist()
+    # The span: first pair's first placeholder to the last pair's last, text between included.
+    ids = output.prompt_token_ids
+    pads = [i for i, token in enumerate(ids) if token == model.config.video_token_id]
+    assert (item.offset, item.length) == (pads[0], pads[-1] - pads[0] + 1)
+    settings = read_settings(str(tiny_qwen3_vl_dir), "video")
+    ours = patchify(torch.from_numpy(item.encoder_inputs["pixels"]), torch.tensor(settings.mean),
+                    torch.tensor(settings.std), settings)
+    torch.testing.assert_close(ours, ref["pixel_values_videos"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("frames", "width", "height"), [(2, 64, 64), (4, 128, 96), (5, 96, 64), (20, 128, 96),
+                                                         (60, 64, 64)])
+def test_video_counts_and_cost_equal_the_processors_count(tiny_qwen3_vl_dir, frames, width, height):
+    """Videos of several lengths (an odd one: its last frame repeated), as bare frames (24
+    fps) to the processor and as ``vlmd cost --video FRAMESxWxH`` at 10 fps (the frames the
+    decoder keeps: 4 of the 5, 32 of the 60): item_tokens, the expanded prompt and the cost
+    equal transformers'."""
+    from vlmd.cost import parse_video
+    from vlmd.media.policy import MediaPolicy
+    from vlmd.media.video import frames_to_keep, sample_frame_indices
+
+    from qwen3_vl_oracle import hf_qwen3_vl_inputs
+
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What is here?"}]}]
+    processor = _processor(tiny_qwen3_vl_dir)
+    video = _video(frames, width, height)
+    _, ref = hf_qwen3_vl_inputs(tiny_qwen3_vl_dir, messages, [], [video])
+    prompt = _video_prompt(processor, messages)
+    output = processor.apply(prompt, {"video": [video]})
+    assert output.prompt_token_ids == ref["input_ids"][0].tolist()
+    tokens = processor.info.item_tokens("video", ItemSize(width, height, frames), {})
+    assert len(prompt) - 1 + tokens.replacement == len(output.prompt_token_ids)
+    assert tokens.placeholders == output.items[0].length
+    # vlmd cost: the frames the decoder keeps, at their times in a 10 fps source.
+    kept = sample_frame_indices(frames, frames_to_keep(frames, 10.0, MediaPolicy()))
+    _, ref = hf_qwen3_vl_inputs(tiny_qwen3_vl_dir, messages, [], [video[kept]],
+                                [{"total_num_frames": frames, "fps": 10.0, "frames_indices": kept}])
+    report = compute_cost(str(tiny_qwen3_vl_dir), [parse_video(f"{frames}x{width}x{height}", 10.0)],
+                          CostOptions(prompt="What is here?"))
+    assert report["prompt_tokens"] == ref["input_ids"].shape[1]
+    assert report["items"][0]["frames"] == len(kept)
+
+
+@pytest.mark.parametrize(("frames", "height", "width"), [(2, 1900, 57), (8, 1024, 1024), (32, 3000, 4000), (7, 20, 500),
+                                                         (64, 480, 640), (3, 33, 50)])
+@pytest.mark.parametrize("cap", [None, 768, 4])
+def test_video_resize_equals_transformers(frames, height, width, cap):
+    """The frame size of a video, with and without the per-frame cap, under the published
+    limits and the tiny ones: transformers' own function and token count."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as reference
+
+    from vlmd_qwen3_vl.video import capped_max_pixels, smart_resize
+
+    for low, high in ((4096, 25165824), (8 * 1024, 256 * 1024)):
+        max_pixels = capped_max_pixels(frames, low, high, 32, cap)
+        ours = smart_resize(frames, height, width, 2, 32, low, max_pixels)
+        assert ours == reference(frames, height, width, 2, 32, low, max_pixels)
+        processor = Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high},
+                                          cap_pixels_per_frame=cap is not None, max_video_tokens=cap)
+        patches = processor.get_num_of_video_patches(frames, height, width)
+        assert patches == -(-frames // 2) * (ours[0] // 16) * (ours[1] // 16)  # frame pairs x patches
+
+
+def test_timestamps_equal_transformers():
+    """Pair times from frame times, odd counts repeating the last frame, rounded as
+    ``Qwen3VLProcessor`` rounds them."""
+    from transformers import Qwen3VLProcessor
+
+    from vlmd_qwen3_vl.video import pair_times
+
+    for indices, fps in (([0, 7, 15], 29.97), ([0, 1, 2, 3], 24), (list(range(0, 600, 40)), 30000 / 1001),
+                         ([5, 6], 4.0)):
+        theirs = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, 2)
+        ours = pair_times([index / fps for index in indices], 2)
+        assert [f"{t:.1f}" for t in ours] == [f"{t:.1f}" for t in theirs] and ours == theirs
+
+
+def test_video_bad_input_and_identity(tiny_qwen3_vl_dir):
+    """One frame is no pair (transformers refuses it too); the same frames at other times
+    are another item; a bare marker (warm-up, profile) expands without a wrapper."""
+    from vlmd.errors import BadRequestError
+    from vlmd.media.video import VideoFrames
+
+    processor = _processor(tiny_qwen3_vl_dir)
+    with pytest.raises(BadRequestError, match="at least 2 frames"):
+        processor.process_item("video", _video(1, 64, 64), {})
+    frames = _video(4, 64, 64)
+    assert processor.identifier("video", frames, {}) != processor.identifier(
+        "video", VideoFrames.of(frames, 2.0, [0, 2, 4, 6], 4.0), {})
+    marker = processor.info.marker_token_id("video")
+    output = processor.apply([marker, 7], {"video": [frames]})
+    assert len(output.prompt_token_ids) == 1 + len(processor.process_item("video", frames, {}).replacement)
+
+
+def test_video_dummy_is_the_largest_and_its_rows_interleave_text(tiny_qwen3_vl_dir):
+    """The profile's video holds the most placeholders a server video can; the model's rows
+    for it put each pair's vision rows where its placeholders are and the text between pairs
+    as its own embeddings with zero DeepStack parts."""
+    from vlmd_qwen3_vl.model import Qwen3VLModel
+    from vlmd_qwen3_vl.processing import Qwen3VLDummyInputsBuilder
+
+    processor = _processor(tiny_qwen3_vl_dir)
+    dummy = Qwen3VLDummyInputsBuilder(processor.info).dummy_item("video")
+    assert len(dummy) == 32
+    processed = processor.process_item("video", dummy, {})
+    pairs, per_pair = 16, processed.encoder_inputs["grid_thw"][1] * processed.encoder_inputs["grid_thw"][2] // 4
+    assert pairs * per_pair == 256 * 1024 // (2 * 32 * 32)  # all of max_pixels
+    config = AutoConfig.from_pretrained(tiny_qwen3_vl_dir)
+    model = Qwen3VLModel.load(tiny_qwen3_vl_dir, config, torch.float32)
+    frames = _video(4, 64, 64)
+    item = processor.process_item("video", frames, {})
+    (rows,) = model.embed_multimodal("video", [item.encoder_inputs])
+    assert rows.shape == (item.num_placeholders, model.encoder_output_width)
+    span = item.replacement[item.placeholder_offset : item.placeholder_offset + item.num_placeholders]
+    text = [i for i, token in enumerate(span) if token != config.video_token_id]
+    hidden = model.hidden_size
+    assert len(text) == len(item.encoder_inputs["between"][0]) and not rows[text, hidden:].any()
+    torch.testing.assert_close(rows[text, :hidden], model.embed_input_ids(torch.tensor([span[i] for i in text])))
+    assert rows[[i for i in range(len(span)) if i not in text], hidden:].abs().sum(-1).gt(0).all()
+
+
+def test_decoded_video_carries_its_frame_indices_and_rate():
+    """What the timestamps are computed from: the kept frames' source indices and the rate."""
+    from conftest import make_video
+    from vlmd.media.policy import MediaPolicy
+    from vlmd.media.video import decode_video
+
+    video = decode_video(make_video(16, fps=8), MediaPolicy(video_num_frames=8))
+    assert video.frame_indices == (0, 2, 4, 6, 8, 10, 12, 14) and video.source_fps == 8.0

@@ -14,7 +14,9 @@ counts it (``frames_to_keep``), still bounded by ``num_frames``.
 
 The frames remember the rate they stand for (``VideoFrames.sampled_fps``: frames kept per
 second of video, transformers' ``VideoMetadata.sampled_fps``), for families whose positions
-follow absolute time.
+follow absolute time, and which frames of the source they are at what rate
+(``frame_indices``, ``source_fps``: transformers' ``frames_indices`` and ``fps``), for
+families whose prompt writes each frame's time.
 """
 
 from __future__ import annotations
@@ -40,18 +42,26 @@ ALLOWED_CONTAINERS = frozenset(
 class VideoFrames(np.ndarray):
     """``[frames, height, width, 3]`` uint8 RGB frames, an ndarray to every reader, that also
     carry ``sampled_fps``: kept frames per second of the source (kept / total x the stream's
-    rate), None when the container names no rate."""
+    rate), None when the container names no rate; ``frame_indices``: each kept frame's index
+    in the source (None: unknown); ``source_fps``: the stream's rate (None: unnamed)."""
 
     sampled_fps: float | None
+    frame_indices: tuple[int, ...] | None
+    source_fps: float | None
 
     @classmethod
-    def of(cls, frames: np.ndarray, sampled_fps: float | None) -> "VideoFrames":
+    def of(cls, frames: np.ndarray, sampled_fps: float | None, frame_indices: tuple[int, ...] | None = None,
+           source_fps: float | None = None) -> "VideoFrames":
         video = np.asarray(frames).view(cls)
         video.sampled_fps = sampled_fps
+        video.frame_indices = None if frame_indices is None else tuple(int(index) for index in frame_indices)
+        video.source_fps = source_fps
         return video
 
     def __array_finalize__(self, source) -> None:
         self.sampled_fps = getattr(source, "sampled_fps", None)
+        self.frame_indices = getattr(source, "frame_indices", None)
+        self.source_fps = getattr(source, "source_fps", None)
 
 
 def load_video(url: str, policy: MediaPolicy) -> np.ndarray:
@@ -96,7 +106,7 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
         raise MediaError("video has no decodable frames")
     # The header may promise more frames than the stream holds: keep what was decoded.
     kept = np.stack(frames[: even_frame_count(len(frames))])
-    return VideoFrames.of(kept, None if rate is None else len(indices) / total * rate)
+    return VideoFrames.of(kept, None if rate is None else len(indices) / total * rate, indices[: len(kept)], rate)
 
 
 # transformers' video processors sample at least this many frames by rate (their min_frames).

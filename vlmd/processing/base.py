@@ -51,6 +51,9 @@ class ItemSize:
     height: int = 0
     frames: int = 1  # a video's frames after the decoder's sampling; 1 for an image
     seconds: float = 0.0  # an audio window's length
+    # A video's kept frames' times in the source (index / source rate, in seconds), for a
+    # family whose prompt writes them (Qwen3-VL); empty when the caller has none.
+    frame_times: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

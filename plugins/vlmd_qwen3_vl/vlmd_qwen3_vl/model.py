@@ -33,6 +33,7 @@ from vlmd.models.qwen3 import Qwen3ForCausalLM
 from vlmd_qwen2_vl.model import patchify
 from vlmd_qwen3_vl.positions import PositionTable
 from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, read_settings
+from vlmd_qwen3_vl.video import interleave_rows
 
 # Checkpoint prefixes (transformers 5 layout, and the published one) -> ours.
 _PREFIXES = (
@@ -114,9 +115,11 @@ class Qwen3VLModel(nn.Module):
         return ["visual"]
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """One vision-tower pass over all items; per item ``[tokens, hidden * (1 + deepstack)]``."""
+        """One vision-tower pass over all items; per item ``[tokens, hidden * (1 + deepstack)]``.
+        A video's rows run over its whole span: each frame pair's rows, and between pairs the
+        rows of the timestamp text there (``video.py``)."""
         if self.visual is None:
-            raise ValueError("this Qwen3-VL's vision tower is off (--limit-mm-per-prompt image=0)")
+            raise ValueError("this Qwen3-VL's vision tower is off (--limit-mm-per-prompt image=0,video=0)")
         if modality not in self.settings:
             raise ValueError(f"Qwen3-VL does not encode {modality}")
         settings = self.settings[modality]
@@ -129,7 +132,13 @@ class Qwen3VLModel(nn.Module):
         out = self.visual(torch.cat(patches).to(dtype), grid_thw=grids)
         rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
         sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
-        return list(rows.split(sizes))
+        outputs = list(rows.split(sizes))
+        if modality == "video":
+            for index, (inputs, grid) in enumerate(zip(encoder_inputs, grids.tolist())):
+                pairs = list(outputs[index].split(grid[1] * grid[2] // settings.merge_size**2))
+                between = [self.embed_input_ids(torch.as_tensor(ids, device=device)) for ids in inputs["between"]]
+                outputs[index] = interleave_rows(pairs, between, self.encoder_output_width)
+        return outputs
 
     def merge_multimodal(self, inputs_embeds: torch.Tensor, rows: torch.Tensor,
                          features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,13 +4,15 @@ An image is resized by Qwen2-VL's code, as transformers' ``Qwen2VLImageProcessor
 Qwen3-VL checkpoints name) does: bicubic, to the smart-resize size (``settings.py``), into
 uint8 ``[1, 3, H, W]`` (one frame); rescale, normalisation and patchify happen later on the
 device (``model.py``), so the processor cache holds uint8 pixels. Each 2x2 block of 16-px
-patches is one placeholder. Qwen3-VL's own parts are its modalities (images), its encoder
-rows (DeepStack) and its positions (``positions.py``).
+patches is one placeholder. Qwen3-VL's own parts are its video (frame pairs under their
+timestamps, ``video.py``), its encoder rows (DeepStack) and its positions (``positions.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from vlmd.errors import BadRequestError
 from vlmd.processing.base import (
@@ -20,10 +22,24 @@ from vlmd.processing.base import (
     ItemTokens,
     ProcessedItem,
 )
+from vlmd.processing.hashing import item_identifier
 from vlmd.types import MultiModalItem
 from vlmd_qwen2_vl.processing import Qwen2VLDummyInputsBuilder, grid_thw, resize_frames
 from vlmd_qwen3_vl.positions import PositionTable, qwen3_vl_positions
-from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings
+from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings, read_video_cap
+from vlmd_qwen3_vl.video import (
+    DEFAULT_FPS,
+    FrameLayout,
+    capped_max_pixels,
+    collapse_wrappers,
+    frame_layout,
+    frame_times,
+    pair_times,
+    resize_video,
+    smart_resize,
+)
+
+DEFAULT_NUM_FRAMES = 32  # vlmd.media.policy.MediaPolicy.video_num_frames
 
 
 class Qwen3VLProcessingInfo(BaseProcessingInfo):
@@ -31,6 +47,10 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
         super().__init__(ctx)
         self.settings = {modality: read_settings(ctx.model_dir, modality) for modality in MODALITIES}
         self.merge_size = int(ctx.hf_config.vision_config.spatial_merge_size)
+        self.video_cap = read_video_cap(ctx.model_dir)
+        config = ctx.hf_config
+        self.vision_start_id, self.vision_end_id = int(config.vision_start_token_id), int(config.vision_end_token_id)
+        self._timestamp_ids: dict[str, list[int]] = {}
 
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {modality: None for modality in MODALITIES}
@@ -44,11 +64,56 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
         return self.settings[modality].with_kwargs(self.ctx.mm_processor_kwargs)
 
     def item_tokens(self, modality: str, size: ItemSize, kwargs: dict[str, Any]) -> ItemTokens:
-        """An image smart-resized, its 2x2 patches merged into one token."""
+        """An image smart-resized, its 2x2 patches merged into one token. A video: each frame
+        pair's timestamp and bracketed placeholders, less the template's two brackets its
+        expansion replaces (``video.py``); its span (placeholders and encoder rows) runs
+        from the first pair's placeholders to the last's."""
         if modality not in self.settings:
             raise BadRequestError(f"Qwen3-VL here takes {', '.join(MODALITIES)}, not {modality}")
+        if modality == "video":
+            layout, pairs, per_pair, times = self.video_layout(size, kwargs)
+            return ItemTokens(replacement=len(layout.replacement) - 2, placeholders=layout.span_length,
+                              encoder_tokens=layout.span_length,
+                              layout={"frames": size.frames, "frame_pairs": pairs, "tokens_per_pair": per_pair,
+                                      "timestamps": [f"{time:.1f}" for time in times]})
         count = num_tokens(size.height, size.width, self.settings[modality].with_kwargs(kwargs))
         return ItemTokens(replacement=count, placeholders=count, encoder_tokens=count)
+
+    def video_size(self, size: ItemSize, settings: VisionSettings) -> tuple[int, int]:
+        """(height, width) of every frame of a video of ``size`` under ``settings``."""
+        max_pixels = capped_max_pixels(size.frames, settings.min_pixels, settings.max_pixels, settings.factor,
+                                       self.video_cap)
+        return smart_resize(size.frames, size.height, size.width, settings.temporal_patch_size, settings.factor,
+                            settings.min_pixels, max_pixels)
+
+    def video_layout(self, size: ItemSize, kwargs: dict[str, Any]) -> tuple[FrameLayout, int, int, list[float]]:
+        """(layout, frame pairs, placeholders per pair, pair times) of a video of ``size``;
+        frames without times count as frames 0, 1, ... at 24 fps, as transformers counts
+        bare frames."""
+        settings = self.settings["video"].with_kwargs(kwargs)
+        height, width = self.video_size(size, settings)
+        times = size.frame_times or tuple(index / DEFAULT_FPS for index in range(size.frames))
+        if len(times) != size.frames:
+            raise ValueError(f"{len(times)} frame times for {size.frames} frames")
+        pairs = -(-size.frames // settings.temporal_patch_size)
+        per_pair = (height // settings.factor) * (width // settings.factor)
+        times = pair_times(times, settings.temporal_patch_size)
+        layout = frame_layout(self.timestamp_ids, times, per_pair, self.vision_start_id, self.vision_end_id,
+                              self.marker_token_id("video"))
+        return layout, pairs, per_pair, times
+
+    def timestamp_ids(self, text: str) -> list[int]:
+        """The ids of one timestamp, tokenized on its own (``video.py``), once per text."""
+        ids = self._timestamp_ids.get(text)
+        if ids is None:
+            if self.ctx.tokenizer is None:
+                raise ValueError("Qwen3-VL video counts need the checkpoint's tokenizer (its timestamps are text)")
+            ids = self._timestamp_ids[text] = list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
+        return ids
+
+    def video_num_frames(self) -> int:
+        video = self.ctx.media_io_kwargs.get("video") or {}
+        return int(video.get("num_frames", DEFAULT_NUM_FRAMES))
 
     def encoder_output_width(self) -> int:
         """Each placeholder's vector and one per DeepStack layer (``model.py``)."""
@@ -71,6 +136,8 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
                 f"mm_processor_kwargs.max_pixels {settings.max_pixels} exceeds this server's {modality} "
                 f"limit of {self.ceiling[modality]} pixels", param="mm_processor_kwargs",
             )
+        if modality == "video":
+            return self.process_video(media, settings, kwargs)
         width, height = media.size
         tokens = self.info.item_tokens(modality, ItemSize(width, height), kwargs)
         pixels = resize_frames([media], settings)
@@ -82,6 +149,42 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
         return ProcessedItem(encoder_inputs={"pixels": pixels, "grid_thw": grid},
                              replacement=[self.info.marker_token_id(modality)] * tokens.replacement)
 
+    def process_video(self, video: Any, settings: VisionSettings, kwargs: dict[str, Any]) -> ProcessedItem:
+        frames = np.asarray(video)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+            raise BadRequestError("a video must decode to one or more RGB frames")
+        size = ItemSize(frames.shape[2], frames.shape[1], len(frames), frame_times=frame_times(video))
+        layout, pairs, per_pair, _ = self.info.video_layout(size, kwargs)
+        height, width = self.info.video_size(size, settings)
+        pixels = resize_video(frames, height, width, settings.resample)
+        grid = grid_thw(pixels.shape, settings)
+        if grid[0] != pairs or grid[1] * grid[2] // settings.merge_size**2 != per_pair:
+            raise RuntimeError(f"video grid {grid} does not give the {pairs} x {per_pair} tokens the layout says")
+        return ProcessedItem(
+            encoder_inputs={"pixels": pixels, "grid_thw": grid,
+                            "between": [np.asarray(ids, dtype=np.int64) for ids in layout.between]},
+            replacement=list(layout.replacement),  # the layout may be cached: the item gets its own list
+            placeholder_offset=layout.span_start,
+            num_placeholders=layout.span_length,
+        )
+
+    def identifier(self, modality: str, media: Any, kwargs: dict[str, Any]) -> str:
+        """A video's frame times are written into its prompt: the same frames at other times
+        are another item (processor cache, encoder cache and prefix cache alike)."""
+        if modality == "video":
+            kwargs = {**kwargs, "frame_times": list(frame_times(media))}
+        return item_identifier(self.info.ctx.model_id, modality, media, kwargs)
+
+    def apply(self, prompt_token_ids: list[int], media: dict[str, list[Any]],
+              kwargs: dict[str, Any] | None = None):
+        """Each video's expansion brackets its frame pairs itself, so the template's bracket
+        pair around its marker goes first (``video.py``)."""
+        if media.get("video"):
+            info = self.info
+            prompt_token_ids = collapse_wrappers(prompt_token_ids, info.vision_start_id, info.marker_token_id("video"),
+                                                 info.vision_end_id)
+        return super().apply(prompt_token_ids, media, kwargs)
+
     def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> PositionTable | None:
         if not items:
             return None  # text only: plain positions are M-RoPE's (p, p, p)
@@ -91,4 +194,16 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
 
 class Qwen3VLDummyInputsBuilder(Qwen2VLDummyInputsBuilder):
     """The most tokens an image may have under the server's settings: Qwen2-VL's worst case,
-    at Qwen3-VL's settings (its processing info serves images only)."""
+    at Qwen3-VL's settings. A video: the server's frame count (at least a pair) at the
+    largest frames whose pixels all together stay within ``max_pixels``."""
+
+    def dummy_item(self, modality: str) -> Any:
+        if modality != "video":
+            return super().dummy_item(modality)
+        settings = self.info.server_settings("video")
+        frames = max(2, self.info.video_num_frames())
+        frames_counted = round(frames / settings.temporal_patch_size) * settings.temporal_patch_size
+        cells = max(1, settings.max_pixels // (frames_counted * settings.factor**2))
+        rows, cols = max(((r, min(cells // r, 200 * r)) for r in range(1, int(cells**0.5) + 1)),
+                         key=lambda grid: (grid[0] * grid[1], grid[0]))
+        return np.full((frames, rows * settings.factor, cols * settings.factor, 3), 255, dtype=np.uint8)

@@ -6,8 +6,9 @@ a ViT over 16-px patches of frame pairs with learned positions (interpolated to 
 Qwen3 text model (q/k RMSNorm per head, GQA) with interleaved M-RoPE. Written to ``out_dir``:
 ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, transformers 5
 names), the tokenizer (Qwen2-VL's tiny one: the same special tokens) with Qwen3-VL's chat
-template for text and images, the image processor's configs and ``vlmd_tiny.json``. Pixel
-limits are small (4..64 tokens an image).
+template for text, images and video, the image and video processors' configs and
+``vlmd_tiny.json``. Pixel limits are small (4..64 tokens an image; a video's frames together
+8..256 32-px cells, at most 128 tokens).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ TEMPORAL_PATCH_SIZE = 2
 FACTOR = PATCH_SIZE * MERGE_SIZE  # 32: resized sides are multiples of this
 IMAGE_MIN_PIXELS = 4 * FACTOR * FACTOR
 IMAGE_MAX_PIXELS = 64 * FACTOR * FACTOR
+# Qwen3VLVideoProcessor's limits bound all of a video's frames together.
+VIDEO_MIN_PIXELS = 8 * FACTOR * FACTOR
+VIDEO_MAX_PIXELS = 256 * FACTOR * FACTOR
 HALF = [0.5, 0.5, 0.5]
 # Low, as the Qwen2-VL tiny's (see there): every M-RoPE row turns by radians across an image.
 ROPE_THETA = 100.0
 
-# Qwen3-VL-Instruct's chat template for text and images (its tool and reasoning branches left
+# Qwen3-VL-Instruct's chat template for text, images and video (its tool and reasoning branches left
 # out): no default system turn, content parts in order.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -95,8 +99,9 @@ def qwen3_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
 
 
 def write_processor_files(out: Path, tokenizer) -> None:
-    """The tokenizer with Qwen3-VL's template, and the image processor's configs: the
-    ``Qwen2VLImageProcessor`` Qwen3-VL checkpoints name, at 16-px patches, mean = std = 0.5."""
+    """The tokenizer with Qwen3-VL's template, and the processors' configs: the
+    ``Qwen2VLImageProcessor`` Qwen3-VL checkpoints name, at 16-px patches, mean = std = 0.5,
+    and the ``Qwen3VLVideoProcessor`` (written as JSON: its class needs torchvision to run)."""
     write_tokenizer(out, tokenizer, CHAT_TEMPLATE,
                     extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
                     additional_special_tokens=SPECIAL_TOKENS[1:])
@@ -107,8 +112,17 @@ def write_processor_files(out: Path, tokenizer) -> None:
         "size": {"shortest_edge": IMAGE_MIN_PIXELS, "longest_edge": IMAGE_MAX_PIXELS},
         "image_processor_type": "Qwen2VLImageProcessor",
     }
+    video = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": HALF, "image_std": HALF, "merge_size": MERGE_SIZE, "patch_size": PATCH_SIZE,
+        "resample": 3, "rescale_factor": 1 / 255, "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }
     write_json(out / "preprocessor_config.json", {**image, "processor_class": "Qwen3VLProcessor"})
-    write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor", "image_processor": image})
+    write_json(out / "video_preprocessor_config.json", {**video, "processor_class": "Qwen3VLProcessor"})
+    write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor", "image_processor": image,
+                                               "video_processor": video})
 
 
 def build_tiny_qwen3_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
@@ -137,6 +151,7 @@ def build_tiny_qwen3_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         "family": "qwen3_vl", "size": size, "seed": int(seed),
         "num_parameters": int(sum(p.numel() for p in model.parameters())), "vocab_size": len(tokenizer),
         "eos_token_ids": eos_ids, "pad_token_id": ids["<|endoftext|>"], "image_token_id": ids["<|image_pad|>"],
-        "image_min_pixels": IMAGE_MIN_PIXELS, "image_max_pixels": IMAGE_MAX_PIXELS,
+        "video_token_id": ids["<|video_pad|>"], "image_min_pixels": IMAGE_MIN_PIXELS,
+        "image_max_pixels": IMAGE_MAX_PIXELS, "video_min_pixels": VIDEO_MIN_PIXELS, "video_max_pixels": VIDEO_MAX_PIXELS,
     })
     return out
