@@ -120,9 +120,9 @@ def default_model_dir() -> Path:
     return target
 
 
-def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> None:
+def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info", max_connections: int | None = None) -> None:
+    """``max_connections``: the bound found by ``connection_bound`` (default: found here)."""
     import uvloop
-    from aiohttp import web
 
     from vlmd.engine.async_engine import AsyncEngine
     from vlmd.engine.builder import build_engine, warm_up
@@ -130,9 +130,12 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
     from vlmd.engine.worker import EngineWorker
     from vlmd.server.admission import Admission
     from vlmd.server.app import create_app
+    from vlmd.server.connections import ConnectionBound, connection_bound
     from vlmd.server.metrics import Metrics
+    from vlmd.server.run import run
     from vlmd.server.state import ServerState
 
+    bound = ConnectionBound(max_connections or connection_bound(config.max_connections))
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     # Built and stepped on one thread, the only one whose torch ops run in parallel
@@ -193,12 +196,13 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
         grammar_queue=grammar_queue,
     )
     app = create_app(state)
-    app.on_startup.append(_announce_ready(config))
     executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
     log.info("serving", model=config.model_name, url=_url(config))
     try:
-        web.run_app(app, sock=sock, loop=loop, handler_cancellation=True, access_log=None, print=None,
-                    keepalive_timeout=config.keepalive_timeout)
+        # The line an operator waits for: the loop runs and the socket is served.
+        run(app, sock, loop, bound=bound, keepalive_timeout=config.keepalive_timeout,
+            on_ready=lambda: log.info("ready", url=_url(config), model=config.model_name,
+                                      max_connections=bound.bound))
     finally:
         worker.stop()
         executor.shutdown()
@@ -219,13 +223,6 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info") -> 
 def _url(config: ServeConfig) -> str:
     host = f"[{config.host}]" if ":" in config.host else config.host
     return f"http://{host}:{config.port}"
-
-
-def _announce_ready(config: ServeConfig):
-    """The line an operator waits for: the event loop is running and the first request is served."""
-    async def announce(app) -> None:
-        log.info("ready", url=_url(config), model=config.model_name)
-    return announce
 
 
 # Seconds between a fatal engine failure and the exit: in-flight requests get their errors first.
@@ -269,12 +266,15 @@ def _serve_command(args: argparse.Namespace) -> None:
                           config.dtype, config.torch_threads, args.log_level, config.linear_kernels,
                           config.attention_kernels))
     sock = bind_socket(config.host, config.port)
+    from vlmd.server.connections import connection_bound
+
+    max_connections = connection_bound(config.max_connections)  # an explicit bound the host cannot hold fails here
     if args.model is None:
         # On a thread that ends: the tiny build's torch ops leave no OpenMP team (engine_thread.py).
         with ThreadPoolExecutor(1) as once:
             config.model = str(once.submit(default_model_dir).result())
         config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
-    serve(config, sock, args.log_level)
+    serve(config, sock, args.log_level, max_connections)
 
 
 def main(argv: list[str] | None = None) -> None:

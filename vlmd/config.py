@@ -159,6 +159,12 @@ class ServeConfig:
     keepalive_timeout: float = setting(
         5.0, "seconds an idle keep-alive connection stays open between requests (uvicorn's default, so vLLM's)",
         minimum=0)
+    max_connections: int | None = setting(
+        None, "open client connections served at once; past it 16 more may ask /health, /ping, /metrics or "
+        "/get_load (one answer each; anything else a 503), and further ones are closed as accepted. Each holds a "
+        "file descriptor, and a process out of them accepts no one, monitors included (default: 4096, the "
+        "open-file limit raised to fit it and 272 descriptors more, up to the hard limit; below that, what fits)",
+        minimum=1)
     # Structured outputs: a grammar's compile time grows faster than its size (llguidance,
     # tiny LLaVA's tokenizer, AMD EPYC fam 25 model 1: 1,000 / 4,000 / 16,000 choices in
     # 0.02 / 0.08 / 0.87 s; 100,000 took 51 s and then panicked, issue 36).
