@@ -15,10 +15,10 @@ projector and a Llama text model, here with GQA and ``rope_theta=500000``.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import finish_tokenizer_config, restamp_json, save_model, write_json
+from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "build_tiny_llava", "LLAVA_CHAT_TEMPLATE"]
 
@@ -38,26 +38,14 @@ SIZES: dict[str, dict] = {
     "tiny": {
         "vocab_size": 4096,
         "vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4),
-        "text": dict(
-            hidden_size=64,
-            intermediate_size=172,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-        ),
+        "text": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=2048),
     },
     "small": {
         "vocab_size": 8192,
         "vision": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8),
-        "text": dict(
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=9,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-        ),
+        "text": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=9, num_attention_heads=12,
+                     num_key_value_heads=4, max_position_embeddings=4096),
     },
 }
 
@@ -104,107 +92,31 @@ LLAVA_CHAT_TEMPLATE = (
 # Words mixed into the tokenizer corpus so that template keywords are compact tokens.
 _EXTRA_WORDS = ("USER:", "ASSISTANT:", "USER", "ASSISTANT", "What", "Describe", "image")
 
+# vlmd.tiny.weights' rule; CLIP's class and position embeddings at 0.5, its patch embedding
+# sharp like q/k.
+PARAM_STD = StdRule(fixed=[(("class_embedding", "position_embedding.weight"), 0.0, 0.5)],
+                    gains=[(("patch_embedding.weight",), 1.0)])
+
 
 def _build_tokenizer(seed: int, vocab_size: int):
     from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
-        seed=seed,
-        vocab_size=vocab_size,
-        leading_special_tokens=LEADING_SPECIALS,
-        trailing_special_tokens=TRAILING_SPECIALS,
-        unk_token="<unk>",
-        extra_words=_EXTRA_WORDS,
+        seed=seed, vocab_size=vocab_size, leading_special_tokens=LEADING_SPECIALS,
+        trailing_special_tokens=TRAILING_SPECIALS, unk_token="<unk>", extra_words=_EXTRA_WORDS,
         tokenizer_kwargs=dict(
-            bos_token="<s>",
-            eos_token="</s>",
-            unk_token="<unk>",
-            pad_token="<pad>",
-            extra_special_tokens=["<image>"],
-            model_max_length=4096,
-            padding_side="left",
-            clean_up_tokenization_spaces=False,
+            bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_special_tokens=["<image>"],
+            model_max_length=4096, padding_side="left", clean_up_tokenization_spaces=False,
             chat_template=LLAVA_CHAT_TEMPLATE,
         ),
     )
 
 
-def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
-    """(mean, std) of the normal distribution a parameter is drawn from."""
-    if is_norm:
-        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
-    if len(shape) == 1 and not name.endswith("class_embedding"):
-        return 0.0, 0.02  # biases
-    if name.startswith("lm_head"):
-        return 0.0, 2.0 / math.sqrt(text_hidden)
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    if name.endswith("class_embedding") or name.endswith("position_embedding.weight"):
-        return 0.0, 0.5
-    fan_in = math.prod(shape[1:])
-    if name.endswith(("q_proj.weight", "k_proj.weight")):
-        return 0.0, 1.0 / math.sqrt(fan_in)
-    if name.endswith("patch_embedding.weight"):
-        return 0.0, 1.0 / math.sqrt(fan_in)
-    return 0.0, 0.5 / math.sqrt(fan_in)
-
-
-def _init_weights(model, seed: int, special_ids: list[int]) -> None:
-    """Overwrite every parameter from a seeded generator (independent of torch's global RNG).
-
-    Plain N(0, 0.02) everywhere gives near-uniform attention and a model that, at the "small"
-    width, repeats one token forever; parity tests then prove little.  So the std is chosen per
-    tensor (see ``_param_std``): fan-in scaled weights (q/k at 1/sqrt(fan_in) so attention is
-    sharp and position dependent, other projections at 0.5/sqrt(fan_in)), unit-std token
-    embeddings, CLIP class/position embeddings at 0.5, biases N(0, 0.02), norm weights
-    1 + N(0, 0.1) (so a loader that drops a norm weight or a bias is caught), and ``lm_head`` at
-    2/sqrt(hidden) so the logits have std ~2 and greedy top-1/top-2 gaps are far above float32
-    noise.  The ``lm_head`` rows of special/added tokens are zeroed: their logit is exactly 0
-    while the max over thousands of ordinary tokens is well above 0, so greedy decoding emits
-    ordinary text only.  Parameters are drawn in sorted-name order from one generator.
-    """
-    import torch
-
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int(seed))
-    norm_param_names: set[str] = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            for p_name, _ in mod.named_parameters(recurse=False):
-                norm_param_names.add(f"{mod_name}.{p_name}" if mod_name else p_name)
-
-    text_hidden = model.config.text_config.hidden_size
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            mean, std = _param_std(name, tuple(param.shape), name in norm_param_names, text_hidden)
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean
-            param.copy_(values)
-        lm_head = model.get_output_embeddings().weight
-        lm_head[special_ids] = 0.0
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def _normalize_json_files(out: Path) -> None:
-    """Rewrite the json files with sorted keys (stable bytes) and add the 4.x special-token keys."""
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    # Extra special tokens in both layouts: transformers 5 writes a list under
-    # "extra_special_tokens", which transformers 4.x rejects ('list' object has no attribute
-    # 'keys'); 4.x wants a dict of named tokens there and a list under
-    # "additional_special_tokens".  The dict form is read by both (and gives tokenizer.image_token).
-    tok_cfg["extra_special_tokens"] = {"image_token": "<image>"}
-    tok_cfg["additional_special_tokens"] = ["<image>"]
-    # transformers 5 writes "TokenizersBackend", unknown to 4.x; both map this name to their
-    # tokenizers-backed class.
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    # No automatic bos/eos: the chat template writes bos (see LLAVA_CHAT_TEMPLATE).
-    tok_cfg["add_bos_token"] = False
-    tok_cfg["add_eos_token"] = False
-    tok_cfg["chat_template"] = LLAVA_CHAT_TEMPLATE
-    _write_json(tok_cfg_path, tok_cfg)
+    """Rewrite the json files the processor saved with sorted keys (stable bytes) and add the
+    4.x special-token keys. No automatic bos: the chat template writes it (LLAVA_CHAT_TEMPLATE)."""
+    tok_cfg = finish_tokenizer_config(out, LLAVA_CHAT_TEMPLATE, extra_special_tokens={"image_token": "<image>"},
+                                      additional_special_tokens=["<image>"])
 
     stm_path = out / "special_tokens_map.json"
     if stm_path.exists():
@@ -215,7 +127,7 @@ def _normalize_json_files(out: Path) -> None:
         if tok_cfg.get(key) is not None:
             stm.setdefault(key, tok_cfg[key])
     stm["additional_special_tokens"] = list(TRAILING_SPECIALS[:1])
-    _write_json(stm_path, stm)
+    write_json(stm_path, stm)
 
     # transformers 5 keeps rope_theta inside rope_parameters; transformers 4.x (and other
     # loaders) read text_config.rope_theta and would silently fall back to 10000.  Write both.
@@ -224,12 +136,8 @@ def _normalize_json_files(out: Path) -> None:
     rope = cfg["text_config"].get("rope_parameters") or {}
     if "rope_theta" in rope:
         cfg["text_config"]["rope_theta"] = rope["rope_theta"]
-    _write_json(cfg_path, cfg)
-
-    for name in ("generation_config.json", "processor_config.json"):
-        p = out / name
-        if p.exists():
-            _write_json(p, json.loads(p.read_text(encoding="utf-8")))
+    write_json(cfg_path, cfg)
+    restamp_json(out, "generation_config.json", "processor_config.json")
 
 
 def llava_config(size: str, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, image_id: int):
@@ -238,35 +146,18 @@ def llava_config(size: str, *, vocab_size: int, bos_id: int, eos_id: int, pad_id
 
     spec = SIZES[size]
     vision_config = CLIPVisionConfig(
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-        num_channels=3,
-        hidden_act="quick_gelu",
-        layer_norm_eps=1e-5,
-        projection_dim=spec["vision"]["hidden_size"],
-        **spec["vision"],
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, num_channels=3, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+        projection_dim=spec["vision"]["hidden_size"], **spec["vision"],
     )
     text_config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        tie_word_embeddings=False,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        **spec["text"],
+        vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, tie_word_embeddings=False,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, **spec["text"],
     )
     config = LlavaConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_index=image_id,
-        image_seq_length=NUM_IMAGE_TOKENS,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        multimodal_projector_bias=True,
-        tie_word_embeddings=False,
+        vision_config=vision_config, text_config=text_config, image_token_index=image_id,
+        image_seq_length=NUM_IMAGE_TOKENS, projector_hidden_act="gelu", vision_feature_select_strategy="default",
+        vision_feature_layer=-2, multimodal_projector_bias=True, tie_word_embeddings=False,
     )
     config.architectures = ["LlavaForConditionalGeneration"]
     return config
@@ -288,7 +179,6 @@ def build_tiny_llava(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random LLaVA-1.5 checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
     from transformers import CLIPImageProcessorPil, GenerationConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     spec = SIZES[size]
@@ -304,10 +194,7 @@ def build_tiny_llava(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         size, vocab_size=len(tokenizer), bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, image_id=image_id
     )
 
-    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
-    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
-    special_ids = sorted(ids.values())
-    _init_weights(model, seed, special_ids)
+    model = random_model(LlavaForConditionalGeneration, config, seed, PARAM_STD, sorted(ids.values()))
     n_params = sum(p.numel() for p in model.parameters())
 
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
@@ -315,48 +202,29 @@ def build_tiny_llava(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     save_model(model, out)
 
     image_processor = CLIPImageProcessorPil(
-        do_resize=True,
-        size={"shortest_edge": IMAGE_SIZE},
-        resample=3,  # PIL bicubic
-        do_center_crop=True,
-        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        do_rescale=True,
-        rescale_factor=1 / 255,
-        do_normalize=True,
-        image_mean=OPENAI_CLIP_MEAN,
-        image_std=OPENAI_CLIP_STD,
+        do_resize=True, size={"shortest_edge": IMAGE_SIZE}, resample=3,  # PIL bicubic
+        do_center_crop=True, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_rescale=True,
+        rescale_factor=1 / 255, do_normalize=True, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
         do_convert_rgb=True,
     )
     processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        image_token="<image>",
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token="<image>",
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
     # transformers 4.x reads the image processor from preprocessor_config.json.
     ip_dict = image_processor.to_dict()
     ip_dict["processor_class"] = "LlavaProcessor"
-    _write_json(out / "preprocessor_config.json", ip_dict)
+    write_json(out / "preprocessor_config.json", ip_dict)
     _normalize_json_files(out)
 
-    _write_json(
+    write_json(
         out / "vlmd_tiny.json",
         {
-            "family": "llava",
-            "size": size,
-            "seed": int(seed),
-            "num_parameters": int(n_params),
-            "vocab_size": len(tokenizer),
-            "bos_token_id": bos_id,
-            "eos_token_id": eos_id,
-            "pad_token_id": pad_id,
-            "unk_token_id": ids["<unk>"],
-            "image_token_id": image_id,
-            "num_image_tokens": NUM_IMAGE_TOKENS,
+            "family": "llava", "size": size, "seed": int(seed), "num_parameters": int(n_params),
+            "vocab_size": len(tokenizer), "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "unk_token_id": ids["<unk>"], "image_token_id": image_id, "num_image_tokens": NUM_IMAGE_TOKENS,
         },
     )
     return out
