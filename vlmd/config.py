@@ -69,6 +69,8 @@ def _comma_list(text: str) -> tuple[str, ...] | None:
 # take them validate against these.
 LINEAR_KERNEL_MODES = ("auto", "plain", "packed", "native")
 ATTENTION_KERNEL_MODES = ("auto", "torch")
+# The values of --quantization (layers/linear/quantize.py).
+QUANTIZATIONS = ("none", "int8")
 
 # The KV cache of a CPU server given no size and no --memory-utilization (engine/sizing.py);
 # `vlmd cost` without --memory-gb sizes its cache the same way.
@@ -87,6 +89,10 @@ class ServeConfig:
         "auto", "how linear layers pick their kernel: auto (timed at start-up), plain (F.linear), "
         "packed (oneDNN pre-packed where available), native (pre-packed, and vlmd's CPU kernel "
         "for products of up to 32 rows where it reads the packed weight)", choices=LINEAR_KERNEL_MODES)
+    quantization: str = setting(
+        "none", "weight-only quantization of the decoder's linear layers at load time: none, or int8 (per output "
+        "channel, symmetric, from float32 weights; CPU, --dtype float32; embeddings, LM head and encoders stay "
+        "float; accuracy bound in docs/decisions.md)", choices=QUANTIZATIONS)
     attention_kernels: str = setting(
         "auto", "how attention runs on the CPU: auto (vlmd's CPU kernels, where the install built them, for "
         "decodes and float32 prefill chunks; else torch ops), torch (torch ops only)",

@@ -65,7 +65,8 @@ def text_config_of(hf_config):
 
 
 def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, device: torch.device | None = None,
-               before_device=None, linear_kernels: str = "auto", native_steps: bool = True):
+               before_device=None, linear_kernels: str = "auto", native_steps: bool = True,
+               quantization: str = "none"):
     """The family's model for a checkpoint; ``tp`` (a ``TPGroup``) loads only that rank's shard.
 
     ``before_device(model)`` runs before the move to ``device`` (dropping unused encoders
@@ -83,7 +84,7 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
         model = model.to(device)
     # Last, after the dtype cast and the move: the chosen kernels (CPU only) may hold weights
     # in a packed layout.
-    kernels = select_linear_kernels(model, linear_kernels, native_steps=native_steps)
+    kernels = select_linear_kernels(model, linear_kernels, native_steps=native_steps, quantization=quantization)
     log.info("linear kernels", seconds=kernels["seconds"], shapes={k: v["chosen"] for k, v in kernels["shapes"].items()},
              native_buckets=kernels.get("native_buckets"), native_step_buckets=kernels.get("native_step_buckets"),
              pad_rows=kernels.get("pad_rows"),
@@ -115,6 +116,10 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}")
     dtype = DTYPES[config.dtype]
+    if config.quantization != "none" and (config.dtype != "float32" or config.tensor_parallel_size > 1):
+        # Quantized from float32 weights, by one process: the ranks load their shards themselves.
+        raise ValueError(f"--quantization {config.quantization} needs --dtype float32 and one process "
+                         "(no --tensor-parallel-size)")
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
     # --chat-template (already the template's text: config.py:resolve_chat_template) replaces the checkpoint's.
@@ -180,7 +185,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         before_device=lambda loaded: dropped.extend(drop_unused_encoders(loaded, supported, modalities)),
         linear_kernels=config.linear_kernels,
         # The native decode step also needs the native attention (torch's keeps the modules).
-        native_steps=config.attention_kernels != "torch",
+        native_steps=config.attention_kernels != "torch", quantization=config.quantization,
     )
     # `vlmd cost` sizes caches from info.kv_spec() (a tensor-parallel rank holds its shard).
     if tensor_parallel is None and model.kv_spec != info.kv_spec():

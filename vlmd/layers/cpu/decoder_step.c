@@ -1,6 +1,6 @@
 /* A decode step of a pre-norm decoder (Llama's layer: RMSNorm, fused q/k/v product,
  * rotary, paged attention, output product, RMSNorm, fused gate/up product, SiLU * up,
- * down product) through every layer in one call, float32.
+ * down product) through every layer in one call, float32 activations.
  *
  * Why: a decode step's arithmetic is a few large kernel calls per layer, but each layer
  * also ran ~40 torch ops and ~15 module calls of Python around them: perf of the small
@@ -12,6 +12,13 @@
  *
  * The kernels are the library's own functions (kernels.h), called directly: nothing here
  * duplicates them.
+ *
+ * Weights: each product's panels are float32, bfloat16 or weight-only int8 (one of the
+ * three panel readers: packed_linear.c, quantized_linear.c); the rows, sums, norms and
+ * activations are float32 whatever the weights are, so a bfloat16 or int8 model's step
+ * needs no bfloat16 or int8 instructions and reads half or a quarter of the bytes. The
+ * caches are float32 or bfloat16 (a bfloat16 model's): K and V are rounded to bfloat16 as
+ * they are written, as torch rounds them (to nearest, ties to even).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,17 +26,24 @@
 
 #include "kernels.h"
 
-/* One packed weight (packed_linear.c's panel layout) and its bias (or NULL). */
+enum { WEIGHT_FLOAT32 = 0, WEIGHT_BFLOAT16 = 1, WEIGHT_INT8 = 2 };
+enum { CACHE_FLOAT32 = 0, CACHE_BFLOAT16 = 1 }; /* paged_decode.c's dtype codes */
+
+/* One packed weight (a panel layout of packed_linear.c or quantized_linear.c), its bias
+ * (or NULL) and, for int8, its per-column scales. */
 typedef struct {
-    const float *weight;
+    const void *weight;
     int64_t panel_width, padded_k, out_features, in_features;
     const float *bias;
+    const float *scale;
+    int64_t format; /* WEIGHT_* */
 } Product;
 
 typedef struct {
     const float *input_norm, *post_norm;
     Product qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] float32 */
+    void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] of cache_dtype */
+    int64_t cache_dtype;     /* CACHE_* */
 } Layer;
 
 typedef struct vlmd_decoder {
@@ -54,8 +68,37 @@ enum { STAGE_MEMORY = -1, STAGE_NORM = -2, STAGE_PRODUCT = -3, STAGE_ROTARY = -4
        STAGE_ACTIVATION = -6, STAGE_ARGUMENTS = -7 };
 
 static int product(const Product *p, const float *x, int64_t rows, float *out, int threads) {
-    return vlmd_packed_linear(x, p->in_features, p->weight, p->panel_width, p->padded_k, p->bias, out,
-                              p->out_features, rows, p->out_features, p->in_features, threads);
+    switch (p->format) {
+    case WEIGHT_FLOAT32:
+        return vlmd_packed_linear(x, p->in_features, p->weight, p->panel_width, p->padded_k, p->bias, out,
+                                  p->out_features, rows, p->out_features, p->in_features, threads);
+    case WEIGHT_BFLOAT16:
+        return vlmd_packed_linear_bf16(x, p->in_features, p->weight, p->panel_width, p->padded_k, p->bias, out,
+                                       p->out_features, rows, p->out_features, p->in_features, threads);
+    case WEIGHT_INT8:
+        return vlmd_packed_linear_int8(x, p->in_features, p->weight, p->scale, p->panel_width, p->padded_k, p->bias,
+                                       out, p->out_features, rows, p->out_features, p->in_features, threads);
+    default:
+        return -5;
+    }
+}
+
+/* float32 -> bfloat16, to nearest with ties to even, any NaN the quiet NaN 0x7fc0: torch's rounding. */
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* count floats into a cache row of the layer's dtype, at element offset `at`. */
+static void write_cache(void *cache, int64_t dtype, int64_t at, const float *values, int64_t count) {
+    if (dtype == CACHE_FLOAT32) {
+        memcpy((float *)cache + at, values, sizeof(float) * count);
+        return;
+    }
+    uint16_t *target = (uint16_t *)cache + at;
+    for (int64_t i = 0; i < count; i++) target[i] = to_bf16(values[i]);
 }
 
 /* embeds [rows, hidden] -> out [rows, hidden], the final norm's output; every layer's K/V
@@ -89,11 +132,12 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
                         rows, threads)) { code = STAGE_ROTARY; goto done; }
         for (int64_t r = 0; r < rows; r++) {
             const float *row = qkv + r * qkv_width;
-            memcpy(layer->k_cache + s->slots[r] * kv_size, row + q_size, sizeof(float) * kv_size);
-            memcpy(layer->v_cache + s->slots[r] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+            write_cache(layer->k_cache, layer->cache_dtype, s->slots[r] * kv_size, row + q_size, kv_size);
+            write_cache(layer->v_cache, layer->cache_dtype, s->slots[r] * kv_size, row + q_size + kv_size, kv_size);
             memcpy(queries + r * q_size, row, sizeof(float) * q_size);
         }
-        if (vlmd_paged_decode(queries, layer->k_cache, layer->v_cache, 0, s->block_tables, s->context_lens,
+        if (vlmd_paged_decode(queries, layer->k_cache, layer->v_cache, (int)layer->cache_dtype, s->block_tables,
+                              s->context_lens,
                               attended, (int)rows, (int)d->heads, (int)d->kv_heads, (int)d->head_dim, s->block_size,
                               s->max_blocks, d->num_slots, s->num_groups, s->group_offsets, s->group_members,
                               s->group_tokens, d->scale, (int)threads, 0)) { code = STAGE_ATTENTION; goto done; }

@@ -2,7 +2,7 @@
 decoder in one call, with the kernels the layers would call one by one.
 
 ``NativeDecoder.of(...)`` takes a model's layers as plain parts (norm weights, packed
-products, caches) once; ``decoder(embeds, step)`` runs a step's decodes and returns the
+products of float32, bfloat16 or int8 panels, float32 or bfloat16 caches) once; ``decoder(embeds, step)`` runs a step's decodes and returns the
 final norm's output. The model keeps its module path for everything else (prefill chunks,
 other devices, kernels other than the native ones), and asks ``serves`` per step.
 """
@@ -25,14 +25,19 @@ _STAGES = {-1: "out of memory", -2: "RMSNorm", -3: "a product", -4: "rotary", -5
            -7: "a slot outside the cache"}
 
 
+# decoder_step.c's WEIGHT_* and CACHE_* codes.
+_WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
 class _Product(ctypes.Structure):
     _fields_ = [("weight", _P), ("panel_width", _I64), ("padded_k", _I64), ("out_features", _I64),
-                ("in_features", _I64), ("bias", _P)]
+                ("in_features", _I64), ("bias", _P), ("scale", _P), ("format", _I64)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Product), ("o", _Product), ("gate_up", _Product),
-                ("down", _Product), ("k_cache", _P), ("v_cache", _P)]
+                ("down", _Product), ("k_cache", _P), ("v_cache", _P), ("cache_dtype", _I64)]
 
 
 class _Decoder(ctypes.Structure):
@@ -68,8 +73,9 @@ def _float_rows(t: torch.Tensor | None) -> bool:
 
 @dataclass
 class DecoderLayerParts:
-    """One layer as the step reads it: norm weights [hidden], the four products' packed
-    weights (and biases or None), and its float32 caches [slots, kv_heads, head_dim]."""
+    """One layer as the step reads it: float32 norm weights [hidden], the four products'
+    packed weights (and float32 biases or None), and its float32 or bfloat16 caches
+    [slots, kv_heads, head_dim]."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -87,28 +93,36 @@ class NativeDecoder:
     def of(cls, layers: list[DecoderLayerParts], final_norm: torch.Tensor, *, heads: int, kv_heads: int,
            head_dim: int, intermediate: int, eps: float, scale: float) -> "NativeDecoder | None":
         """The decoder as the kernel reads it, or None where a part is not what it reads
-        (not float32 CPU contiguous, caches of different shapes, a kernel not built)."""
+        (norms and biases not float32 CPU contiguous, caches of different shapes or dtypes,
+        panels of a dtype no reader takes, a kernel not built)."""
         if not available() or not layers:
             return None
-        tensors = [final_norm]
+        tensors, caches = [final_norm], []
         for part in layers:
-            tensors += [part.input_norm, part.post_norm, part.k_cache, part.v_cache] + [b for _, b in part.products]
+            tensors += [part.input_norm, part.post_norm] + [b for _, b in part.products]
+            caches += [part.k_cache, part.v_cache]
         if not all(_float_rows(t) for t in tensors):
             return None
-        shape = layers[0].k_cache.shape
-        if any(p.k_cache.shape != shape or p.v_cache.shape != shape for p in layers) or tuple(shape[1:]) != (kv_heads, head_dim):
+        shape, dtype = caches[0].shape, caches[0].dtype
+        if any(c.shape != shape or c.dtype != dtype or not c.is_cpu or not c.is_contiguous() for c in caches):
+            return None
+        if dtype not in _CACHE_DTYPES or tuple(shape[1:]) != (kv_heads, head_dim):
+            return None
+        if any(panels.dtype not in _WEIGHT_FORMATS for part in layers for panels, _ in part.products):
             return None
         array = (_Layer * len(layers))()
         for slot, part in zip(array, layers):
             slot.input_norm, slot.post_norm = part.input_norm.data_ptr(), part.post_norm.data_ptr()
             for name, (panels, bias) in zip(("qkv", "o", "gate_up", "down"), part.products):
                 setattr(slot, name, _Product(panels.address, panels.panel_width, panels.padded_k, panels.out_features,
-                                             panels.in_features, None if bias is None else bias.data_ptr()))
+                                             panels.in_features, None if bias is None else bias.data_ptr(),
+                                             panels.scale or None, _WEIGHT_FORMATS[panels.dtype]))
             slot.k_cache, slot.v_cache = part.k_cache.data_ptr(), part.v_cache.data_ptr()
+            slot.cache_dtype = _CACHE_DTYPES[dtype]
         hidden = layers[0].input_norm.shape[0]
         decoder = _Decoder(len(layers), hidden, heads, kv_heads, head_dim, intermediate,
             shape[0], eps, scale, final_norm.data_ptr(), array)
-        return cls(decoder, [array, tensors])
+        return cls(decoder, [array, tensors, caches])
 
     @staticmethod
     def accepts(embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> bool:

@@ -8,6 +8,14 @@ for bit. It returns None wherever it cannot, and the model's modules run: a stru
 has no kernel for (``unsupported``), a product whose kernel at this row count is not
 vlmd's packed kernel, inputs the kernel does not read.
 
+Weights: every product's panels may be float32, bfloat16 (a ``--dtype bfloat16`` model)
+or weight-only int8 (``--quantization int8``); the step's activations are float32 in
+every case. A bfloat16 model's step therefore takes its embeddings widened to float32
+and returns the final norm's output rounded to bfloat16: between the two its rows are
+never rounded to bfloat16 as the module path rounds them after every op, so it is not
+the module path bit for bit but closer to the float32 model (its K and V are rounded
+to bfloat16 as they enter the cache, as the module path's are).
+
 ``products(structure)`` names the products such a step runs, for the linear selection
 (``layers/linear/selection.py``), which times them as this step runs them.
 """
@@ -41,8 +49,8 @@ def products(structure: DecoderStructure) -> list:
 
 
 def every_product_native(kernels, rows: int) -> bool:
-    """Whether each of a step's products (their ``SelectedKernel``s) takes vlmd's kernel on
-    float32 panels at ``rows`` rows: the fused step runs only then."""
+    """Whether each of a step's products (their ``SelectedKernel``s) takes vlmd's kernel at
+    ``rows`` rows: the fused step runs only then."""
     return all(kernel is not None and kernel.native_panels(rows) is not None for kernel in kernels)
 
 
@@ -62,6 +70,11 @@ class FusedDecodeSteps:
         rows = embeds.shape[0]
         if decoder is None or not every_product_native(kernels, rows):
             return None
+        if embeds.dtype == torch.bfloat16:  # widened exactly; the output rounded back below
+            widened = [t.float() if t.dtype == torch.bfloat16 else t for t in (embeds, cos, sin)]
+            if not decoder.accepts(*widened, slots):
+                return None
+            return decoder(*widened, slots, tables).to(torch.bfloat16)
         if not decoder.accepts(embeds, cos, sin, slots):
             return None
         return decoder(embeds, cos, sin, slots, tables)
@@ -75,20 +88,25 @@ class FusedDecodeSteps:
         if built is not None and built[0] == key:
             return built[1], built[2]
         decoder = None
-        # The native step is float32: bfloat16 panels serve the module path's products only.
-        usable = all(kernel is not None and kernel.panels is not None and kernel.panels.dtype == torch.float32
-                     for kernel in kernels)
+        usable = all(kernel is not None and kernel.panels is not None for kernel in kernels)
         if usable and unsupported(structure) is None and len(kv_caches) == len(structure.layers):
             parts = [
                 decoder_step.DecoderLayerParts(
-                    layer.input_norm.weight.detach(), layer.post_norm.weight.detach(),
-                    tuple((p.kernel.panels, None if p.bias is None else p.bias.detach()) for p in layer.products()),
+                    _float32(layer.input_norm.weight), _float32(layer.post_norm.weight),
+                    tuple((p.kernel.panels, None if p.bias is None else _float32(p.bias)) for p in layer.products()),
                     k_cache, v_cache)
                 for layer, (k_cache, v_cache) in zip(structure.layers, kv_caches)
             ]
             decoder = decoder_step.NativeDecoder.of(
-                parts, structure.final_norm.weight.detach(), heads=structure.heads, kv_heads=structure.kv_heads,
+                parts, _float32(structure.final_norm.weight), heads=structure.heads, kv_heads=structure.kv_heads,
                 head_dim=structure.head_dim, intermediate=structure.intermediate, eps=structure.eps,
                 scale=structure.scale)
         self._built[id(structure)] = (key, decoder, kernels)
         return decoder, kernels
+
+
+def _float32(parameter: torch.Tensor) -> torch.Tensor:
+    """A norm weight or bias as the step reads it: itself where it is float32, else a
+    float32 copy (a bfloat16 model's: exact, and held by the built step)."""
+    tensor = parameter.detach()
+    return tensor if tensor.dtype == torch.float32 else tensor.float().contiguous()

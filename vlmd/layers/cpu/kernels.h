@@ -33,6 +33,12 @@ struct vlmd_step;
     X(int, vlmd_packed_bf16_layout_matches,                                                                       \
       (const uint16_t *plain, const uint16_t *packed, int64_t n_len, int64_t k_len, int64_t panel_width,          \
        int64_t padded_k, int threads))                                                                            \
+    /* quantized_linear.c */                                                                                      \
+    X(int, vlmd_packed_linear_int8_chunk, (void))                                                                 \
+    X(int, vlmd_packed_linear_int8,                                                                               \
+      (const float *x, int64_t x_stride, const int8_t *w, const float *scale, int64_t panel_width,                \
+       int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,          \
+       int64_t k_len, int threads))                                                                               \
     /* paged_decode.c */                                                                                          \
     X(int, vlmd_paged_decode,                                                                                     \
       (const float *q, const void *k_cache, const void *v_cache, int dtype, const int32_t *block_tables,          \

@@ -17,18 +17,7 @@
 #include <string.h>
 
 #include "kernels.h"
-
-#ifdef __AVX512F__
-#define VEC 16
-#define ROW_BLOCK 6 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast of 32 registers */
-#else
-#define VEC 8
-#define ROW_BLOCK 2 /* 16 registers */
-#endif
-#define CHUNK_VECTORS 4
-#define CHUNK (CHUNK_VECTORS * VEC) /* columns one tile computes */
-
-typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
+#include "panels.h"
 
 int omp_get_thread_num(void);
 int omp_get_num_threads(void);
@@ -109,9 +98,10 @@ static inline void store_row(const vf acc[CHUNK_VECTORS], const float *bias, flo
 
 /* Columns [chunk * CHUNK, +CHUNK) of every row. Later row blocks re-read the chunk's
  * weights from L2 (K x CHUNK floats: 192 KiB at K = 768). */
-static void chunk_rows(const float *x, int64_t x_stride, const void *weights, int64_t panel_width, int64_t padded_k,
-                       const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
-                       int64_t k_len, int64_t chunk) {
+static void chunk_rows(const float *x, int64_t x_stride, const void *weights, const float *scale,
+                       int64_t panel_width, int64_t padded_k, const float *bias, float *out, int64_t out_stride,
+                       int64_t rows, int64_t n_len, int64_t k_len, int64_t chunk) {
+    (void)scale;
     const float *w = weights;
     int64_t n0 = chunk * CHUNK;
     const float *panel = w + (n0 / panel_width) * padded_k * panel_width + n0 % panel_width;
@@ -152,13 +142,11 @@ static int64_t take(Share *share, int from_back) {
 
 /* Every chunk of a product through ``rows_of`` (a dtype's chunk_rows), on ``threads``:
  * each thread its share front to back, then what is left of the others' from their far ends. */
-typedef void (*ChunkRows)(const float *, int64_t, const void *, int64_t, int64_t, const float *, float *, int64_t,
-                          int64_t, int64_t, int64_t, int64_t);
 /* 0, or -1: a panel width that is not a positive multiple of the chunk, -2: padded_k < k_len
  * (or not a multiple of the dtype's K pairing), -3: a size or stride out of range. */
-static int run_chunks(ChunkRows rows_of, int64_t chunk_width, int64_t k_pairing, int threads, const float *x,
-                      int64_t x_stride, const void *w, int64_t panel_width, int64_t padded_k, const float *bias,
-                      float *out, int64_t out_stride, int64_t rows, int64_t n_len, int64_t k_len) {
+int run_panel_chunks(ChunkRows rows_of, int64_t chunk_width, int64_t k_pairing, int threads, const float *x,
+                     int64_t x_stride, const void *w, const float *scale, int64_t panel_width, int64_t padded_k,
+                     const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len, int64_t k_len) {
     if (panel_width <= 0 || panel_width % chunk_width != 0) return -1;
     if (padded_k < k_len || padded_k % k_pairing) return -2;
     if (rows < 1 || n_len < 1 || k_len < 1 || x_stride < k_len || out_stride < n_len) return -3;
@@ -166,7 +154,7 @@ static int run_chunks(ChunkRows rows_of, int64_t chunk_width, int64_t k_pairing,
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     if (threads < 2 || chunks < 2) {
         for (int64_t chunk = 0; chunk < chunks; chunk++)
-            rows_of(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+            rows_of(x, x_stride, w, scale, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
         return 0;
     }
     Share shares[MAX_TEAM];
@@ -180,11 +168,11 @@ static int run_chunks(ChunkRows rows_of, int64_t chunk_width, int64_t k_pairing,
 #pragma omp barrier /* every share is set before anyone steals */
         int64_t chunk;
         while ((chunk = take(&shares[me], 0)) >= 0)
-            rows_of(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+            rows_of(x, x_stride, w, scale, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
         /* Done early (the other thread was descheduled): finish its share from the far end. */
         for (int other = (me + 1) % team; other != me; other = (other + 1) % team)
             while ((chunk = take(&shares[other], 1)) >= 0)
-                rows_of(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
+                rows_of(x, x_stride, w, scale, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len, chunk);
     }
     return 0;
 }
@@ -192,12 +180,12 @@ static int run_chunks(ChunkRows rows_of, int64_t chunk_width, int64_t k_pairing,
 /* The columns one tile computes: the Python side only offers panels that are a multiple. */
 int vlmd_packed_linear_chunk(void) { return CHUNK; }
 
-/* 0, or an error of run_chunks. */
+/* 0, or an error of run_panel_chunks. */
 int vlmd_packed_linear(const float *x, int64_t x_stride, const float *w, int64_t panel_width, int64_t padded_k,
                        const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
                        int64_t k_len, int threads) {
-    return run_chunks(chunk_rows, CHUNK, 1, threads, x, x_stride, w, panel_width, padded_k, bias, out, out_stride,
-                      rows, n_len, k_len);
+    return run_panel_chunks(chunk_rows, CHUNK, 1, threads, x, x_stride, w, NULL, panel_width, padded_k, bias,
+                            out, out_stride, rows, n_len, k_len);
 }
 
 /* 1 if `packed` holds `plain` [N, K] in the panel layout above (bit for bit, so NaNs and
@@ -285,9 +273,10 @@ static const TileBf16 TILES_BF16[BF16_ROW_BLOCK + 1] = {0, tile_bf16_1, tile_bf1
 
 /* Columns [chunk * BF16_CHUNK, +BF16_CHUNK) of every row: lane i of vector j is column
  * n0 + j * VEC + i, its even-k and odd-k weights summed into the same accumulator. */
-static void chunk_rows_bf16(const float *x, int64_t x_stride, const void *weights, int64_t panel_width,
-                            int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
-                            int64_t n_len, int64_t k_len, int64_t chunk) {
+static void chunk_rows_bf16(const float *x, int64_t x_stride, const void *weights, const float *scale,
+                            int64_t panel_width, int64_t padded_k, const float *bias, float *out, int64_t out_stride,
+                            int64_t rows, int64_t n_len, int64_t k_len, int64_t chunk) {
+    (void)scale;
     const uint16_t *w = weights;
     int64_t n0 = chunk * BF16_CHUNK;
     const uint16_t *panel = w + (n0 / panel_width) * padded_k * panel_width + (n0 % panel_width) * 2;
@@ -306,8 +295,8 @@ int vlmd_packed_linear_bf16_chunk(void) { return BF16_CHUNK; }
 int vlmd_packed_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,
                             int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
                             int64_t n_len, int64_t k_len, int threads) {
-    return run_chunks(chunk_rows_bf16, BF16_CHUNK, 2, threads, x, x_stride, w, panel_width, padded_k, bias, out,
-                      out_stride, rows, n_len, k_len);
+    return run_panel_chunks(chunk_rows_bf16, BF16_CHUNK, 2, threads, x, x_stride, w, NULL, panel_width, padded_k,
+                            bias, out, out_stride, rows, n_len, k_len);
 }
 
 /* 1 if `packed` holds the bfloat16 `plain` [N, K] in the paired panel layout above, else 0. */

@@ -2,7 +2,9 @@
 
 float32 and bfloat16 weights: oneDNN packs each in its own layout (bfloat16 with K in
 pairs), and the kernel has a reader for each; the rows are float32 either way (a bfloat16
-input widens exactly) and a bfloat16 product's output is rounded to bfloat16 here.
+input widens exactly) and the output is rounded to the input's dtype here. Weight-only
+int8 panels (``quantized_linear.c``, built by ``panel_packing.int8_panels``) are read the
+same way, with their per-column scales.
 
 ``PackedPanels.of(weight, packed)`` says whether the kernel can read this layer's packed
 weight: it derives the panel layout from the packed tensor's size and then checks it on the
@@ -22,11 +24,13 @@ import torch
 from vlmd.layers.cpu.library import load_functions
 
 PANEL_WIDTHS = (64, 32, 128, 16)  # tried in this order; the kernel takes multiples of its chunk
-_ERRORS = {-1: "a panel width the kernel cannot tile", -2: "padded K shorter than K", -3: "a size or stride"}
+_ERRORS = {-1: "a panel width the kernel cannot tile", -2: "padded K shorter than K", -3: "a size or stride",
+           -4: "int8 panels without their scales"}
 _POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # bound_product's arguments, converted once
 # Signatures: kernels.h. The *_chunk functions give the columns one tile computes.
 _NAMES = ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", "vlmd_packed_linear_bf16",
-          "vlmd_packed_bf16_layout_matches", "vlmd_packed_linear_bf16_chunk")
+          "vlmd_packed_bf16_layout_matches", "vlmd_packed_linear_bf16_chunk", "vlmd_packed_linear_int8",
+          "vlmd_packed_linear_int8_chunk")
 # Per weight dtype: (product, layout check, columns a tile computes, bytes an element).
 _FUNCTIONS = {torch.float32: ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", 4),
               torch.bfloat16: ("vlmd_packed_linear_bf16", "vlmd_packed_bf16_layout_matches",
@@ -52,7 +56,8 @@ def available() -> bool:
 class PackedPanels:
     """One packed weight as the kernel reads it: W [N, K] stored at ``address`` as
     ceil(N / panel_width) panels of ``panel_width`` columns, K-major (bfloat16: K in
-    pairs), K padded to ``padded_k``."""
+    pairs), K padded to ``padded_k``; int8: ``scale`` the address of its float32 [N]
+    scales."""
 
     address: int
     out_features: int
@@ -60,6 +65,13 @@ class PackedPanels:
     panel_width: int
     padded_k: int
     dtype: torch.dtype = torch.float32
+    scale: int = 0
+
+    def arguments(self) -> tuple:
+        """(the product function's name, its leading weight arguments) for this dtype."""
+        if self.dtype == torch.int8:
+            return "vlmd_packed_linear_int8", (self.address, self.scale)
+        return _FUNCTIONS[self.dtype][0], (self.address,)
 
     @classmethod
     def of(cls, weight: torch.Tensor, packed: torch.Tensor) -> "PackedPanels | None":
@@ -97,15 +109,14 @@ def bound_product(x: torch.Tensor, panels: PackedPanels):
     if kernel is None:
         raise RuntimeError("the native packed-linear kernel library is not loaded here")
     rows, k_len, n_len = x.shape[0], panels.in_features, panels.out_features
-    if panels.dtype != torch.float32:
-        raise ValueError(f"a bound product reads float32 panels, not {panels.dtype}")
     if x.shape != (rows, k_len) or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"need a contiguous float32 [rows, {k_len}], got {tuple(x.shape)} {x.dtype}")
     out = torch.empty(rows, n_len)
-    arguments = (_POINTER(x.data_ptr()), _WIDE(k_len), _POINTER(panels.address), _WIDE(panels.panel_width),
+    name, weight = panels.arguments()
+    arguments = (_POINTER(x.data_ptr()), _WIDE(k_len), *map(_POINTER, weight), _WIDE(panels.panel_width),
                  _WIDE(panels.padded_k), None, _POINTER(out.data_ptr()), _WIDE(n_len), _WIDE(rows), _WIDE(n_len),
                  _WIDE(k_len), _INT(torch.get_num_threads()))
-    function = kernel["vlmd_packed_linear"]
+    function = kernel[name]
 
     def call() -> torch.Tensor:
         code = function(*arguments)
@@ -118,7 +129,7 @@ def bound_product(x: torch.Tensor, panels: PackedPanels):
 
 
 def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``x`` [..., K], in the weight's dtype."""
+    """``x @ W.T + bias`` for ``x`` [..., K], in ``x``'s dtype (float32 for an integer ``x``)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the native packed-linear kernel library is not loaded here")
@@ -133,12 +144,13 @@ def packed_linear(x: torch.Tensor, panels: PackedPanels, bias: torch.Tensor | No
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         row_stride = rows.stride(0) if rows.shape[0] > 1 else k_len
-        code = kernel[_FUNCTIONS[panels.dtype][0]](
-            rows.data_ptr(), row_stride, panels.address, panels.panel_width, panels.padded_k,
+        name, weight = panels.arguments()
+        code = kernel[name](
+            rows.data_ptr(), row_stride, *weight, panels.panel_width, panels.padded_k,
             None if bias is None else bias.data_ptr(), out.data_ptr(), n_len, rows.shape[0], n_len, k_len,
             torch.get_num_threads())
         if code != 0:
             raise ValueError(f"native packed linear cannot serve this product: {_ERRORS.get(code, code)}")
-    if panels.dtype != torch.float32:
-        out = out.to(panels.dtype)
+    if x.dtype.is_floating_point and x.dtype != torch.float32:
+        out = out.to(x.dtype)
     return out.reshape(*x.shape[:-1], n_len)

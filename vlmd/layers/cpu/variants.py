@@ -26,8 +26,8 @@ _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # Every variant's build flags; the kernels' common ones are in COMMON_FLAGS.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=gnu11", "-Wno-psabi")
 LINK_FLAGS = ("-fopenmp", "-Wl,-Bsymbolic")  # a library's calls to its own kernels stay inside it
-SOURCES = ("packed_linear.c", "paged_decode.c", "paged_prefill.c", "elementwise.c", "decoder_step.c",
-           "signatures.c")
+SOURCES = ("packed_linear.c", "quantized_linear.c", "paged_decode.c", "paged_prefill.c", "elementwise.c",
+           "decoder_step.c", "signatures.c")
 
 
 @dataclass(frozen=True)

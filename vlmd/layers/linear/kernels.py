@@ -10,7 +10,11 @@ Candidates for a product ``x @ W.T + b`` on CPU:
   (``vlmd/layers/cpu/packed_linear.c``), for the small buckets (a decode step's 1-32
   rows), where it streams the weights closer to memory bandwidth than oneDNN does. Only
   offered where the packed layout was verified on the layer's own weight (float32, or
-  bfloat16 in oneDNN's K-paired layout);
+  bfloat16 in oneDNN's K-paired layout), or where vlmd built the panels itself
+  (``layers/cpu/panel_packing.py``: bfloat16 where oneDNN cannot pack it, and the
+  weight-only int8 of ``--quantization int8``);
+- ``dequantized`` (int8 panels only): the float32 weight rebuilt for the call and
+  ``F.linear`` on it, for the many-row products of a prefill chunk;
 - each at the process's intra-op thread count, or at one thread (at small M the fork/join
   of a second thread can cost more than it saves).
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 
 from vlmd.layers.cpu.packed_linear import PackedPanels
 from vlmd.layers.cpu.packed_linear import packed_linear as native_packed_linear
+from vlmd.layers.cpu.panel_packing import dequantized
 
 # (largest M of the bucket, M the bucket is measured at); the last bucket is open-ended.
 M_BUCKETS: tuple[tuple[int, int], ...] = ((4, 1), (32, 8), (1 << 62, 64))
@@ -45,16 +50,21 @@ class KernelChoice:
     packed: bool
     threads: int | None  # None: leave the process's intra-op thread count as it is
     native: bool = False  # the packed weight read by vlmd's kernel rather than oneDNN's
+    dequantized: bool = False  # int8 panels turned back into a float32 weight for F.linear
 
     @property
     def name(self) -> str:
-        kind = "native" if self.native else "packed" if self.packed else "plain"
+        kind = "native" if self.native else "packed" if self.packed else "dequantized" if self.dequantized else "plain"
         return kind + ("" if self.threads is None else f"@{self.threads}t")
 
 
 PLAIN = KernelChoice(packed=False, threads=None)
 PACKED = KernelChoice(packed=True, threads=None)
 NATIVE = KernelChoice(packed=True, threads=None, native=True)
+DEQUANTIZED = KernelChoice(packed=False, threads=None, dequantized=True)
+# A weight-only int8 layer's choices: vlmd's int8 kernel for a decode step's rows, the
+# dequantized weight's GEMM above them.
+INT8_CHOICES = (NATIVE, NATIVE, DEQUANTIZED)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -90,11 +100,13 @@ class SelectedKernel:
     """A layer's product after selection: one choice per M bucket."""
 
     def __init__(self, choices: tuple[KernelChoice, ...], weight: torch.Tensor | None, packed: torch.Tensor | None,
-                 panels: PackedPanels | None = None):
+                 panels: PackedPanels | None = None, storage: tuple[torch.Tensor, ...] = ()):
         self.weight = weight
         self.packed = packed
-        # The packed weight as vlmd's kernel reads it (verified on this layer's values), or None.
+        # The packed weight as vlmd's kernel reads it (verified on this layer's values, or
+        # built by vlmd: then ``storage`` holds it), or None.
         self.panels = panels
+        self.storage = storage
         self.choices = choices
         # A packed product of fewer rows is computed on this many (zeros below): see
         # ``padded_rows``; 0 = never. Set for the whole model by the selection.
@@ -108,11 +120,13 @@ class SelectedKernel:
     def choices(self, choices: tuple[KernelChoice, ...]) -> None:
         if len(choices) != len(M_BUCKETS):
             raise ValueError(f"need one kernel choice per M bucket ({len(M_BUCKETS)}), got {len(choices)}")
-        if any(c.packed for c in choices) and self.packed is None:
+        if any(c.packed and not c.native for c in choices) and self.packed is None:
             raise ValueError("a packed choice needs the packed weight")
         if any(c.native for c in choices) and self.panels is None:
             raise ValueError("a native choice needs the packed weight's verified panel layout")
-        if any(not c.packed for c in choices) and self.weight is None:
+        if any(c.dequantized for c in choices) and (self.panels is None or self.panels.dtype != torch.int8):
+            raise ValueError("a dequantized choice needs int8 panels")
+        if any(not c.packed and not c.dequantized for c in choices) and self.weight is None:
             raise ValueError("a plain choice needs the plain weight")
         self._choices = choices
 
@@ -128,8 +142,7 @@ class SelectedKernel:
         (at the process's thread count), else None: what a caller running the kernel
         itself (``layers/cpu/decoder_step.py``) may use in its place."""
         choice = self.choice_for(rows)
-        usable = self.panels is not None and self.panels.dtype == torch.float32  # the step is float32
-        return self.panels if usable and choice.native and choice.threads is None else None
+        return self.panels if self.panels is not None and choice.native and choice.threads is None else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -151,6 +164,8 @@ class SelectedKernel:
     def _product(self, choice: KernelChoice, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if choice.native:
             return native_packed_linear(x, self.panels, bias)
+        if choice.dequantized:
+            return F.linear(x, dequantized(self.storage, self.panels), bias)
         if choice.packed:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

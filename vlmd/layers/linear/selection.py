@@ -34,8 +34,10 @@ from vlmd.layers.linear.kernels import (
 from vlmd.layers.cpu import fused_step
 from vlmd.layers.cpu import packed_linear as native_linear
 from vlmd.layers.cpu.packed_linear import PackedPanels
-from vlmd.layers.decoder_structure import DecoderStructure
+from vlmd.layers.cpu.panel_packing import bfloat16_panels
 from vlmd.layers.linear.layers import LinearBase
+from vlmd.layers.linear.quantize import decoder_structures as _decoder_structures
+from vlmd.layers.linear.quantize import quantize_decoder
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +58,7 @@ def _weights_outgrow_cache(layers: list[LinearBase]) -> bool:
 
 @torch.inference_mode()
 def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float = 2.0,
-                          native_steps: bool = True) -> dict:
+                          native_steps: bool = True, quantization: str = "none") -> dict:
     """Give every ``LinearBase`` in ``model`` its kernel; returns what was chosen and timed.
 
     ``mode``: ``auto`` (measure), ``plain`` (``F.linear`` everywhere), ``packed``
@@ -64,13 +66,20 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
     products of up to 32 rows wherever it reads the packed weight); the last two for tests
     and comparisons. ``native_steps``: whether the model's native decode steps can run (not
     with torch's attention), so that their products are timed as those steps run them.
+    ``quantization``: "int8" quantizes the decoder's products first (``quantize.py``):
+    they take vlmd's int8 kernel whatever ``mode`` says.
+
+    A bfloat16 weight oneDNN cannot pack (an AVX2 host) gets panels vlmd builds
+    (``layers/cpu/panel_packing.py``) beside its plain weight, so that vlmd's kernel, and
+    with it the native decode step, can still serve its decode products.
     """
     if mode not in LINEAR_KERNEL_MODES:
         raise ValueError(f"linear kernel mode {mode!r} is not one of {', '.join(LINEAR_KERNEL_MODES)}")
     started = time.perf_counter()
+    quantized = quantize_decoder(model, quantization)
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None]
     shared = _shared_weights(model)
-    report: dict = {"mode": mode, "shapes": {}}
+    report: dict = {"mode": mode, "shapes": {}, "quantized_layers": len(quantized)}
     measured: list[tuple[KernelChoice, ...]] = []
     streamed = _weights_outgrow_cache([layer for layer in layers if layer.weight.device.type == "cpu"])
     report["streamed"] = streamed
@@ -106,8 +115,14 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         packed = pack_weight(weight) if wanted else None
         # Verified now, while the plain weight is here to compare against.
         panels = PackedPanels.of(weight, packed) if packed is not None and mode in ("auto", "native") else None
+        storage = ()
+        if packed is None and weight.dtype == torch.bfloat16 and mode in ("auto", "native") \
+                and native_linear.available():
+            storage, panels = bfloat16_panels(weight)
         keep_plain = any(not c.packed for c in choices) or id(weight) in shared
-        layer.kernel = SelectedKernel(choices, weight if keep_plain else None, packed, panels)
+        layer.kernel = SelectedKernel(choices, weight if keep_plain else None, packed, panels, storage)
+        if storage:  # counted with the model's bytes (engine/sizing.py: weight_bytes_of)
+            layer.register_buffer("weight_panels", storage[0], persistent=False)
         if mode == "native" and panels is not None:
             layer.kernel.choices = _with_small(choices, NATIVE)
         if not keep_plain:
@@ -119,7 +134,8 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         # use up the whole budget, and an untimed decode then kept oneDNN for the server's
         # life (the small LLaVA's products at M = 1: 20.2 ms against 14.0 with the kernel).
         remaining = max(budget_s - (time.perf_counter() - started), SMALL_PRODUCTS_MIN_S)
-        selected = [layer for layer in layers if layer.kernel is not None]
+        chosen_ids = {id(layer) for layer in layers + quantized}
+        selected = [m for m in model.modules() if id(m) in chosen_ids and m.kernel is not None]
         step = [layer for layer in selected if id(layer) in step_ids]
         report.update(choose_small_products(selected, budget_s=remaining, step_layers=step))
     report["seconds"] = round(time.perf_counter() - started, 3)
@@ -175,10 +191,8 @@ def choose_small_products(layers: list[LinearBase], rounds: int = 9, clock=time.
     deadline = clock() + budget_s
     native = [layer for layer in layers if layer.kernel.panels is not None]
     step_ids = {id(layer) for layer in step_layers}
-    # The step runs only when every one of its products can take the kernel (float32: the
-    # native step is a float32 step).
-    steps = bool(step_layers) and all(layer.kernel.panels is not None and layer.kernel.panels.dtype == torch.float32
-                                      for layer in step_layers)
+    # The step runs only when every one of its products can take the kernel.
+    steps = bool(step_layers) and all(layer.kernel.panels is not None for layer in step_layers)
     for index, bucket in enumerate(SMALL_BUCKETS):
         rows = M_BUCKETS[bucket][1]
         # An equal share of what is left for each bucket still to time: on a host where a
@@ -237,12 +251,12 @@ def _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadl
     times: dict = {variant: [] for variant in variants}
     if len(variants) < 2:
         return {variant: float("inf") for variant in variants}
-    dtype = layers[0].kernel.packed.dtype if layers[0].kernel.packed is not None else layers[0].kernel.weight.dtype
-    inputs = [torch.randn(rows, _in_features(layer), dtype=dtype) for layer in layers]
+    inputs = [torch.randn(rows, _in_features(layer), dtype=_input_dtype(layer)) for layer in layers]
     module_calls = [functools.partial(layer.kernel, x, layer.bias) for layer, x in zip(layers, inputs)]
     calls = {variant: module_calls for variant in variants}
     if ("step", 0) in calls:
-        calls[("step", 0)] = [bind(x, layer.kernel.panels) if id(layer) in step_ids else call
+        # The step's rows are float32 whatever the weights (a bfloat16 model's are widened).
+        calls[("step", 0)] = [bind(x.float(), layer.kernel.panels) if id(layer) in step_ids else call
                               for layer, x, call in zip(layers, inputs, module_calls)]
     for round_index in range(rounds + 1):  # the first round warms every candidate up
         if round_index > 1 and clock() > deadline:
@@ -262,7 +276,17 @@ def _time_in_model_order(layers, rows, variants, configure, rounds, clock, deadl
 
 def _in_features(layer: LinearBase) -> int:
     kernel = layer.kernel
+    if kernel.weight is None and kernel.packed is None:  # int8 panels alone
+        return kernel.panels.in_features
     return (kernel.weight if kernel.weight is not None else kernel.packed).shape[-1]
+
+
+def _input_dtype(layer: LinearBase) -> torch.dtype:
+    """The rows a layer's product takes: its weight's dtype (float32 for int8 weights)."""
+    kernel = layer.kernel
+    if kernel.weight is None and kernel.packed is None:
+        return torch.float32
+    return (kernel.packed if kernel.packed is not None else kernel.weight).dtype
 
 
 def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.Tensor) -> tuple[KernelChoice, ...]:
@@ -277,16 +301,6 @@ def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.
     return tuple(chosen)
 
 
-def _decoder_structures(model: nn.Module) -> list[DecoderStructure]:
-    """The decoders ``model`` describes as data (a family's language model does)."""
-    found = []
-    for module in model.modules():
-        structure = getattr(module, "decoder_structure", None)
-        if isinstance(structure, DecoderStructure):
-            found.append(structure)
-    return found
-
-
 def _native_step_products(model: nn.Module) -> set[int]:
     """Ids of the products that a fused decode step of the model's decoders runs
     (``layers/cpu/fused_step.py``)."""
@@ -295,7 +309,7 @@ def _native_step_products(model: nn.Module) -> set[int]:
 
 def _log_decode_paths(model: nn.Module, attention_runs_natively: bool) -> None:
     """One line per decoder: at which batch sizes its decode steps take one fused native
-    call (every product's kernel there is vlmd's, on float32 panels), and if at none, why.
+    call (every product's kernel there is vlmd's, on panels it reads), and if at none, why.
     ``vlmd_decode_steps{path}`` on /metrics then counts the steps that did."""
     for structure in _decoder_structures(model):
         reason = fused_step.unsupported(structure)
@@ -306,7 +320,7 @@ def _log_decode_paths(model: nn.Module, attention_runs_natively: bool) -> None:
         if reason is None and not attention_runs_natively:
             reason = "torch attention (--attention-kernels torch)"
         if reason is None and not buckets:
-            reason = "no batch size has every product on vlmd's kernel (timed slower, or not float32 panels)"
+            reason = "no batch size has every product on vlmd's kernel (timed slower, or no panels it reads)"
         if reason is None:
             log.info("decode steps", path="fused", layers=len(structure.layers), batch_sizes=buckets)
         else:
