@@ -1,10 +1,13 @@
 """Qwen3-VL (dense) through the real server: greedy tokens equal transformers' generate.
 
 Cases: a 640x480 image; two images of different sizes; a very wide image; text only; a
-per-request max_pixels; a second turn about the first case's image. Each runs alone, then
-all concurrently, then again on a second server, under ``--tensor-parallel-size 2``, whose
-token budget (16) splits every image's placeholders (and so its DeepStack rows) across steps
-and whose KV cache (14 blocks of 16) forces preemption. The second turn finds its first
+per-request max_pixels; a second turn about the first case's image; a video (8 of its 16
+frames kept, four frame pairs under their timestamps); a video and an image. Each runs alone,
+then all concurrently, then again on a second server, under ``--tensor-parallel-size 2``,
+whose token budget (16) splits every image's and every video's placeholders (and so their
+DeepStack rows, and a video's timestamp text between its pairs) across steps and whose KV
+cache (14 blocks of 16) forces preemption. transformers gets the frames vlmd's decoder keeps
+(an independent PyAV decode at the same indices) with their metadata (tests/qwen3_vl_oracle.py). The second turn finds its first
 turn's blocks in the prefix cache (``cached_tokens``); an image after new text takes its
 encoder output from the encoder cache; a prefix hit that ends inside an image computes the
 rest of it. ``usage.prompt_tokens`` and /tokenize must equal transformers' processor output;
@@ -15,6 +18,7 @@ log-probs must agree within 1e-3 up to it.
 from __future__ import annotations
 
 import base64
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,18 +26,40 @@ import orjson
 import pytest
 from PIL import Image
 
-from conftest import Server, image_data_url, random_image
+from conftest import Server, image_data_url, make_video, random_image, video_data_url
 from oracle import assert_greedy_match
 from qwen3_vl_oracle import hf_qwen3_vl_generate
 from test_bad_input import png_header_only
 
-CASE_NAMES = ["image_640x480", "two_images", "wide_1500x200", "text_only", "image_max_pixels", "second_turn"]
+CASE_NAMES = ["image_640x480", "two_images", "wide_1500x200", "text_only", "image_max_pixels", "second_turn",
+              "video", "video_and_image"]
 FIRST_ANSWER = "It is a picture of noise."
+NUM_FRAMES, MAX_FRAMES = 8, 20  # the servers' --media-io-kwargs: frames kept, most frames a video may have
+MEDIA_IO = '{"video": {"num_frames": %d, "max_frames": %d}}' % (NUM_FRAMES, MAX_FRAMES)
+
+
+def decoded_video(frames: int, width: int, height: int, fps: int, seed: int) -> dict:
+    """A video part: its bytes, the frames vlmd's decoder keeps (``NUM_FRAMES`` spread from
+    the first: index ``i * total // NUM_FRAMES``) from an independent PyAV decode, and the
+    ``VideoMetadata`` transformers is given with them."""
+    import av
+
+    data = make_video(frames, width, height, fps=fps, seed=seed)
+    with av.open(io.BytesIO(data)) as container:
+        rate = float(container.streams.video[0].average_rate)
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    indices = [index * len(decoded) // NUM_FRAMES for index in range(NUM_FRAMES)]
+    metadata = {"total_num_frames": len(decoded), "fps": rate, "frames_indices": indices}
+    return {"type": "video", "media": np.stack([decoded[i] for i in indices]), "metadata": metadata,
+            "url": video_data_url(data)}
 
 
 def _cases():
     image = lambda seed, w, h: {"type": "image", "media": random_image(seed, w, h)}  # noqa: E731
     first = [image(1, 640, 480)]
+    # Frames at a multiple of 32 px within the video limits: no resize (the oracle resizes none).
+    video = decoded_video(16, 128, 96, fps=4, seed=3)
+    other_video = decoded_video(12, 96, 64, fps=3, seed=4)
     cases = {
         "image_640x480": (first, "What is in this image?", {}, None),
         "two_images": ([image(4, 320, 240), image(5, 500, 300)], "Compare them.", {}, None),
@@ -42,6 +68,8 @@ def _cases():
         "image_max_pixels": ([image(10, 800, 600)], "Describe it briefly.", {"max_pixels": 16 * 32 * 32}, None),
         # The first case's conversation, one turn on: its prompt starts with the first's.
         "second_turn": (first, "What is in this image?", {}, (FIRST_ANSWER, "And its colours?")),
+        "video": ([video], "What happens in the video?", {}, None),
+        "video_and_image": ([other_video, image(6, 320, 240)], "Does the picture come from the video?", {}, None),
     }
     assert list(cases) == CASE_NAMES
     return cases
@@ -56,9 +84,14 @@ def _messages(parts, text, follow_up, content_of):
     return messages
 
 
+def _content(part) -> dict:
+    if part["type"] == "video":
+        return {"type": "video_url", "video_url": {"url": part["url"]}}
+    return {"type": "image_url", "image_url": {"url": image_data_url(part["media"])}}
+
+
 def _body(parts, text, kwargs, follow_up, max_tokens):
-    content_of = lambda part: {"type": "image_url", "image_url": {"url": image_data_url(part["media"])}}  # noqa: E731
-    body = {"messages": _messages(parts, text, follow_up, content_of), "max_tokens": max_tokens, "temperature": 0,
+    body = {"messages": _messages(parts, text, follow_up, _content), "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True, "logprobs": True}
     if kwargs:
         body["mm_processor_kwargs"] = kwargs
@@ -66,9 +99,11 @@ def _body(parts, text, kwargs, follow_up, max_tokens):
 
 
 def _reference(model_dir, parts, text, kwargs, follow_up, max_tokens):
-    messages = _messages(parts, text, follow_up, lambda part: {"type": "image"})
-    return hf_qwen3_vl_generate(model_dir, messages, [part["media"] for part in parts], max_tokens,
-                                mm_processor_kwargs=kwargs)
+    messages = _messages(parts, text, follow_up, lambda part: {"type": part["type"]})
+    videos = [part for part in parts if part["type"] == "video"]
+    return hf_qwen3_vl_generate(model_dir, messages, [part["media"] for part in parts if part["type"] == "image"],
+                                max_tokens, mm_processor_kwargs=kwargs, videos=[video["media"] for video in videos],
+                                video_metadata=[video["metadata"] for video in videos])
 
 
 def _max_tokens(index: int) -> int:
@@ -87,11 +122,11 @@ def references(tiny_qwen3_vl_dir, cases):
 
 # --max-num-seqs and the token budgets bound the start-up profile (as many largest images as
 # the encoder budget takes, beside a full prefill): seconds of this module's time.
-MAIN_FLAGS = ("--limit-mm-per-prompt", "image=2", "--max-model-len", "1024", "--max-num-seqs", "8",
-              "--max-num-batched-tokens", "256")
-SPLIT_FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2",
+MAIN_FLAGS = ("--limit-mm-per-prompt", "image=2,video=1", "--max-model-len", "1024", "--max-num-seqs", "8",
+              "--max-num-batched-tokens", "256", "--media-io-kwargs", MEDIA_IO)
+SPLIT_FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2,video=1",
                "--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--num-kv-blocks", "14",
-               "--max-model-len", "200")
+               "--max-model-len", "200", "--media-io-kwargs", MEDIA_IO)
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +264,11 @@ def _image_request(*images: Image.Image) -> dict:
     return {"messages": [{"role": "user", "content": content + [{"type": "text", "text": "hi"}]}], "max_tokens": 2}
 
 
+def _video_request(url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}],
+            "max_tokens": 2}
+
+
 def test_bad_input_is_a_400_and_the_server_still_serves(server):
     bomb = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + base64.b64encode(png_header_only(20000, 20000)).decode()}}]}]}
@@ -239,8 +279,11 @@ def test_bad_input_is_a_400_and_the_server_still_serves(server):
         (_image_request(*(random_image(seed, 64, 64) for seed in range(3))), "at most 2 image"),
         ({**_image_request(random_image(1, 64, 64)), "mm_processor_kwargs": {"max_pixels": 10**7}},
          "exceeds this server's image limit"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}], "max_tokens": 2}, "video"),
+        (_video_request("data:video/mp4;base64,AAAA"), "video"),
+        (_video_request(video_data_url(make_video(MAX_FRAMES + 4, 64, 64))), f"the limit is {MAX_FRAMES}"),
+        (_video_request(video_data_url(make_video(1, 64, 64))), "at least 2 frames"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_data_url(
+            make_video(2, 64, 64))}}] * 2}], "max_tokens": 2}, "at most 1 video"),
     ]
     for request, message in cases:
         status, body = server.chat(request)
