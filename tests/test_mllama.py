@@ -156,3 +156,29 @@ def test_bad_input_is_a_4xx_then_a_good_request_is_answered(server, references):
     status, body = server.chat(_body("two_images"))
     assert status == 200, body
     _check(body, references["two_images"])
+
+
+def test_parity_tp2_split_across_steps_and_preempted(tiny_mllama_dir, references, tmp_path):  # noqa: F811
+    """One start covers the hard regimes, as the other families' TP tests do (rank processes
+    cost seconds to start): two ranks (the cross-attention heads split, the tower on both), a
+    token budget that splits prompts across steps and a KV cache that preempts requests whose
+    cross-attention K/V are then built again."""
+    server = Server(tiny_mllama_dir, "--tensor-parallel-size", "2", "--torch-threads", "1",
+                    "--limit-mm-per-prompt", "image=2", "--max-num-batched-tokens", str(TOKEN_BUDGET),
+                    "--max-num-encoder-input-tokens", "68", "--encoder-cache-size", "136",
+                    "--num-kv-blocks", "8", "--max-model-len", "128", log_dir=tmp_path)
+    try:
+        # Preemption needs the requests to overlap, which depends on when each one's
+        # preprocessing ends on a loaded host: every round is checked, at most three are sent.
+        for _ in range(3):
+            with ThreadPoolExecutor(len(CASE_NAMES)) as pool:
+                bodies = list(pool.map(lambda name: server.chat(_body(name)), CASE_NAMES))
+            for name, (status, body) in zip(CASE_NAMES, bodies):
+                assert status == 200, body
+                _check(body, references[name])
+            metrics = server.metrics()
+            if metrics["vlmd_num_preemptions_total"] > 0:
+                break
+        assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+    finally:
+        server.stop()
