@@ -22,7 +22,8 @@ import math
 import random
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json
+from vlmd.tiny.weights import random_model
 
 __all__ = ["SIZES", "build_tiny_whisper", "special_token_names"]
 
@@ -49,17 +50,12 @@ def special_token_names() -> list[str]:
     return ["<|endoftext|>", "<|startoftranscript|>", *languages, *CONTROL_TOKENS, *timestamps]
 
 
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _init_weights(model, seed: int, timestamp_begin: int) -> None:
-    """Overwrite every parameter from one seeded generator, in sorted-name order.
-
-    Chosen so that a random decoder's tokens depend on the audio and on position, and so
-    that greedy top-1/top-2 gaps sit far above float32 noise:
+def _param_std(name: str, shape: tuple[int, ...], is_norm: bool) -> tuple[float, float] | None:
+    """(mean, std) of a parameter's draw (``vlmd.tiny.weights``: one seeded generator, in
+    sorted-name order), chosen so that a random decoder's tokens depend on the audio and on
+    position, and greedy top-1/top-2 gaps sit far above float32 noise:
     - conv weights at 2/sqrt(fan_in): the encoder output follows the mel features rather
-      than the sinusoidal positions (kept as built);
+      than the sinusoidal positions (kept as built: None);
     - cross-attention q/k at 3/sqrt(fan_in): peaked, content-dependent attention, so the
       tokens depend on the audio; its output at 0.5/sqrt(fan_in), or one audio-driven
       direction would pick the same token at every position;
@@ -69,38 +65,28 @@ def _init_weights(model, seed: int, timestamp_begin: int) -> None:
       gaps sit far above float32 noise;
     - token embeddings at 0.2 (tied to the output layer): with unit-std embeddings a
       token's own embedding dominates the residual stream and the model repeats its
-      last token forever. Timestamp rows at 0.08: 1,501 of them with full-size logits
-      would crowd text out of every greedy decode;
+      last token forever (timestamp rows scaled down after the draw, see ``_TIMESTAMP_SCALE``);
     - other projections at 0.5/sqrt(fan_in) (encoder q/k at 1/sqrt(fan_in)), layer norms at
       1 + N(0, 0.1), biases at N(0, 0.02), so a loader that drops a norm or a bias is caught.
     """
-    import torch
+    if name.endswith("encoder.embed_positions.weight"):
+        return None
+    if name == "model.decoder.layer_norm.weight":
+        return 6.0, 0.6  # the logit scale (see above)
+    if is_norm:
+        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
+    if len(shape) == 1:
+        return 0.0, 0.02
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 0.2
+    if name.endswith("decoder.embed_positions.weight"):
+        return 0.0, 2.0
+    return 0.0, _projection_gain(name) / math.sqrt(math.prod(shape[1:]))
 
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    norms = {
-        f"{name}.{p}" for name, module in model.named_modules() if isinstance(module, torch.nn.LayerNorm)
-        for p, _ in module.named_parameters(recurse=False)
-    }
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("encoder.embed_positions.weight"):
-                continue
-            shape = tuple(param.shape)
-            if name == "model.decoder.layer_norm.weight":
-                mean, std = 6.0, 0.6  # the logit scale (see above)
-            elif name in norms:
-                mean, std = (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
-            elif len(shape) == 1:
-                mean, std = 0.0, 0.02
-            elif name.endswith("embed_tokens.weight"):
-                mean, std = 0.0, 0.2
-            elif name.endswith("decoder.embed_positions.weight"):
-                mean, std = 0.0, 2.0
-            else:
-                mean, std = 0.0, _projection_gain(name) / math.sqrt(math.prod(shape[1:]))
-            param.copy_(torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean)
-            if name.endswith("embed_tokens.weight"):
-                param[timestamp_begin:] *= 0.4
+
+# Timestamp rows of the (tied) token embeddings at 0.4 x 0.2 = 0.08: 1,501 of them with
+# full-size logits would crowd text out of every greedy decode.
+_TIMESTAMP_SCALE = 0.4
 
 
 def _projection_gain(name: str) -> float:
@@ -128,8 +114,8 @@ def _tokenizer_files(out: Path, tokenizer, eot: str) -> None:
     # Listed so transformers counts the control tokens in all_special_ids, as in OpenAI's
     # configs (the timestamps are special to the tokenizer, but not listed).
     config["additional_special_tokens"] = [t for t in special_token_names() if t != eot and not t[2].isdigit()]
-    _write_json(config_path, config)
-    _write_json(out / "special_tokens_map.json", {"bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot})
+    write_json(config_path, config)
+    write_json(out / "special_tokens_map.json", {"bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot})
 
 
 def whisper_generation_config(vocab: dict[str, int], suppress: list[int], max_length: int) -> dict:
@@ -197,22 +183,24 @@ def build_tiny_whisper(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         scale_embedding=False, tie_word_embeddings=True,
     )
     config.architectures = ["WhisperForConditionalGeneration"]
-    torch.manual_seed(seed)  # the constructor's init; every parameter but one is overwritten
-    model = WhisperForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed, vocab["<|0.00|>"])
+    # Every parameter but the encoder's sinusoidal positions is drawn. No output row is zeroed:
+    # the output layer is the token embeddings, so that would zero the specials' inputs too.
+    model = random_model(WhisperForConditionalGeneration, config, seed, _param_std)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[vocab["<|0.00|>"]:] *= _TIMESTAMP_SCALE
     n_params = sum(p.numel() for p in model.parameters())
     save_model(model, out)
-    _write_json(out / "generation_config.json", generation)
-    _write_json(out / "config.json", json.loads((out / "config.json").read_text(encoding="utf-8")))
+    write_json(out / "generation_config.json", generation)
+    restamp_json(out, "config.json")
 
     extractor = WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400)
     features = extractor.to_dict()
     features.pop("mel_filters", None)  # derived from the other settings
     features["processor_class"] = "WhisperProcessor"
-    _write_json(out / "preprocessor_config.json", features)
+    write_json(out / "preprocessor_config.json", features)
     _tokenizer_files(out, tokenizer, "<|endoftext|>")
 
-    _write_json(
+    write_json(
         out / "vlmd_tiny.json",
         {
             "family": "whisper", "size": size, "seed": int(seed), "num_parameters": int(n_params),
