@@ -60,10 +60,11 @@ class TorchvisionFreeVideoProcessor(Qwen3VLVideoProcessor, _FramesAtSize):
 @functools.lru_cache(maxsize=2)
 def _load(model_dir: str):
     import torch
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # The class the checkpoint names: Qwen3-VL, or Qwen3-VL-MoE (same processor).
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     assert image_processor.backend == "pil", type(image_processor)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

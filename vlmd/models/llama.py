@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            self.layer_class(config, self.rotary, qkv_bias, tp) for _ in range(config.num_hidden_layers)
+            self.make_layer(config, index, qkv_bias, tp) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
@@ -158,6 +158,11 @@ class LlamaForCausalLM(nn.Module):
             head_dim=head_dim,
         )
 
+    def make_layer(self, config, index: int, qkv_bias: bool | None, tp: TPGroup) -> nn.Module:
+        """Layer ``index``: a ``layer_class`` (a decoder whose layers differ by index, such
+        as one with experts on some, builds each itself)."""
+        return self.layer_class(config, self.rotary, qkv_bias, tp)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
@@ -168,7 +173,9 @@ class LlamaForCausalLM(nn.Module):
         last layer runs only those rows (in a prefill of n tokens, 1/n of its work but the
         K/V product; the small LLaVA's last layer is ~1/9 of its decoder)."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        if outputs is None:  # every row is used: the backend may run the whole step itself
+        # Every row is used: the backend may run the whole step itself (a decoder it cannot
+        # describe as data, ``decoder_structure`` None, always runs its modules).
+        if outputs is None and self.decoder_structure is not None:
             stepped = meta.backend.decode_step(self.decoder_structure, inputs_embeds, cos[:, 0], sin[:, 0], meta,
                                                kv_caches)
             if stepped is not None:
@@ -179,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, outputs if index == last else None)
         return self.norm.add_forward(residual, hidden)[0]
 
-    def _describe(self, tp: TPGroup) -> DecoderStructure:
+    def _describe(self, tp: TPGroup) -> DecoderStructure | None:
         """This decoder as data, for a backend that runs a whole decode step itself."""
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         return DecoderStructure(

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from vlmd.layers.attention import AttentionMetadata, OutputRows
-from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rotary_for
 from vlmd.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, _head_dim
@@ -62,8 +62,13 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
             tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        elif self.lm_head.weight is self.embed_tokens.weight:
+            # The text config says tied (Qwen3-VL-MoE's default) but the model's outer config,
+            # which transformers follows, does not: an lm_head of its own.
+            self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         # The fused decode step of a backend must know the layers norm q and k.
-        self.decoder_structure = dataclasses.replace(self.decoder_structure, query_key_norm=True)
+        if self.decoder_structure is not None:
+            self.decoder_structure = dataclasses.replace(self.decoder_structure, query_key_norm=True)
 
     def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, outputs: OutputRows | None = None,
                 additions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen3 import Qwen3ForCausalLM
+from vlmd.models.qwen3_moe import Qwen3MoeForCausalLM
 from vlmd_qwen2_vl.model import patchify
 from vlmd_qwen3_vl.positions import PositionTable
 from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, read_settings
@@ -51,6 +52,18 @@ def _rename(name: str) -> str:
     raise ValueError(f"unexpected weight {name!r} in Qwen3-VL checkpoint")
 
 
+def _vision_model_class(config) -> type:
+    """transformers' tower for this config: the MoE checkpoints' is the same module under
+    its own config class."""
+    if type(config).__name__ == "Qwen3VLMoeConfig":
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+        return Qwen3VLMoeVisionModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return Qwen3VLVisionModel
+
+
 def interleaved_mrope(text_config) -> MRotaryEmbedding:
     """transformers' Qwen3-VL text rotary interleaves the rows whatever the config says."""
     theta, scaling = rope_parameters(text_config)
@@ -65,12 +78,10 @@ class Qwen3VLModel(nn.Module):
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
         self.config = config
         vision_config, text_config = config.vision_config, config.text_config
         vision_config._attn_implementation = "sdpa"
-        self.visual = Qwen3VLVisionModel(vision_config)
+        self.visual = _vision_model_class(config)(vision_config)
         self.num_deepstack = len(vision_config.deepstack_visual_indexes)
         if self.num_deepstack >= text_config.num_hidden_layers:
             raise ValueError(f"{self.num_deepstack} DeepStack layers for a decoder of {text_config.num_hidden_layers}")
@@ -79,7 +90,9 @@ class Qwen3VLModel(nn.Module):
             raise ValueError(f"vision out_hidden_size {vision_config.out_hidden_size} is not the decoder's "
                              f"hidden size {self.hidden_size}")
         self.encoder_output_width = self.hidden_size * (1 + self.num_deepstack)
-        self.language_model = Qwen3ForCausalLM(
+        # Experts in the text model (Qwen3-VL-MoE): the same decoder with a sparse MLP.
+        decoder = Qwen3MoeForCausalLM if getattr(text_config, "num_experts", 0) else Qwen3ForCausalLM
+        self.language_model = decoder(
             text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rotary=interleaved_mrope(text_config), tp=tp,
         )
