@@ -40,41 +40,23 @@ OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 # After the trained vocabulary, in the order Qwen2 vocabularies have them.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+IMAGE_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}  # the tokenizer's named tokens
 
 SIZES: dict[str, dict] = {
     "tiny": {
         "vocab_size": 4096,
         "vision": dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2),
-        "text": dict(
-            hidden_size=64,
-            intermediate_size=172,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        ),
+        "text": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=4096),
         "mrope_section": [2, 3, 3],  # sums to head_dim / 2 = 8
     },
     "small": {
         "vocab_size": 8192,
         "vision": dict(depth=8, embed_dim=384, num_heads=6, mlp_ratio=4),
-        "text": dict(
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=9,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            max_position_embeddings=8192,
-        ),
+        "text": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=9, num_attention_heads=12,
+                     num_key_value_heads=4, max_position_embeddings=8192),
         "mrope_section": [8, 12, 12],  # head_dim 64
     },
 }
@@ -114,17 +96,10 @@ def build_tokenizer(seed: int, vocab_size: int, chat_template: str = QWEN2_VL_CH
     from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
-        seed=seed,
-        vocab_size=vocab_size,
-        trailing_special_tokens=SPECIAL_TOKENS,
-        extra_words=_EXTRA_WORDS,
+        seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,
         tokenizer_kwargs=dict(
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-            model_max_length=32768,
-            padding_side="left",
-            clean_up_tokenization_spaces=False,
+            eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=IMAGE_TOKENS,
+            model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
             chat_template=chat_template,
         ),
     )
@@ -196,8 +171,7 @@ def write_processor_files(out: Path, tokenizer, processor_class: str) -> None:
     have torchvision load it as usual.
     """
     write_tokenizer(out, tokenizer, QWEN2_VL_CHAT_TEMPLATE,
-                    extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-                    additional_special_tokens=SPECIAL_TOKENS[1:])
+                    extra_special_tokens=IMAGE_TOKENS, additional_special_tokens=SPECIAL_TOKENS[1:])
     image = {**processor_settings(IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS), "image_processor_type": "Qwen2VLImageProcessor"}
     video = {**processor_settings(VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS), "video_processor_type": "Qwen2VLVideoProcessor"}
     write_json(out / "preprocessor_config.json", {**image, "processor_class": processor_class})
@@ -249,22 +223,12 @@ def build_qwen_vl_checkpoint(out_dir, seed: int, size: str, *, family: str, size
     write_json(
         out / "vlmd_tiny.json",
         {
-            "family": family,
-            "size": size,
-            "seed": int(seed),
-            "num_parameters": int(num_params),
-            "vocab_size": len(tokenizer),
-            "eos_token_ids": eos_ids,
-            "pad_token_id": ids["<|endoftext|>"],
-            "image_token_id": ids["<|image_pad|>"],
-            "video_token_id": ids["<|video_pad|>"],
-            "vision_start_token_id": ids["<|vision_start|>"],
-            "vision_end_token_id": ids["<|vision_end|>"],
-            "image_min_pixels": IMAGE_MIN_PIXELS,
-            "image_max_pixels": IMAGE_MAX_PIXELS,
-            "video_min_pixels": VIDEO_MIN_PIXELS,
-            "video_max_pixels": VIDEO_MAX_PIXELS,
-            **(summary or {}),
+            "family": family, "size": size, "seed": int(seed), "num_parameters": int(num_params),
+            "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<|endoftext|>"],
+            "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+            "image_min_pixels": IMAGE_MIN_PIXELS, "image_max_pixels": IMAGE_MAX_PIXELS,
+            "video_min_pixels": VIDEO_MIN_PIXELS, "video_max_pixels": VIDEO_MAX_PIXELS, **(summary or {}),
         },
     )
     return out
