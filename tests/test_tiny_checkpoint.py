@@ -343,3 +343,62 @@ def test_unknown_family_and_size_errors(tmp_path):
     )
     assert proc.returncode == 2 and "unknown model family" in proc.stderr
     assert not (tmp_path / "y").exists()
+
+
+# --------------------------------------------------------------------------- shared weights and files
+
+
+def test_weights_draw_is_seeded_and_in_name_order():
+    """vlmd.tiny.weights: the same seed gives the same tensors whatever torch's global RNG
+    did; a rule's None keeps the constructor's tensor; the output rows named are zeroed; the
+    common rule scales by name (norms, biases, embeddings, fan-in)."""
+    import math
+
+    import torch
+
+    from vlmd.tiny.weights import StdRule, init_weights
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(64, 16)
+            self.norm = torch.nn.LayerNorm(16)
+            self.q_proj = torch.nn.Linear(16, 16)
+            self.o_proj = torch.nn.Linear(16, 16)
+            self.pos = torch.nn.Parameter(torch.full((4, 16), 7.0))
+            self.lm_head = torch.nn.Linear(16, 64, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    rule = StdRule(fixed=[(("o_proj.weight",), 3.0, 0.0)])
+    keep = lambda name, shape, is_norm: None if name == "pos" else rule(name, shape, is_norm)  # noqa: E731
+
+    def build(seed):
+        torch.manual_seed(seed + 100)  # the global RNG must not matter
+        model = Toy()
+        init_weights(model, seed, keep, zero_output_rows=[5, 9])
+        return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+    a, b, c = build(0), build(0), build(1)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert not torch.equal(a["q_proj.weight"], c["q_proj.weight"])
+    assert torch.equal(a["pos"], torch.full((4, 16), 7.0))  # kept as built
+    assert not a["lm_head.weight"][[5, 9]].any() and a["lm_head.weight"][[0, 1]].all()
+    assert torch.equal(a["o_proj.weight"], torch.full((16, 16), 3.0))  # fixed scale
+    assert rule("layers.0.norm.weight", (16,), True) == (1.0, 0.1)
+    assert rule("q_proj.bias", (16,), False) == (0.0, 0.02)
+    assert rule("lm_head.weight", (64, 16), False) == (0.0, 2.0 / math.sqrt(16))
+    assert rule("q_proj.weight", (16, 32), False) == (0.0, 1.0 / math.sqrt(32))
+    assert rule("up_proj.weight", (16, 32), False) == (0.0, 0.5 / math.sqrt(32))
+
+
+def test_family_builders_draw_and_write_through_vlmd_tiny():
+    """Every family's tiny.py keeps its config, tokens and processor settings only: the
+    seeded draw is vlmd.tiny.weights' and the stable JSON checkpoint_io's (one copy each)."""
+    copies = []
+    for path in sorted((REPO_ROOT / "plugins").glob("*/vlmd_*/tiny.py")):
+        text = path.read_text(encoding="utf-8")
+        copies += [f"{path.relative_to(REPO_ROOT)}: {word}" for word in ("torch.Generator", "json.dumps") if word in text]
+    assert copies == [], ("use vlmd.tiny.weights (random_model, StdRule) and vlmd.tiny.checkpoint_io "
+                          f"(write_json, restamp_json, write_tokenizer): {copies}")
