@@ -18,7 +18,7 @@ from conftest import Server
 from test_qwen3_vl import _body, _cases, _check, _max_tokens, _reference
 
 NAMES = ["image_640x480", "two_images", "text_only", "second_turn"]
-FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2",
+FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2,video=0",
          "--max-num-batched-tokens", "32", "--max-num-seqs", "8", "--num-kv-blocks", "14", "--max-model-len", "200")
 
 
