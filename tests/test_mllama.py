@@ -4,8 +4,10 @@ The tiny checkpoint has 56-px tiles, at most 2 an image, and cross-attention lay
 5. Cases: one tile, a wide and a tall strip (the most tiles), two images, text only, text
 before the image (those rows attend to the images unmasked and skip the layer's MLP, as in
 transformers) and two images with text between them (each text span sees its own image).
-Each runs alone, then all concurrently; a second turn over the first one's answer; bad input
-gets a 4xx and the next good request its answer. The server's token budget (16) splits every
+Each runs alone, then all concurrently (prefix hits: the images' K/V are derived again for
+the rows after the hit); a second turn over the first one's answer finds it cached; the same
+text after another image shares no block; bad input gets a 4xx and the next good request its
+answer. The server's token budget (16) splits every
 prompt across steps, so the cross-attention K/V built with the first chunk serve the later
 ones. ``usage.prompt_tokens`` and ``/tokenize`` equal transformers' processor's count. A first
 divergence is accepted only where transformers' own top-1/top-2 log-prob gap is < 1e-3, and
@@ -135,6 +137,24 @@ def test_second_turn(server, references, tiny_mllama_dir):  # noqa: F811
     history = [*_reference_messages(name), {"role": "assistant", "content": [{"type": "text", "text": answer}]},
                {"role": "user", "content": [{"type": "text", "text": "And the colours?"}]}]
     _check(body, hf_mllama_generate(tiny_mllama_dir, history, _images(name), 10))
+    # The first turn's prompt is in the prefix cache, whole blocks of it; the images' K/V were
+    # derived again for the rows after the hit.
+    first_prompt = len(references[name]["prompt_token_ids"])
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_prompt // 16 * 16 > 0
+
+
+def test_same_text_other_image_shares_no_blocks(server, references, tiny_mllama_dir):  # noqa: F811
+    """Block hashes name the images: the same text after another image is computed anew (a
+    token before the image attends to it too) and equals transformers' answer."""
+    name = "text_before_image"
+    parts, max_tokens = CASES[name]
+    other = (16, 90, 60)
+    body = _body(name)
+    body["messages"][0]["content"][1]["image_url"]["url"] = image_data_url(random_image(*other))
+    status, answer = server.chat(body)
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens_details"].get("cached_tokens", 0) == 0
+    _check(answer, hf_mllama_generate(tiny_mllama_dir, _reference_messages(name), [random_image(*other)], max_tokens))
 
 
 def test_bad_input_is_a_4xx_then_a_good_request_is_answered(server, references):

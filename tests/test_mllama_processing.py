@@ -150,3 +150,18 @@ def test_kwargs_are_refused_and_the_dummy_fills_every_tile(tiny_mllama_dir):  # 
         processor.process_item("image", random_image(1, 80, 80), {"max_image_tiles": 1})
     dummy = MllamaDummyInputsBuilder(processor.info).dummy_item("image")
     assert processor.process_item("image", dummy, {}).encoder_inputs["tiles"].shape[0] == processor.info.max_tiles
+
+
+def test_block_hashes_name_the_images(tiny_mllama_dir):  # noqa: F811
+    """Items at offset 0 without placeholders key the first block, hence every later one."""
+    from vlmd.sched.block_hash import extend_block_hashes
+
+    processor = _processor(tiny_mllama_dir)
+    prompt = processor.info.ctx.tokenizer.encode("<|begin_of_text|><|image|>" + "word " * 40, add_special_tokens=False)
+    hashes = []
+    for seed in (1, 2):
+        output = processor.apply(prompt, {"image": [random_image(seed, 80, 60)]})
+        chain: list[bytes] = []
+        extend_block_hashes(chain, output.prompt_token_ids, output.items, 16)
+        hashes.append(chain)
+    assert len(hashes[0]) >= 2 and all(a != b for a, b in zip(*hashes))

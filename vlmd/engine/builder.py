@@ -192,9 +192,11 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         raise RuntimeError(f"{family.name}: the model's KV spec {model.kv_spec} differs from its processing "
                            f"info's {info.kv_spec()}")
     enable_prefix_caching = config.enable_prefix_caching
-    if enable_prefix_caching and getattr(model, "is_encoder_decoder", False):
-        # Decoder K/V depend on the request's encoder input through cross-attention, and a
-        # request's cross state is built in its first chunk: a prefix hit would skip both.
+    if enable_prefix_caching and getattr(model, "is_encoder_decoder", False) \
+            and not getattr(model, "prefix_caching", False):
+        # Decoder K/V depend on the request's encoder input through cross-attention. Block
+        # hashes name it, and after a prefix hit the first chunk derives the cross state
+        # again; a model opts in (``prefix_caching = True``) once that is tested for it.
         log.info("prefix caching is off for an encoder-decoder model", family=family.name)
         enable_prefix_caching = False
     scheduler_config = SchedulerConfig(

@@ -211,7 +211,10 @@ class ModelRunner:
         spans = []
         for piece in batch.slices:
             state = piece.state
-            reached = [item for item in state.mm_items if item.length == 0 and piece.start <= item.offset < piece.end]
+            # A request admitted past its items' offsets (a prefix hit) has no cross state yet:
+            # its first chunk derives it from every item before the chunk's end.
+            reached = [item for item in state.mm_items if item.length == 0 and item.offset < piece.end
+                       and (piece.start <= item.offset or state.cross_state is None)]
             outputs = []
             for item in reached:
                 output = self.encoder_outputs.get(item.identifier)

@@ -27,11 +27,13 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple = ()) 
 
 
 def block_extra_keys(items: Sequence[MultiModalItem], block_start: int, block_end: int) -> tuple:
-    """(identifier, offset relative to the block) of each item overlapping the block."""
+    """(identifier, offset relative to the block) of each item overlapping the block; an item
+    without placeholders (an encoder-decoder's input) counts in the block holding its offset,
+    so the chain of every later block names it too."""
     return tuple(
         (item.identifier, item.offset - block_start)
         for item in items
-        if item.offset < block_end and item.end > block_start
+        if item.offset < block_end and item.use_end > block_start
     )
 
 

@@ -180,7 +180,7 @@ class Scheduler:
             request = self.waiting[0]
             computed = self.kv.computed_blocks(request)
             request.num_computed_tokens = len(computed) * self.config.block_size
-            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget)
+            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget, admitting=True)
             if (
                 num_new == 0
                 or self.kv.allocate_slots(request, request.num_computed_tokens + num_new, computed) is None
@@ -204,9 +204,13 @@ class Scheduler:
         out.dropped_request_ids, self._dropped = self._dropped, []
         return out
 
-    def _plan_chunk(self, request: Request, budget: "_Budget") -> tuple[int, list[int], int]:
+    def _plan_chunk(self, request: Request, budget: "_Budget", admitting: bool = False) -> tuple[int, list[int], int]:
         """How many tokens of ``request`` to compute now, which items to encode, and how
-        many items this chunk found already encoded (for the hit-rate counters)."""
+        many items this chunk found already encoded (for the hit-rate counters).
+
+        ``admitting``: the first chunk of a (re)admission. It needs every item without
+        placeholders before it too (a prefix hit past their offset): the runner derives the
+        request's cross state from them in this chunk."""
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget.tokens)
         end = start + num_new
@@ -217,8 +221,8 @@ class Scheduler:
         for index, item in enumerate(request.mm_items):
             if item.offset >= end:
                 break
-            if item.use_end <= start:  # consumed (an item without placeholders: past its offset)
-                continue
+            if item.use_end <= start and not (admitting and item.length == 0):
+                continue  # consumed (an item without placeholders: past its offset)
             if self.config.disable_chunked_mm_input and item.end > end:
                 # Checked before the cache: an item must go in one step even when its output
                 # is already resident (or held for an earlier occurrence of the same image).

@@ -50,6 +50,9 @@ class MllamaModel(nn.Module):
     vision tower and projector are replicated (every rank encodes every image)."""
 
     is_encoder_decoder = True
+    # Prefix caching stays on: block hashes name every image (items at offset 0), and the
+    # first chunk after a prefix hit derives the cross-attention K/V again from the images.
+    prefix_caching = True
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
