@@ -19,11 +19,10 @@ cross-attention layer would then do nothing), are drawn away from zero.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import save_model
+from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "MLLAMA_CHAT_TEMPLATE", "build_tiny_mllama", "mllama_config"]
 
@@ -100,47 +99,16 @@ def mllama_config(size: str, *, vocab_size: int, ids: dict[str, int]):
     return config
 
 
-def _param_std(name: str, shape: tuple[int, ...], is_norm: bool, text_hidden: int) -> tuple[float, float]:
-    """(mean, std) of the normal distribution a parameter is drawn from."""
-    if is_norm:
-        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.02)
-    if name.endswith(("_gate", ".gate", "gate_attn", "gate_ffn")):
-        return 0.6, 0.2  # tanh(gate) ~ 0.5: every gated path shows in the output
-    if name.endswith(("class_embedding", "gated_positional_embedding.embedding")) or "tile" in name:
-        return 0.0, 0.5
-    if len(shape) == 1:
-        return 0.0, 0.02  # biases
-    if name.startswith("lm_head"):
-        return 0.0, 2.0 / math.sqrt(text_hidden)
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    fan_in = math.prod(shape[1:])
-    if name.endswith(("q_proj.weight", "k_proj.weight")) or "multi_modal_projector" in name:
-        return 0.0, 1.0 / math.sqrt(fan_in)  # sharp attention
-    return 0.0, 0.5 / math.sqrt(fan_in)
-
-
-def _init_weights(model, seed: int, special_ids: list[int]) -> None:
-    """Overwrite every parameter from a seeded generator, in sorted-name order; the
-    ``lm_head`` rows of special tokens are zeroed so greedy decoding emits ordinary text."""
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    norm_names: set[str] = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-            norm_names.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
-    text_hidden = model.config.text_config.hidden_size
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            mean, std = _param_std(name, tuple(param.shape), name in norm_names, text_hidden)
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
-        head = model.get_output_embeddings().weight
-        head[[i for i in special_ids if i < head.shape[0]]] = 0.0
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+# The common tiny rule (vlmd/tiny/weights.py) with Mllama's gates and tile embeddings.
+WEIGHT_RULE = StdRule(
+    fixed=(
+        # tanh(gate) ~ 0.5: every gated path (cross-attention, tile and position embeddings,
+        # the global transformer) shows in the output
+        (("cross_attn_attn_gate", "cross_attn_mlp_gate", "embedding.gate", "gate_attn", "gate_ffn"), 0.6, 0.2),
+        (("class_embedding", "positional_embedding.embedding", "tile_embedding"), 0.0, 0.5),
+    ),
+    gains=((("multi_modal_projector",), 1.0),),
+)
 
 
 def _image_processor_settings(tile: int, max_tiles: int) -> dict:
@@ -152,27 +120,17 @@ def _image_processor_settings(tile: int, max_tiles: int) -> dict:
 
 
 def _write_processor_files(out: Path, tokenizer, tile: int, max_tiles: int) -> None:
-    tokenizer.save_pretrained(out)
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tok_cfg["extra_special_tokens"] = {"image_token": "<|image|>"}
-    tok_cfg["additional_special_tokens"] = list(SPECIAL_TOKENS[2:])
-    tok_cfg["chat_template"] = MLLAMA_CHAT_TEMPLATE
-    tok_cfg["add_bos_token"] = False
-    tok_cfg["add_eos_token"] = False
-    _write_json(tok_cfg_path, tok_cfg)
-    (out / "chat_template.jinja").write_text(MLLAMA_CHAT_TEMPLATE, encoding="utf-8")
+    write_tokenizer(out, tokenizer, MLLAMA_CHAT_TEMPLATE, extra_special_tokens={"image_token": "<|image|>"},
+                    additional_special_tokens=list(SPECIAL_TOKENS[2:]))
     image = _image_processor_settings(tile, max_tiles)
-    _write_json(out / "preprocessor_config.json", {**image, "processor_class": "MllamaProcessor"})
-    _write_json(out / "processor_config.json", {"processor_class": "MllamaProcessor", "image_processor": image})
+    write_json(out / "preprocessor_config.json", {**image, "processor_class": "MllamaProcessor"})
+    write_json(out / "processor_config.json", {"processor_class": "MllamaProcessor", "image_processor": image})
 
 
 def build_tiny_mllama(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Llama 3.2 Vision checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
     from transformers import GenerationConfig, MllamaForConditionalGeneration
 
     spec = SIZES[size]
@@ -185,21 +143,20 @@ def build_tiny_mllama(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         raise RuntimeError("the image token must be the tokenizer's last id")
     config = mllama_config(size, vocab_size=len(tokenizer), ids=ids)
 
-    torch.manual_seed(seed)  # the constructor's own init; every parameter is overwritten below
-    model = MllamaForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed, sorted(ids.values()))
+    # The image token has an embedding but no row in the head.
+    model = random_model(MllamaForConditionalGeneration, config, seed, WEIGHT_RULE,
+                         sorted(i for i in ids.values() if i != ids["<|image|>"]))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|eot_id|>"], ids["<|end_of_text|>"]]
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos_ids, pad_token_id=ids["<|finetune_right_pad_id|>"]
     )
     save_model(model, out)
-    for name in ("config.json", "generation_config.json"):  # stable bytes
-        _write_json(out / name, json.loads((out / name).read_text(encoding="utf-8")))
+    restamp_json(out, "config.json", "generation_config.json")
     vision = spec["vision"]
     _write_processor_files(out, tokenizer, vision["image_size"], vision["max_num_tiles"])
     tokens_per_tile = (vision["image_size"] // 14) ** 2 + 1
-    _write_json(out / "vlmd_tiny.json", {
+    write_json(out / "vlmd_tiny.json", {
         "family": "mllama", "size": size, "seed": int(seed), "num_parameters": int(num_params),
         "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<|finetune_right_pad_id|>"],
         "image_token_id": ids["<|image|>"], "tile_size": vision["image_size"], "max_image_tiles": vision["max_num_tiles"],
