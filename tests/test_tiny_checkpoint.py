@@ -397,7 +397,7 @@ def test_family_builders_draw_and_write_through_vlmd_tiny():
     """Every family's tiny.py keeps its config, tokens and processor settings only: the
     seeded draw is vlmd.tiny.weights' and the stable JSON checkpoint_io's (one copy each)."""
     copies = []
-    for path in sorted((REPO_ROOT / "plugins").glob("*/vlmd_*/tiny.py")):
+    for path in sorted((REPO_ROOT / "plugins").glob("*/vlmd_*/tiny*.py")):
         text = path.read_text(encoding="utf-8")
         copies += [f"{path.relative_to(REPO_ROOT)}: {word}" for word in ("torch.Generator", "json.dumps") if word in text]
     assert copies == [], ("use vlmd.tiny.weights (random_model, StdRule) and vlmd.tiny.checkpoint_io "
