@@ -165,3 +165,21 @@ def test_block_hashes_name_the_images(tiny_mllama_dir):  # noqa: F811
         extend_block_hashes(chain, output.prompt_token_ids, output.items, 16)
         hashes.append(chain)
     assert len(hashes[0]) >= 2 and all(a != b for a, b in zip(*hashes))
+
+
+def test_images_needed_together_must_fit_the_encoder_budget_together():
+    """Every image of a request is encoded with its first chunk: two of 40 vectors exceed a
+    budget of 64 together (a 400 on arrival, not a request that waits forever), one fits."""
+    from sched_support import make_request, make_scheduler
+    from vlmd.errors import RequestRejected
+    from vlmd.types import MultiModalItem
+
+    def image(name):
+        return MultiModalItem("image", name, offset=0, length=0, encoder_tokens=40)
+
+    scheduler = make_scheduler()
+    with pytest.raises(RequestRejected, match="80 encoder tokens at once"):
+        scheduler.add_request(make_request("two", 12, items=(image("a"), image("b"))))
+    scheduler.add_request(make_request("one", 12, items=(image("a"),)))
+    out = scheduler.schedule()
+    assert out.scheduled_encoder_inputs == {"one": [0]}
