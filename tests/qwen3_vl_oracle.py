@@ -14,9 +14,9 @@ and ``get_rope_index`` the positions):
 - ``normalize``: torchvision's ``F.normalize`` on a float tensor, ``(x - mean) / std`` per
   channel, the same two operations.
 
-Frames are not sampled here (``do_sample_frames=False``): the oracle gets the frames vlmd's
-decoder kept, with their ``VideoMetadata`` (source rate, frame count, kept indices), as the
-Qwen2.5-VL oracle does.
+Frames are sampled by transformers (``sample_fps``: its ``sample_frames`` from every decoded
+frame and the source rate in ``VideoMetadata``), or given already sampled with the indices
+they were kept at.
 
 Shown equal to the unmodified processor running torchvision (PyPI's torchvision 0.29.1
 imported beside torch 2.13.0+cpu after ``../shared/peer/patch_torchvision.py``, outside the
@@ -94,12 +94,15 @@ def load_hf_qwen3_vl(model_dir):
 
 
 def hf_qwen3_vl_inputs(model_dir, messages: list[dict[str, Any]], images: list, videos: list | None = None,
-                       video_metadata: list | None = None, mm_processor_kwargs: dict | None = None):
+                       video_metadata: list | None = None, mm_processor_kwargs: dict | None = None,
+                       sample_fps: float | None = None):
     """(prompt text, transformers' processor output) for ``messages`` with these items;
-    ``video_metadata``: one dict of ``VideoMetadata`` fields per video (None: bare frames)."""
+    ``video_metadata``: one dict of ``VideoMetadata`` fields per video (None: bare frames);
+    ``sample_fps``: transformers samples that many frames per second of each video."""
     _, processor = load_hf_qwen3_vl(model_dir)
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    kwargs: dict[str, Any] = {"videos_kwargs": {"do_sample_frames": False}}
+    sampling = {"do_sample_frames": False} if sample_fps is None else {"do_sample_frames": True, "fps": sample_fps}
+    kwargs: dict[str, Any] = {"videos_kwargs": sampling}
     if mm_processor_kwargs:
         for key, size in (("images_kwargs", processor.image_processor.size),
                           ("videos_kwargs", processor.video_processor.size)):
@@ -118,13 +121,14 @@ def hf_qwen3_vl_inputs(model_dir, messages: list[dict[str, Any]], images: list, 
 
 def hf_qwen3_vl_generate(model_dir, messages: list[dict[str, Any]], images: list, max_new_tokens: int,
                          mm_processor_kwargs: dict | None = None, videos: list | None = None,
-                         video_metadata: list | None = None) -> dict:
+                         video_metadata: list | None = None, sample_fps: float | None = None) -> dict:
     """Greedy generation with transformers' Qwen3-VL, as ``oracle.hf_qwen2_vl_generate``:
     prompt and output ids, each step's top-1/top-2 gap and the greedy tokens' log-probs."""
     import torch
 
     model, _ = load_hf_qwen3_vl(model_dir)
-    prompt, inputs = hf_qwen3_vl_inputs(model_dir, messages, images, videos, video_metadata, mm_processor_kwargs)
+    prompt, inputs = hf_qwen3_vl_inputs(model_dir, messages, images, videos, video_metadata, mm_processor_kwargs,
+                                        sample_fps)
     prompt_ids = inputs["input_ids"][0].tolist()
     output_ids, gaps, logits = _greedy(model, inputs, max_new_tokens)
     logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[token]) for step, token in zip(logits, output_ids)]

@@ -1,13 +1,14 @@
 """Qwen3-VL (dense) through the real server: greedy tokens equal transformers' generate.
 
 Cases: a 640x480 image; two images of different sizes; a very wide image; text only; a
-per-request max_pixels; a second turn about the first case's image; a video (8 of its 16
-frames kept, four frame pairs under their timestamps); a video and an image. Each runs alone,
+per-request max_pixels; a second turn about the first case's image; a 4 s video (8 of its 16
+frames kept at the checkpoint's 2 fps, four frame pairs under their timestamps); a video and
+an image. Each runs alone,
 then all concurrently, then again on a second server, under ``--tensor-parallel-size 2``,
 whose token budget (16) splits every image's and every video's placeholders (and so their
 DeepStack rows, and a video's timestamp text between its pairs) across steps and whose KV
-cache (14 blocks of 16) forces preemption. transformers gets the frames vlmd's decoder keeps
-(an independent PyAV decode at the same indices) with their metadata (tests/qwen3_vl_oracle.py). The second turn finds its first
+cache (14 blocks of 16) forces preemption. transformers gets every frame (an independent PyAV
+decode) with the source rate and samples them itself (tests/qwen3_vl_oracle.py). The second turn finds its first
 turn's blocks in the prefix cache (``cached_tokens``); an image after new text takes its
 encoder output from the encoder cache; a prefix hit that ends inside an image computes the
 rest of it. ``usage.prompt_tokens`` and /tokenize must equal transformers' processor output;
@@ -35,22 +36,22 @@ CASE_NAMES = ["image_640x480", "two_images", "wide_1500x200", "text_only", "imag
               "video", "video_and_image"]
 FIRST_ANSWER = "It is a picture of noise."
 NUM_FRAMES, MAX_FRAMES = 8, 20  # the servers' --media-io-kwargs: frames kept, most frames a video may have
+SAMPLE_FPS = 2  # the tiny checkpoint's (Qwen3VLVideoProcessor's default) frames per second of video
 MEDIA_IO = '{"video": {"num_frames": %d, "max_frames": %d}}' % (NUM_FRAMES, MAX_FRAMES)
 
 
 def decoded_video(frames: int, width: int, height: int, fps: int, seed: int) -> dict:
-    """A video part: its bytes, the frames vlmd's decoder keeps (``NUM_FRAMES`` spread from
-    the first: index ``i * total // NUM_FRAMES``) from an independent PyAV decode, and the
-    ``VideoMetadata`` transformers is given with them."""
+    """A video part: its bytes, every frame from an independent PyAV decode, and the
+    ``VideoMetadata`` transformers samples them by (its 2 fps keep at most ``NUM_FRAMES``
+    of these videos, the server's bound)."""
     import av
 
     data = make_video(frames, width, height, fps=fps, seed=seed)
     with av.open(io.BytesIO(data)) as container:
         rate = float(container.streams.video[0].average_rate)
         decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-    indices = [index * len(decoded) // NUM_FRAMES for index in range(NUM_FRAMES)]
-    metadata = {"total_num_frames": len(decoded), "fps": rate, "frames_indices": indices}
-    return {"type": "video", "media": np.stack([decoded[i] for i in indices]), "metadata": metadata,
+    assert int(len(decoded) / rate * SAMPLE_FPS) <= NUM_FRAMES
+    return {"type": "video", "media": np.stack(decoded), "metadata": {"total_num_frames": len(decoded), "fps": rate},
             "url": video_data_url(data)}
 
 
@@ -103,7 +104,7 @@ def _reference(model_dir, parts, text, kwargs, follow_up, max_tokens):
     videos = [part for part in parts if part["type"] == "video"]
     return hf_qwen3_vl_generate(model_dir, messages, [part["media"] for part in parts if part["type"] == "image"],
                                 max_tokens, mm_processor_kwargs=kwargs, videos=[video["media"] for video in videos],
-                                video_metadata=[video["metadata"] for video in videos])
+                                video_metadata=[video["metadata"] for video in videos], sample_fps=SAMPLE_FPS)
 
 
 def _max_tokens(index: int) -> int:

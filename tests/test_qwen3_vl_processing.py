@@ -191,12 +191,13 @@ def test_video_prompt_positions_and_pixels_equal_transformers(tiny_qwen3_vl_dir)
                                                          (60, 64, 64)])
 def test_video_counts_and_cost_equal_the_processors_count(tiny_qwen3_vl_dir, frames, width, height):
     """Videos of several lengths (an odd one: its last frame repeated), as bare frames (24
-    fps) to the processor and as ``vlmd cost --video FRAMESxWxH`` at 10 fps (the frames the
-    decoder keeps: 4 of the 5, 32 of the 60): item_tokens, the expanded prompt and the cost
-    equal transformers'."""
+    fps) to the processor and as ``vlmd cost --video FRAMESxWxH`` of a 10 fps source, whose
+    frames transformers samples at 2 fps (4 of the 5, 12 of the 60): item_tokens, the
+    expanded prompt and the cost equal transformers'."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
     from vlmd.cost import parse_video
-    from vlmd.media.policy import MediaPolicy
-    from vlmd.media.video import frames_to_keep, sample_frame_indices
 
     from qwen3_vl_oracle import hf_qwen3_vl_inputs
 
@@ -210,13 +211,13 @@ def test_video_counts_and_cost_equal_the_processors_count(tiny_qwen3_vl_dir, fra
     tokens = processor.info.item_tokens("video", ItemSize(width, height, frames), {})
     assert len(prompt) - 1 + tokens.replacement == len(output.prompt_token_ids)
     assert tokens.placeholders == output.items[0].length
-    # vlmd cost: the frames the decoder keeps, at their times in a 10 fps source.
-    kept = sample_frame_indices(frames, frames_to_keep(frames, 10.0, MediaPolicy()))
-    _, ref = hf_qwen3_vl_inputs(tiny_qwen3_vl_dir, messages, [], [video[kept]],
-                                [{"total_num_frames": frames, "fps": 10.0, "frames_indices": kept}])
+    # vlmd cost: the frames transformers keeps of a 10 fps source, at their times.
+    _, ref = hf_qwen3_vl_inputs(tiny_qwen3_vl_dir, messages, [], [video], [{"total_num_frames": frames, "fps": 10.0}],
+                                sample_fps=2)
     report = compute_cost(str(tiny_qwen3_vl_dir), [parse_video(f"{frames}x{width}x{height}", 10.0)],
                           CostOptions(prompt="What is here?"))
     assert report["prompt_tokens"] == ref["input_ids"].shape[1]
+    kept = Qwen3VLVideoProcessor().sample_frames(VideoMetadata(total_num_frames=frames, fps=10.0), fps=2)
     assert report["items"][0]["frames"] == len(kept)
 
 
@@ -307,3 +308,37 @@ def test_decoded_video_carries_its_frame_indices_and_rate():
 
     video = decode_video(make_video(16, fps=8), MediaPolicy(video_num_frames=8))
     assert video.frame_indices == (0, 2, 4, 6, 8, 10, 12, 14) and video.source_fps == 8.0
+
+
+@pytest.mark.parametrize(("total", "source_fps", "fps", "num_frames"), [
+    (16, 4.0, None, 32), (5, 10.0, None, 32), (60, 10.0, None, 32), (1, 30.0, None, 32), (300, 29.97, None, 1000),
+    (90, 30000 / 1001, 1.0, 32), (300, 29.97, None, 32), (7, None, 4.0, 32)])
+def test_frame_sampling_equals_transformers(tiny_qwen3_vl_dir, total, source_fps, fps, num_frames):
+    """The frames kept of a source video: ``Qwen3VLVideoProcessor.sample_frames`` at the
+    server's fps, else the checkpoint's 2 (24 fps for a source that names no rate); the
+    server's num_frames bounds the count (the (300, 29.97) video at 32: 32 frames, spread
+    the same way, where transformers keeps 40)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from vlmd.media.policy import MediaPolicy
+
+    info = _processor(tiny_qwen3_vl_dir).info
+    ours = info.video_frame_indices(total, source_fps, MediaPolicy(video_num_frames=num_frames, video_fps=fps))
+    reference = Qwen3VLVideoProcessor()
+    theirs = reference.sample_frames(VideoMetadata(total_num_frames=total, fps=source_fps), fps=fps).tolist()
+    if len(theirs) <= num_frames:
+        assert ours == theirs
+    else:
+        assert ours == reference.sample_frames(VideoMetadata(total_num_frames=total, fps=source_fps),
+                                               num_frames=num_frames).tolist()
+
+
+def test_decoder_keeps_the_frames_the_family_chooses():
+    """An odd count stays odd (the processor pairs the last frame with itself)."""
+    from conftest import make_video
+    from vlmd.media.policy import MediaPolicy
+    from vlmd.media.video import decode_video
+
+    video = decode_video(make_video(10, fps=8), MediaPolicy(video_num_frames=8), choose=lambda total, rate: [0, 4, 9])
+    assert video.shape[0] == 3 and video.frame_indices == (0, 4, 9) and video.source_fps == 8.0

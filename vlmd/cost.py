@@ -93,7 +93,6 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     from transformers import AutoConfig, AutoTokenizer
 
     from vlmd.media.policy import MediaPolicy
-    from vlmd.media.video import frames_to_keep, sample_frame_indices
     from vlmd.plugins.manager import build_registry
     from vlmd.processing.preprocess import InputPreprocessor
     from vlmd.processing.speech import SpeechToTextProcessor
@@ -120,10 +119,9 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     for spec in items:
         size = spec.size
         if spec.modality == "video":  # the frames the decoder keeps, and their times
-            kept = frames_to_keep(spec.source_frames, spec.source_fps, policy)
-            times = tuple(index / spec.source_fps for index in sample_frame_indices(spec.source_frames, kept)
-                          ) if spec.source_fps else ()
-            size = ItemSize(size.width, size.height, kept, frame_times=times)
+            kept = info.video_frame_indices(spec.source_frames, spec.source_fps, policy)
+            times = tuple(index / spec.source_fps for index in kept) if spec.source_fps else ()
+            size = ItemSize(size.width, size.height, len(kept), frame_times=times)
         label = spec.label
         if spec.modality == "audio" and isinstance(processor, SpeechToTextProcessor):
             size, label = ItemSize(seconds=min(size.seconds, processor.window_seconds)), label + " (per window)"

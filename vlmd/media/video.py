@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
 from fractions import Fraction
 
 import numpy as np
@@ -64,14 +65,21 @@ class VideoFrames(np.ndarray):
         self.source_fps = getattr(source, "source_fps", None)
 
 
-def load_video(url: str, policy: MediaPolicy) -> np.ndarray:
+# (total frames, source rate or None) -> the indices to keep, increasing: a family's sampling.
+FrameChooser = Callable[[int, "float | None"], list[int]]
+
+
+def load_video(url: str, policy: MediaPolicy, choose: FrameChooser | None = None) -> np.ndarray:
     """Fetch ``url`` (data:, http(s)://, file://) and decode it; blocking, run off the loop."""
     data = fetch_bytes(url, dataclasses.replace(policy, max_bytes=policy.max_video_bytes))
-    return decode_video(data, policy)
+    return decode_video(data, policy, choose=choose)
 
 
-def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None) -> np.ndarray:
-    """``[frames, height, width, 3]`` uint8 RGB frames sampled from ``data``, or MediaError."""
+def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None,
+                 choose: FrameChooser | None = None) -> np.ndarray:
+    """``[frames, height, width, 3]`` uint8 RGB frames sampled from ``data``, or MediaError.
+    ``choose`` picks the frames instead of the policy's uniform sampling (a family whose
+    reference processor samples its own way: ``BaseProcessingInfo.video_frame_indices``)."""
     import av
 
     if not data:
@@ -88,24 +96,30 @@ def decode_video(data: bytes, policy: MediaPolicy, num_frames: int | None = None
         if total == 0:
             raise MediaError("video has no frames")
         if num_frames is not None:  # an explicit count overrides the policy's sampling
-            count = even_frame_count(min(num_frames, total))
+            indices = sample_frame_indices(total, even_frame_count(min(num_frames, total)))
+        elif choose is not None:
+            indices = [int(index) for index in choose(total, rate)]
+            if not indices or indices[0] < 0 or indices[-1] >= total or any(
+                    a >= b for a, b in zip(indices, indices[1:])):
+                raise ValueError(f"a frame choice must be increasing indices below {total}, got {indices[:8]}...")
         else:
-            count = frames_to_keep(total, rate, policy)
+            indices = sample_frame_indices(total, frames_to_keep(total, rate, policy))
+        count = len(indices)
         kept_bytes = count * width * height * 3
         if kept_bytes > policy.max_video_decoded_bytes:
             raise MediaError(
                 f"{count} frames of {width}x{height} need {kept_bytes} bytes decoded; the limit is "
                 f"{policy.max_video_decoded_bytes}: send a smaller video or ask for fewer frames"
             )
-        indices = sample_frame_indices(total, count)
         try:
             frames = _decode_frames(container, stream, indices, width, height)
         except av.FFmpegError as exc:
             raise MediaError(f"cannot decode video: {_reason(exc)}") from None
     if not frames:
         raise MediaError("video has no decodable frames")
-    # The header may promise more frames than the stream holds: keep what was decoded.
-    kept = np.stack(frames[: even_frame_count(len(frames))])
+    # The header may promise more frames than the stream holds: keep what was decoded (an even
+    # count of them, as the policy's sampling keeps).
+    kept = np.stack(frames if len(frames) == len(indices) else frames[: even_frame_count(len(frames))])
     return VideoFrames.of(kept, None if rate is None else len(indices) / total * rate, indices[: len(kept)], rate)
 
 

@@ -104,6 +104,14 @@ class BaseProcessingInfo(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement item_tokens")
 
+    def video_frame_indices(self, total: int, source_fps: float | None, policy) -> list[int]:
+        """Which of a video's ``total`` frames the decoder keeps (``vlmd cost`` asks too): the
+        media policy's count spread from the first frame (``vlmd.media.video``), unless the
+        family samples as its reference processor does (Qwen3-VL)."""
+        from vlmd.media.video import frames_to_keep, sample_frame_indices
+
+        return sample_frame_indices(total, frames_to_keep(total, source_fps, policy))
+
     def attends_within_items(self) -> bool:
         """Whether an item's tokens attend to each other in both directions (some VLMs'
         images): then the scheduler keeps each item's tokens in one step, as

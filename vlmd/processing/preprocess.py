@@ -80,6 +80,8 @@ class InputPreprocessor:
         if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
             rate = getattr(self.processor, "sampling_rate", 16000)
             load = functools.partial(load_audio, target_rate=rate)
+        if ref.modality == "video":  # the frames the family keeps
+            load = functools.partial(load_video, choose=self.choose_frames)
         cache = self.processor.cache
         if ref.modality == "image" and cache is not None:  # an upload seen before is not decoded again
             def load(url, policy):
@@ -91,6 +93,9 @@ class InputPreprocessor:
         if self.observer is not None:
             self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
         return item
+
+    def choose_frames(self, total: int, source_fps: float | None) -> list[int]:
+        return self.info.video_frame_indices(total, source_fps, self.policy)
 
     def check_text_length(self, messages: Any) -> None:
         """400 when the messages cannot fit max_model_len tokens, in O(parts), no tokenizing:

@@ -26,7 +26,7 @@ from vlmd.processing.hashing import item_identifier
 from vlmd.types import MultiModalItem
 from vlmd_qwen2_vl.processing import Qwen2VLDummyInputsBuilder, grid_thw, resize_frames
 from vlmd_qwen3_vl.positions import PositionTable, qwen3_vl_positions
-from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings, read_video_cap
+from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, num_tokens, read_settings, read_video_rules
 from vlmd_qwen3_vl.video import (
     DEFAULT_FPS,
     FrameLayout,
@@ -47,7 +47,7 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
         super().__init__(ctx)
         self.settings = {modality: read_settings(ctx.model_dir, modality) for modality in MODALITIES}
         self.merge_size = int(ctx.hf_config.vision_config.spatial_merge_size)
-        self.video_cap = read_video_cap(ctx.model_dir)
+        self.video_rules = read_video_rules(ctx.model_dir)
         config = ctx.hf_config
         self.vision_start_id, self.vision_end_id = int(config.vision_start_token_id), int(config.vision_end_token_id)
         self._timestamp_ids: dict[str, list[int]] = {}
@@ -82,7 +82,7 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
     def video_size(self, size: ItemSize, settings: VisionSettings) -> tuple[int, int]:
         """(height, width) of every frame of a video of ``size`` under ``settings``."""
         max_pixels = capped_max_pixels(size.frames, settings.min_pixels, settings.max_pixels, settings.factor,
-                                       self.video_cap)
+                                       self.video_rules.max_video_tokens)
         return smart_resize(size.frames, size.height, size.width, settings.temporal_patch_size, settings.factor,
                             settings.min_pixels, max_pixels)
 
@@ -110,6 +110,18 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
                 raise ValueError("Qwen3-VL video counts need the checkpoint's tokenizer (its timestamps are text)")
             ids = self._timestamp_ids[text] = list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
         return ids
+
+    def video_frame_indices(self, total: int, source_fps: float | None, policy) -> list[int]:
+        """transformers' ``Qwen3VLVideoProcessor.sample_frames``: the server's fps
+        (--media-io-kwargs), else the checkpoint's (2), frames per second of video (the
+        source's rate, 24 when it names none), at least ``min_frames``, at most
+        ``max_frames`` and the video's own, spread by a rounded linspace from the first frame
+        to the last; and, vlmd's bound, at most the server's num_frames."""
+        fps = policy.video_fps or self.video_rules.fps
+        count = int(total / (source_fps or DEFAULT_FPS) * fps)
+        count = min(max(count, self.video_rules.min_frames), self.video_rules.max_frames, total)
+        count = min(count, policy.video_num_frames)
+        return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
     def video_num_frames(self) -> int:
         video = self.ctx.media_io_kwargs.get("video") or {}
