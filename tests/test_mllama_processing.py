@@ -183,3 +183,30 @@ def test_images_needed_together_must_fit_the_encoder_budget_together():
     scheduler.add_request(make_request("one", 12, items=(image("a"),)))
     out = scheduler.schedule()
     assert out.scheduled_encoder_inputs == {"one": [0]}
+
+
+def test_both_checkpoint_layouts_load_the_same_weights(tiny_mllama_dir, tmp_path):  # noqa: F811
+    """transformers 5 saves the published layout (``language_model.model.``,
+    ``language_model.lm_head.``, ``vision_model.``); its module names (``model.language_model.``,
+    ``lm_head.``, ``model.vision_model.``) load alike, and a missing weight is a clear error."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    published = load_file(tiny_mllama_dir / "model.safetensors")
+    assert any(name.startswith("language_model.model.") for name in published)
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_model.", "model.vision_model."), ("multi_modal_projector.", "model.multi_modal_projector."))
+    modern = {}
+    for name, tensor in published.items():
+        old, new = next((old, new) for old, new in renames if name.startswith(old))
+        modern[new + name[len(old):]] = tensor
+    copy = shutil.copytree(tiny_mllama_dir, tmp_path / "mllama-v5-names")
+    save_file(modern, copy / "model.safetensors")
+    config = AutoConfig.from_pretrained(tiny_mllama_dir)
+    ours = MllamaModel.load(tiny_mllama_dir, config, torch.float32).state_dict()
+    theirs = MllamaModel.load(copy, config, torch.float32).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    save_file({name: t for name, t in modern.items() if "cross_attn_mlp_gate" not in name}, copy / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks 2 weights"):
+        MllamaModel.load(copy, config, torch.float32)

@@ -2,7 +2,8 @@
 
 Layout written to ``out_dir`` (byte-identical for the same seed and size):
 
-* ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, transformers 5 names)
+* ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, in the published
+  checkpoints' layout, which transformers 5 writes: ``language_model.model.``, ``vision_model.``)
 * ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``
 * ``processor_config.json`` (transformers 5: the processor with its image processor nested) and
   ``preprocessor_config.json`` (the image processor, what transformers 4.x reads)
