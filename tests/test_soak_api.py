@@ -1,6 +1,6 @@
 """A short soak over the whole API (issue 36 item 4): a tiny Qwen2-VL (images, video; a KV
 cache the soak's own requests overflow, so requests are preempted and recomputed) and a tiny
-Qwen2-Audio served at once, each sent every kind of vlmd.testing.soak_api's mix twice from
+Qwen2-Audio (the session's) soaked at once, each sent every kind of vlmd.testing.soak_api's mix twice from
 three clients: chat with every modality, completions, responses, structured outputs,
 n > 1, penalties, streams read whole or dropped, the hostile cases of issue 36 and a body
 that stops arriving. Every good answer equals the same server's answer alone; nothing is a
@@ -10,58 +10,36 @@ that stops arriving. Every good answer equals the same server's answer alone; no
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from conftest import Server
-from vlmd.testing.soak_api import (AUDIO_FLAGS, COMMON_FLAGS, MAX_REQUEST_BYTES, VISION_FLAGS, audio_mix,
-                                   run_api_soak, vision_mix)
+from vlmd.config import ServeConfig
+from vlmd.testing.soak_api import COMMON_FLAGS, MAX_REQUEST_BYTES, VISION_FLAGS, audio_mix, run_api_soak, vision_mix
 
 ROUNDS = 2  # each scenario this many times per server
+DEFAULT_MAX_REQUEST_BYTES = ServeConfig.max_request_bytes
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_qwen2_vl_dir, tiny_qwen2_audio_dir, tmp_path_factory):
-    """Both servers, started side by side (their loads overlap)."""
-    logs = tmp_path_factory.mktemp("logs")
-    specs = {"tiny-vl": (tiny_qwen2_vl_dir, VISION_FLAGS, vision_mix),
-             "tiny-audio": (tiny_qwen2_audio_dir, AUDIO_FLAGS, audio_mix)}
-    started: dict = {}
-    errors: list = []
-
-    def start(name: str) -> None:
-        model_dir, flags, _ = specs[name]
-        try:
-            started[name] = Server(model_dir, *COMMON_FLAGS, *flags, "--no-warmup", name=name, kv_cache_gb=None,
-                                   log_dir=logs)
-        except Exception as exc:  # raised below, after both have had their chance
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(name,)) for name in specs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+def servers(tiny_qwen2_vl_dir, qwen2_audio_server, tmp_path_factory):
+    """A vision server of the soak's own, and the session's Qwen2-Audio server (its default
+    bounds: 64 MiB bodies; the audio mix sends no stalled body, which its 30 s read deadline
+    would answer only after 30 s)."""
+    vision = Server(tiny_qwen2_vl_dir, *COMMON_FLAGS, *VISION_FLAGS, "--no-warmup", name="tiny-vl",
+                    kv_cache_gb=None, log_dir=tmp_path_factory.mktemp("logs"))
     try:
-        if errors:
-            raise errors[0]
-        yield {name: (server, specs[name][2]) for name, server in started.items()}
-    finally:  # both told at once: each waits for its engine to stop
-        for server in started.values():
-            server.process.terminate()
-        for server in started.values():
-            try:
-                server.process.wait(30)
-            finally:
-                server.stop()  # kills one still running, closes its log
+        yield {"tiny-vl": (vision, vision_mix, MAX_REQUEST_BYTES),
+               "tiny-audio": (qwen2_audio_server, audio_mix, DEFAULT_MAX_REQUEST_BYTES)}
+    finally:
+        vision.stop()
 
 
 def test_a_soak_over_the_whole_api(servers):
-    log_sizes = {name: server.log_path.stat().st_size for name, (server, _) in servers.items()}
-    targets = [{"name": name, "url": server.url, "pid": server.process.pid, "model": name, "mix": mix,
-                "max_request_bytes": MAX_REQUEST_BYTES} for name, (server, mix) in servers.items()]
-    rounds = {name: ROUNDS * len(mix(name, MAX_REQUEST_BYTES)) for name, (_, mix) in servers.items()}
+    log_sizes = {name: server.log_path.stat().st_size for name, (server, _, _) in servers.items()}
+    targets = [{"name": name, "url": server.url, "pid": server.process.pid, "model": server.model, "mix": mix,
+                "max_request_bytes": max_bytes} for name, (server, mix, max_bytes) in servers.items()]
+    rounds = {name: ROUNDS * len(mix(name, 1)) for name, (_, mix, _) in servers.items()}
     # A request count ends it (max_seconds is only a cap), so every kind is sent on any host.
     results = run_api_soak(targets, max_requests=max(rounds.values()), max_seconds=600, clients=3)
     for name, result in results.items():
