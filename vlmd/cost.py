@@ -23,7 +23,8 @@ from vlmd.processing.base import ItemSize, ProcessingContext
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
 # Serve's settings that mean the same here: their flags, defaults, help and choices are
 # serve's (vlmd/config.py:ServeConfig), so the two commands cannot drift apart.
-SHARED_SERVE_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs", "dtype", "block_size", "max_model_len",
+SHARED_SERVE_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs", "dtype", "quantization", "block_size",
+                         "max_model_len",
                          "kv_cache_gb", "num_kv_blocks", "max_num_batched_tokens", "encoder_cache_size")
 _IMAGE = re.compile(r"^(\d+)x(\d+)$")
 _VIDEO = re.compile(r"^(\d+(?:\.\d+)?)(s?)x(\d+)x(\d+)$")
@@ -78,6 +79,7 @@ class CostOptions:
     language: str | None = None
     timestamps: bool = False
     dtype: str = _serve_default("dtype")
+    quantization: str = _serve_default("quantization")
     block_size: int = _serve_default("block_size")
     max_model_len: int | None = _serve_default("max_model_len")
     kv_cache_gb: float | None = _serve_default("kv_cache_gb")  # unset: as a CPU server, unless memory_gb is set
@@ -99,6 +101,8 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
 
     if options.dtype not in _DTYPE_BYTES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPE_BYTES)}")
+    if options.quantization != "none" and options.dtype != "float32":  # as serve refuses it
+        raise ValueError(f"--quantization {options.quantization} needs --dtype float32")
     model_dir = str(Path(model_dir).expanduser())
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = build_registry().for_architectures(list(hf_config.architectures or []))
@@ -162,7 +166,8 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     return {
         "prompt_tokens": sum(r["prompt_tokens"] * r.get("windows", 1) for r in requests),
         "encoder_tokens": sum(row["encoder_tokens"] for row in rows) * max(r.get("windows", 1) for r in requests),
-        "model": model_dir, "family": family.name, "dtype": options.dtype, "block_size": options.block_size,
+        "model": model_dir, "family": family.name, "dtype": options.dtype, "quantization": options.quantization,
+        "block_size": options.block_size,
         "max_model_len": max_model_len, "kv_bytes_per_token": per_token, "max_tokens": options.max_tokens,
         "items": rows, "requests": requests, "cache": cache,
     }
@@ -213,7 +218,7 @@ def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_conf
         kv_cache_gb = DEFAULT_CPU_KV_CACHE_GB if options.kv_cache_gb is None else options.kv_cache_gb
         blocks = blocks_for_bytes(kv_cache_gb * GIB, per_block)
         return {"source": "kv-cache-gb", "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
-    weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype)
+    weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype, options.quantization)
     largest = max((row["encoder_tokens"] for row in rows), default=0)
     encoder_tokens = max(options.encoder_cache_size or options.max_num_batched_tokens, largest)
     encoder_bytes = encoder_tokens * info.encoder_output_width() * _DTYPE_BYTES[options.dtype]
@@ -226,9 +231,32 @@ def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_conf
             "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
 
 
-def weight_bytes(model_dir: str, hf_config, dtype: str) -> int:
+def weight_bytes(model_dir: str, hf_config, dtype: str, quantization: str = "none") -> int:
     """Bytes of the weights in ``dtype``: from the safetensors headers when the files are
-    there, else from the family's model built on torch's meta device (no memory, no weights)."""
+    there, else from the family's model built on torch's meta device (no memory, no weights).
+    ``quantization`` "int8": the decoder's linear layers count as the server keeps them
+    (int8 panels and a float32 scale per output channel, ``layers/linear/quantize.py``)."""
+    return _dtype_weight_bytes(model_dir, hf_config, dtype) - _quantization_savings(hf_config, dtype, quantization)
+
+
+def _quantization_savings(hf_config, dtype: str, quantization: str) -> int:
+    """Bytes the quantized layers no longer hold: their float weights less their int8 panels."""
+    if quantization == "none":
+        return 0
+    import torch
+
+    from vlmd.layers.cpu.panel_packing import int8_bytes
+    from vlmd.layers.linear.quantize import quantizable_layers
+    from vlmd.plugins.manager import build_registry
+
+    family = build_registry().for_architectures(list(hf_config.architectures or []))
+    with torch.device("meta"):
+        model = family.load("model")(hf_config)
+    return sum(layer.weight.numel() * _DTYPE_BYTES[dtype] - int8_bytes(layer.output_size, layer.input_size)
+               for layer in quantizable_layers(model))
+
+
+def _dtype_weight_bytes(model_dir: str, hf_config, dtype: str) -> int:
     import json
     import struct
 
@@ -253,7 +281,8 @@ def weight_bytes(model_dir: str, hf_config, dtype: str) -> int:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{report['model']} ({report['family']}, {report['dtype']}, block {report['block_size']}, "
+    quantized = "" if report["quantization"] == "none" else f" weights, {report['quantization']} decoder"
+    lines = [f"{report['model']} ({report['family']}, {report['dtype']}{quantized}, block {report['block_size']}, "
              f"max_model_len {report['max_model_len']}, {report['kv_bytes_per_token']} KV bytes/token)"]
     header = ("item", "prompt tokens", "placeholders", "encoder tokens")
     table = [header] + [(row["item"] + (f" ({row['frames']} frames kept)" if "frames" in row else "")
@@ -318,7 +347,8 @@ def run(args) -> str:
     options = CostOptions(
         prompt=args.prompt, max_tokens=args.max_tokens, language=args.language, timestamps=args.timestamps,
         mm_processor_kwargs=args.mm_processor_kwargs, media_io_kwargs=args.media_io_kwargs,
-        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+        dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+        max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, memory_gb=args.memory_gb,
         memory_utilization=args.memory_utilization, activation_gb=args.activation_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, encoder_cache_size=args.encoder_cache_size,

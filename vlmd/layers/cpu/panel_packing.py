@@ -74,6 +74,12 @@ def int8_panels(weight: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], PackedP
                                           scales.data_ptr())
 
 
+def int8_bytes(out_features: int, in_features: int) -> int:
+    """Bytes ``int8_panels`` keeps for a weight [N, K]: the panels (N padded to whole panels:
+    every variant's chunk divides 64, so a panel is 64 columns) and a float32 scale a column."""
+    return -(-out_features // _WIDTH) * _WIDTH * in_features + 4 * out_features
+
+
 def dequantized(storage: tuple[torch.Tensor, ...], panels: PackedPanels) -> torch.Tensor:
     """The float32 weight [N, K] that int8 ``panels`` (held by ``storage``) stand for: q * scale."""
     q, scales = storage
