@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
-from vlmd.engine.worker import AbortRequests, AddRequest, EncodeItems, EngineWorker
+from vlmd.engine.worker import AbortRequests, AddRequest, AlignTokens, EncodeItems, EngineWorker
 from vlmd.types import EngineRequest, MultiModalItem, RequestDelta
 
 
@@ -63,4 +63,12 @@ class AsyncEngine:
         engine thread between steps; a client that leaves first cancels work not yet begun."""
         done: Future = Future()
         self.worker.submit(EncodeItems(items, done))
+        return await asyncio.wrap_future(done)
+
+    async def align(self, query):
+        """The model's alignment of a decoded window's tokens to its audio
+        (``vlmd.processing.speech.AlignmentQuery``; word timestamps), on the engine thread
+        between steps; a client that leaves first cancels work not yet begun."""
+        done: Future = Future()
+        self.worker.submit(AlignTokens(query, done))
         return await asyncio.wrap_future(done)

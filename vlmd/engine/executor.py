@@ -51,6 +51,8 @@ class Executor(Protocol):
 
     # Optional (one rank only): the encoder outputs of items, for an encoder-only server.
     # def encode_items(self, items: list[MultiModalItem]) -> list[torch.Tensor]: ...
+    # Optional (one rank only): a decoded window's tokens aligned to its audio (word timestamps).
+    # def align_tokens(self, item, token_ids, first_row, num_frames) -> np.ndarray: ...
 
     def shutdown(self) -> None: ...
 
@@ -66,6 +68,7 @@ class InProcessExecutor:
         self.apply_schedule = runner.apply_schedule
         self.run = runner.run
         self.encode_items = runner.encode_items
+        self.align_tokens = runner.align_tokens
 
     @property
     def encoder_outputs(self) -> dict:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -56,6 +57,28 @@ def _encode(executor, message: EncodeItems) -> None:
         outputs = encode(message.items)
         message.done.set_result({item.identifier: to_wire(item.modality, output)
                                  for item, output in zip(message.items, outputs)})
+    except Exception as exc:  # the client's to hear about; the engine goes on
+        message.done.set_exception(exc)
+
+
+@dataclass
+class AlignTokens:
+    """Word timestamps' alignment (``vlmd.processing.speech.AlignmentQuery``), computed by the
+    model on the engine thread between steps; ``done`` gets its matrix or the exception."""
+
+    query: Any
+    done: Future
+
+
+def _align(executor, message: AlignTokens) -> None:
+    if not message.done.set_running_or_notify_cancel():
+        return  # its client left before the engine reached it
+    try:
+        align = getattr(executor, "align_tokens", None)
+        if align is None:
+            raise RuntimeError("this executor does not align tokens (one rank only)")
+        query = message.query
+        message.done.set_result(align(query.item, query.token_ids, query.first_row, query.num_frames))
     except Exception as exc:  # the client's to hear about; the engine goes on
         message.done.set_exception(exc)
 
@@ -143,6 +166,9 @@ class EngineWorker:
             return self.core.abort(message.request_ids)
         if isinstance(message, EncodeItems):
             _encode(self.core.executor, message)
+            return []
+        if isinstance(message, AlignTokens):
+            _align(self.core.executor, message)
             return []
         if isinstance(message, Shutdown):
             self._stopping = True

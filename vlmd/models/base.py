@@ -30,6 +30,9 @@ class MultimodalModel(Protocol):
       cross-attention K/V of every layer); the runner keeps it for the request's life;
     - ``forward(..., cross_states=[(first row, end row, state), ...])``, one per request in
       batch order.
+    - ``align_tokens(encoder_output, token_ids, first_row, num_frames) -> [rows, frames]``
+      (numpy): how the output tokens fed after a prompt of ``first_row`` tokens attend to the
+      audio's frames (word timestamps); the runner calls it on the engine thread between steps.
     Optional for any model:
     - ``process_logits(logits, states) -> logits``: the model's own constraints on the next
       token (Whisper's timestamp rules), applied after the request's own constraints;

@@ -194,6 +194,18 @@ class ModelRunner:
         by_item = {id(item): output for item, output in outputs}
         return [by_item[id(item)] for item in items]
 
+    @torch.inference_mode()
+    def align_tokens(self, item: MultiModalItem, token_ids: list[int], first_row: int, num_frames: int):
+        """The model's ``align_tokens`` over ``item``'s encoder output (kept from the decode
+        if the encoder cache still holds it, else encoded again): word timestamps."""
+        align = getattr(self.model, "align_tokens", None)
+        if align is None:
+            raise RuntimeError("this model does not align output tokens to its input")
+        output = self.encoder_outputs.get(item.identifier)
+        if output is None:
+            output = self.encode_items([item])[0]
+        return align(output, token_ids, first_row, num_frames)
+
     def _cross_states(self, batch: StepBatch) -> list[tuple[int, int, Any]]:
         """(first row, end row, cross state) per request, for an encoder-decoder model.
 

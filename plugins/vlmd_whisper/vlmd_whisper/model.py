@@ -20,6 +20,9 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.loader import iterate_weights
+from vlmd_whisper.alignment import (
+    DEFAULT_MEDIAN_FILTER_WIDTH, alignment_heads, alignment_matrix, cross_attention_weights,
+)
 from vlmd_whisper.decoder import CrossState, WhisperDecoder
 from vlmd_whisper.timestamps import TimestampRules
 
@@ -49,6 +52,8 @@ class WhisperModel(nn.Module):
         self.kv_spec = self.decoder.kv_spec
         self.timestamp_rules = TimestampRules.from_generation_config(generation)
         self.num_frames = config.max_source_positions * 2  # conv2 has stride 2
+        self.alignment_heads = alignment_heads(generation, config.decoder_layers, config.decoder_attention_heads)
+        self.median_filter_width = int(getattr(config, "median_filter_width", DEFAULT_MEDIAN_FILTER_WIDTH))
 
     @classmethod
     def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "WhisperModel":
@@ -102,6 +107,18 @@ class WhisperModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.compute_logits(hidden)
+
+    def align_tokens(self, encoder_output: torch.Tensor, token_ids: list[int], first_row: int,
+                     num_frames: int) -> np.ndarray:
+        """``[len(token_ids) - first_row, frames]``: how the decoded tokens (fed after a prompt
+        of ``first_row`` tokens) attend to the first ``num_frames`` encoder frames
+        (``alignment.py``); the runner calls it on the engine thread, for word timestamps."""
+        if not self.alignment_heads:
+            raise RuntimeError("this Whisper checkpoint names no alignment_heads: it cannot time words")
+        if self.decoder.layers[0].encoder_attn.num_heads != self.config.decoder_attention_heads:
+            raise RuntimeError("word timestamps need every decoder head on one rank (not under tensor parallelism)")
+        weights = cross_attention_weights(self.decoder, encoder_output, token_ids, self.alignment_heads)
+        return alignment_matrix(weights, first_row, num_frames, self.median_filter_width)
 
     def process_logits(self, logits: torch.Tensor, states) -> torch.Tensor:
         if self.timestamp_rules is None:
