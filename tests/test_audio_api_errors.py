@@ -48,7 +48,7 @@ def test_bad_audio_is_a_clear_4xx(whisper_server, file, status, fragment):
         ({"temperature": "warm"}, 400, "temperature"),
         ({"stream": "true", "response_format": "srt"}, 400, "stream"),
         ({"stream": "maybe"}, 400, "stream"),
-        ({"timestamp_granularities[]": "word", "response_format": "verbose_json"}, 400, "timestamp_granularities"),
+        ({"timestamp_granularities[]": "char", "response_format": "verbose_json"}, 400, "timestamp_granularities"),
         ({"language": "xx"}, 400, "language"),
         ({"model": "no-such-model"}, 404, "model"),
         ({"model": ""}, 400, "model"),

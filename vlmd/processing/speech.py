@@ -6,9 +6,10 @@ whole generation prompt: ``speech_prompt`` returns a ``ProcessorOutput`` (prompt
 items), whatever the model's shape. An encoder-decoder (Whisper) gives a decoder prompt of
 control tokens and one item without placeholders; a decoder-only audio LM (Qwen2-Audio) gives
 a chat prompt whose audio placeholders its encoder fills. Optional parts: the languages it
-detects, the token constraints of its generation config, and how its output carries
-timestamps. The generic pipeline (decode, windowing, language detection, joining) lives in
-``vlmd/processing/transcription.py`` and ``vlmd/server/audio.py`` and names no family.
+detects, the token constraints of its generation config, how its output carries
+timestamps, and how its words are timed. The generic pipeline (decode, windowing, language
+detection, joining) lives in ``vlmd/processing/transcription.py`` and ``vlmd/server/audio.py``
+and names no family.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from vlmd.processing.base import ProcessorOutput
+    from vlmd.types import MultiModalItem
 
 TASKS = ("transcribe", "translate")
 
@@ -31,6 +33,7 @@ class TranscriptionOptions:
     language: str | None = None  # ISO-639-1 code; None: the model's only language, or detected
     prompt: str | None = None  # text that conditions the decoder (spelling, style)
     timestamps: bool = False  # segment timestamps (verbose_json, srt, vtt)
+    words: bool = False  # word timestamps (verbose_json with timestamp_granularities[]=word)
 
 
 @dataclass
@@ -40,6 +43,27 @@ class TimedSegment:
     start: float
     end: float
     token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class TimedWord:
+    """One word of the output, in seconds from the window start."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class AlignmentQuery:
+    """What the engine aligns for one window after its decode (``AsyncEngine.align``): the
+    window's item, the tokens fed to the decoder (its prompt, then the output), where the
+    output starts, and how many encoder frames the audio covers (the rest is padding)."""
+
+    item: MultiModalItem
+    token_ids: list[int]
+    first_row: int
+    num_frames: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +90,9 @@ class SpeechToTextProcessor(ABC):
     timestamps: bool = True  # whether its output can carry segment timestamps
     # Whether windows are judged and re-decoded at higher temperatures (needs no_speech_probe).
     temperature_fallback: bool = False
+    # Whether words can be timed (the model aligns output tokens to audio frames: needs
+    # alignment_query, split_words and the model's align_tokens).
+    word_timestamps: bool = False
 
     @abstractmethod
     def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
@@ -104,3 +131,15 @@ class SpeechToTextProcessor(ABC):
     def split_segments(self, token_ids: list[int], window_seconds: float) -> list[TimedSegment]:
         """Split one window's output at its timestamp tokens (one segment if it has none)."""
         return [TimedSegment(0.0, window_seconds, list(token_ids))] if token_ids else []
+
+    def alignment_query(self, window_prompt: ProcessorOutput, token_ids: list[int], num_samples: int,
+                        ended: bool = True) -> AlignmentQuery:
+        """The alignment to ask the engine for, after a window of ``num_samples`` samples whose
+        whole prompt is ``window_prompt`` decoded ``token_ids`` (end of text dropped; ``ended``
+        False: the decode was cut at its length limit instead)."""
+        raise NotImplementedError("this model does not time words")
+
+    def split_words(self, token_ids: list[int], alignment, language: str | None) -> list[TimedWord]:
+        """The words of one window's output ``token_ids``, timed by ``alignment`` (what the
+        engine's ``align`` returned for ``alignment_query``), in seconds from the window start."""
+        raise NotImplementedError("this model does not time words")

@@ -5,7 +5,8 @@
 pool). The server then asks the engine to detect the language if the model detects languages,
 and turns every window into an engine request with ``engine_request``: the family's
 ``speech_prompt`` gives the whole generation prompt (ids and items, with or without
-placeholders), also on the pool. ``segments`` maps the tokens back to timed segments.
+placeholders), also on the pool. ``segments`` maps the tokens back to timed segments;
+``alignment_query`` and ``words`` time the words of a decoded window (the engine aligns).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from vlmd.media.audio import decode_audio
 from vlmd.media.policy import MediaPolicy
 from vlmd.processing.audio_windows import split_at_quiet_points
 from vlmd.processing.base import ProcessorOutput
-from vlmd.processing.speech import TASKS, SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions
+from vlmd.processing.speech import (
+    TASKS, AlignmentQuery, SpeechToTextProcessor, TimedSegment, TimedWord, TokenConstraints, TranscriptionOptions,
+)
 from vlmd.types import EngineRequest, SamplingParams
 
 # How far back from a window's end a quiet point is searched for.
@@ -61,6 +64,11 @@ class TranscriptionPreprocessor:
                 )
             raise BadRequestError(
                 f"this model cannot {options.task}; it serves {', '.join(self.processor.speech_tasks)}", param="model"
+            )
+        if options.words and not self.processor.word_timestamps:
+            raise BadRequestError(
+                "this model cannot time words (its checkpoint names no cross-attention alignment heads): "
+                "drop timestamp_granularities[]=word", param="timestamp_granularities",
             )
         if options.timestamps and not self.processor.timestamps:
             raise BadRequestError(
@@ -164,3 +172,20 @@ class TranscriptionPreprocessor:
             end = window.start + min(max(segment.end, segment.start), length)
             segments.append(TimedSegment(round(start, 3), round(max(end, start), 3), segment.token_ids))
         return segments
+
+    def alignment_query(self, window: PreparedWindow, prompt: ProcessorOutput, token_ids: list[int]) -> AlignmentQuery:
+        """What the engine aligns to time the words of ``window``, decoded as ``token_ids``."""
+        limit = self.processor.max_output_tokens(len(prompt.prompt_token_ids), self.max_model_len)
+        # Fewer tokens than the limit: the decode stopped at the end of text (which was dropped).
+        return self.processor.alignment_query(prompt, token_ids, window.samples.shape[0], ended=len(token_ids) < limit)
+
+    def words(self, token_ids: list[int], alignment, window: PreparedWindow, language: str | None) -> list[TimedWord]:
+        """The window's words in seconds from the start of the upload, within the window
+        (blocking: the time warping runs here, on the preprocessing pool)."""
+        length = window.end - window.start
+        words = []
+        for word in self.processor.split_words(token_ids, alignment, language):
+            start = window.start + min(max(word.start, 0.0), length)
+            end = window.start + min(max(word.end, word.start, 0.0), length)
+            words.append(TimedWord(word.word, round(start, 3), round(max(end, start), 3)))
+        return words

@@ -9,7 +9,10 @@ order and segment times are offset by each window's start. A Whisper window whos
 fails openai-whisper's thresholds is decoded again at a higher temperature
 (``audio_decode.py``). ``stream`` sends text deltas as server-sent events
 (``transcript.text.delta`` then ``transcript.text.done``), window by window in order while
-later windows decode in the background; each window is decoded once there.
+later windows decode in the background; each window is decoded once there. Word timestamps
+(``timestamp_granularities[]=word``): once a window is decoded, the engine aligns its tokens
+to its audio (the model's cross-attention, one pass on the engine thread) and the pool turns
+that alignment into timed words.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import structlog
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
-from vlmd.processing.speech import TranscriptionOptions
+from vlmd.processing.speech import TimedWord, TranscriptionOptions
 from vlmd.processing.temperature_fallback import WindowDecode
-from vlmd.server.audio_decode import DecodeSettings, decode_tokens, decode_windows
+from vlmd.server.audio_decode import DecodeSettings, decode_tokens, decode_windows, gather_or_cancel
 from vlmd.server.audio_form import THRESHOLD_FIELDS, TranscriptionForm, read_transcription_form
 from vlmd.server.body import within_read_deadline
 from vlmd.server.detokenizer import IncrementalDetokenizer
@@ -58,7 +61,8 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         form = await within_read_deadline(request, read_transcription_form(request, transcriber.policy.max_audio_bytes))
     if form.model != state.config.model_name:
         raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
-    options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps)
+    options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps,
+                                   words=form.words)
     transcriber.check(options)
     if form.thresholds_given and not transcriber.processor.temperature_fallback:
         raise BadRequestError("this model has no temperature fallback: drop the *_threshold fields",
@@ -93,9 +97,10 @@ async def _transcribe(request, state: ServerState, form: TranscriptionForm, opti
                               fallback=transcriber.processor.temperature_fallback)
     decodes = await decode_windows(state, prompts, settings, [w.end - w.start for w in prepared.windows])
     text, segments = _assemble(state, transcriber, prepared, decodes, form, settings)
+    words = await _time_words(state, prepared, prompts, decodes, settings, language) if form.words else None
     language_name = transcriber.processor.language_name(language)
     body, content_type = render(form.response_format, text, segments, task=task, language=language_name,
-                                duration=prepared.duration)
+                                duration=prepared.duration, words=words, list_segments=form.segments)
     log.info("transcription finished", request_id=base_id, windows=len(prepared.windows),
              decodes=sum(decode.attempts for decode in decodes),
              audio_seconds=round(prepared.duration, 2), seconds=round(time.perf_counter() - started, 3))
@@ -128,6 +133,26 @@ def _assemble(state: ServerState, transcriber, prepared, decodes: list[WindowDec
                 no_speech_prob=decode.no_speech_prob,
             ))
     return join_texts([segment.text for segment in segments]), segments
+
+
+async def _time_words(state: ServerState, prepared, prompts, decodes: list[WindowDecode], settings: DecodeSettings,
+                      language: str | None) -> list[TimedWord]:
+    """The words of the windows ``_assemble`` keeps, in order: each window's tokens aligned
+    by the engine (its prompt and features as decoded), then warped and grouped on the pool."""
+    transcriber = state.transcriber
+    loop = asyncio.get_running_loop()
+
+    async def window_words(window, prompt, decode: WindowDecode) -> list[TimedWord]:
+        if not decode.tokens:
+            return []
+        alignment = await state.engine.align(transcriber.alignment_query(window, prompt, decode.tokens))
+        return await loop.run_in_executor(state.pool, transcriber.words, decode.tokens, alignment, window, language)
+
+    per_window = await gather_or_cancel(
+        window_words(window, prompt, decode) for window, prompt, decode in zip(prepared.windows, prompts, decodes)
+        if not (settings.fallback and decode.is_silence(settings.thresholds))
+    )
+    return [word for words in per_window for word in words]
 
 
 class _TextJoiner:

@@ -16,6 +16,7 @@ from vlmd.processing.temperature_fallback import FallbackThresholds
 from vlmd.server.request_fields import unsupported_field_message
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+GRANULARITIES = ("segment", "word")
 TIMESTAMP_FORMATS = ("srt", "verbose_json", "vtt")
 MAX_FIELD_BYTES = 64 * 1024
 # vlmd's extensions: openai-whisper's fallback thresholds, per request ("none" turns one off).
@@ -37,6 +38,17 @@ class TranscriptionForm:
     seed: int | None = None
     thresholds: FallbackThresholds = FallbackThresholds()
     given_fields: tuple[str, ...] = ()  # the text fields the client sent
+    # timestamp_granularities[]: none given means segments, as OpenAI's API answers.
+    granularities: frozenset[str] = frozenset()
+
+    @property
+    def words(self) -> bool:
+        return "word" in self.granularities
+
+    @property
+    def segments(self) -> bool:
+        """Whether verbose_json lists segments: asked for, or no granularity asked at all."""
+        return not self.granularities or "segment" in self.granularities
 
     @property
     def thresholds_given(self) -> bool:
@@ -106,10 +118,10 @@ def _validated(upload: tuple[bytes, str], fields: dict[str, str], lists: dict[st
     response_format = fields.get("response_format", "json").strip() or "json"
     if response_format not in RESPONSE_FORMATS:
         raise BadRequestError(f"'response_format' must be one of {list(RESPONSE_FORMATS)}", param="response_format")
-    granularities = set(lists.get("timestamp_granularities", []))
-    if granularities - {"segment"}:
-        raise BadRequestError("only segment timestamps are supported (timestamp_granularities[]=segment)",
-                              param="timestamp_granularities")
+    granularities = {value.strip() for value in lists.get("timestamp_granularities", [])}
+    if granularities - set(GRANULARITIES):
+        raise BadRequestError(f"timestamp_granularities[] takes {' and/or '.join(GRANULARITIES)}, "
+                              f"not {sorted(granularities - set(GRANULARITIES))}", param="timestamp_granularities")
     if granularities and response_format != "verbose_json":
         raise BadRequestError("timestamp_granularities needs response_format verbose_json",
                               param="timestamp_granularities")
@@ -136,7 +148,7 @@ def _validated(upload: tuple[bytes, str], fields: dict[str, str], lists: dict[st
         file=upload[0], filename=upload[1], model=model, language=language,
         prompt=prompt if prompt and prompt.strip() else None, response_format=response_format,
         temperature=temperature, stream=stream, seed=int(seed) if seed is not None else None,
-        thresholds=thresholds, given_fields=tuple(fields),
+        thresholds=thresholds, given_fields=tuple(fields), granularities=frozenset(granularities),
     )
 
 

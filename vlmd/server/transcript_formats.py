@@ -49,9 +49,11 @@ def usage(duration: float) -> dict:
 
 def render(
     response_format: str, text: str, segments: list[Segment], *, task: str, language: str,
-    duration: float,
+    duration: float, words: list | None = None, list_segments: bool = True,
 ) -> tuple[bytes, str]:
-    """(body, content type) for a finished transcription."""
+    """(body, content type) for a finished transcription. verbose_json lists ``words``
+    (``TimedWord``s) when given, and its segments unless ``list_segments`` is False (as
+    OpenAI's API answers timestamp_granularities[]=word alone)."""
     if response_format == "json":
         return orjson.dumps({"text": text, "usage": usage(duration)}), "application/json"
     if response_format == "text":
@@ -65,9 +67,12 @@ def render(
         "language": language,
         "duration": round(duration, 3),
         "text": text,
-        "segments": [segment.body(index) for index, segment in enumerate(segments)],
-        "usage": usage(duration),
     }
+    if words is not None:
+        body["words"] = [{"word": word.word, "start": word.start, "end": word.end} for word in words]
+    if list_segments:
+        body["segments"] = [segment.body(index) for index, segment in enumerate(segments)]
+    body["usage"] = usage(duration)
     return orjson.dumps(body), "application/json"
 
 

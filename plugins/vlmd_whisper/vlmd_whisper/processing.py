@@ -26,10 +26,12 @@ from vlmd.processing.base import (
     ProcessorOutput,
 )
 from vlmd.processing.speech import (
-    NoSpeechProbe, SpeechToTextProcessor, TimedSegment, TokenConstraints, TranscriptionOptions,
+    AlignmentQuery, NoSpeechProbe, SpeechToTextProcessor, TimedSegment, TimedWord, TokenConstraints,
+    TranscriptionOptions,
 )
 from vlmd.types import KVSpec, MultiModalItem
 from vlmd_whisper.features import FeatureSettings, log_mel_features
+from vlmd_whisper.word_timing import UNSPACED_LANGUAGES, split_words, token_end_times
 
 TIME_PRECISION = 0.02  # seconds per timestamp step: 30 s / 1,500 encoder frames
 
@@ -97,6 +99,8 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
             raise ValueError("a multilingual Whisper checkpoint needs task_to_id for transcribe and translate")
         hf_config = info.ctx.hf_config
         self.max_prompt_text_tokens = int(hf_config.max_target_positions) // 2 - 1  # OpenAI's limit
+        # Words are timed by the cross-attention of the heads the checkpoint names (alignment.py).
+        self.word_timestamps = bool(generation.get("alignment_heads"))
 
     # ---- engine items --------------------------------------------------------------
 
@@ -208,6 +212,31 @@ class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
         if text:
             segments.append(TimedSegment(start if start is not None else 0.0, window_seconds, text))
         return segments
+
+
+    # ---- word timestamps (alignment.py on the engine thread, word_timing.py here) --------
+
+    def alignment_query(self, window_prompt: ProcessorOutput, token_ids: list[int], num_samples: int,
+                        ended: bool = True) -> AlignmentQuery:
+        """The window's prompt and output fed again, as they were fed while decoding: the last
+        token of a decode cut at its length limit never was (transformers then gives it the
+        time of the token before; ``split_words`` does too). The encoder frames the samples
+        cover: one per two 10 ms mel frames, counted as transformers' attention mask counts."""
+        mel_frames = -(-num_samples // self.settings.hop_length)
+        prompt = window_prompt.prompt_token_ids
+        fed = token_ids if ended else token_ids[:-1]
+        return AlignmentQuery(window_prompt.items[0], [*prompt, *fed], len(prompt), mel_frames // 2)
+
+    def split_words(self, token_ids: list[int], alignment, language: str | None) -> list[TimedWord]:
+        tokenizer = self.info.ctx.tokenizer
+        times = token_end_times(alignment)
+        times += [times[-1] if times else 0.0] * (len(token_ids) - len(times))  # a token never fed (above)
+        words = split_words(
+            token_ids, times, is_text=lambda token: token < self.eos,
+            is_timestamp=lambda token: token >= self.timestamp_begin, decode=lambda ids: tokenizer.decode(ids),
+            unspaced=(language or "en") in UNSPACED_LANGUAGES,
+        )
+        return [TimedWord(word.text.strip(), word.start, word.end) for word in words if word.text.strip()]
 
 
 class WhisperDummyInputsBuilder(BaseDummyInputsBuilder):
