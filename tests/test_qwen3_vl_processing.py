@@ -342,3 +342,53 @@ def test_decoder_keeps_the_frames_the_family_chooses():
 
     video = decode_video(make_video(10, fps=8), MediaPolicy(video_num_frames=8), choose=lambda total, rate: [0, 4, 9])
     assert video.shape[0] == 3 and video.frame_indices == (0, 4, 9) and video.source_fps == 8.0
+
+
+@pytest.fixture(scope="module")
+def merging_dir(tiny_qwen3_vl_dir, tmp_path_factory):
+    """The tiny checkpoint with two BPE merges Qwen's vocabulary has, "Ġ<" and ".<", so text
+    ending in a space or a full stop right before a video merges with its first timestamp."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("qwen3-vl-merging")
+    for path in tiny_qwen3_vl_dir.iterdir():
+        shutil.copy(path, out / path.name)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    model = tokenizer["model"]
+    # The ids stay as they are: the two lowest-priority merges (whose tokens no merge
+    # builds on) become the new ones, their tokens renamed.
+    for index, new in zip((-1, -2), (["Ġ", "<"], [".", "<"])):
+        old = "".join(model["merges"][index])
+        assert not any(old in pair for pair in model["merges"]), old
+        model["vocab"]["".join(new)] = model["vocab"].pop(old)
+        model["merges"][index] = new
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return out
+
+
+@pytest.mark.parametrize("before", ["Look at this ", "Look at this.", "Look:\n"])
+def test_first_timestamp_tokenized_with_the_text_before_it(merging_dir, before):
+    """transformers tokenizes the expanded prompt whole: text right before a video can merge
+    with its first "<"; the prompt ids, the items' offsets and the positions follow."""
+    from qwen3_vl_oracle import hf_qwen3_vl_inputs
+
+    frames = _video(4, 64, 64)
+    image = random_image(2, 96, 64)
+    messages = [{"role": "user", "content": [{"type": "text", "text": before}, {"type": "video"},
+                                             {"type": "text", "text": "and " + before}, {"type": "video"},
+                                             {"type": "image"}]}]
+    _, ref = hf_qwen3_vl_inputs(merging_dir, messages, [image], [frames, frames])
+    processor = _processor(merging_dir)
+    tokenizer = processor.info.ctx.tokenizer
+    merged = before.endswith((" ", "."))
+    assert (len(tokenizer.encode(before + "<0.0 seconds>")) < len(tokenizer.encode(before)) + len(
+        tokenizer.encode("<0.0 seconds>"))) == merged
+    output = processor.apply(_video_prompt(processor, messages), {"video": [frames, frames], "image": [image]})
+    assert output.prompt_token_ids == ref["input_ids"][0].tolist()
+    for item in output.items:
+        marker = processor.info.marker_token_id(item.modality)
+        assert output.prompt_token_ids[item.offset] == marker == output.prompt_token_ids[item.offset + item.length - 1]
+    model, _ = load_hf_qwen3_vl(merging_dir)
+    positions, _ = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
+                                              image_grid_thw=ref["image_grid_thw"], video_grid_thw=ref["video_grid_thw"])
+    assert np.array_equal(output.family_state.table, positions[:, 0].numpy())

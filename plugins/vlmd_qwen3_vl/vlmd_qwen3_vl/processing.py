@@ -21,6 +21,7 @@ from vlmd.processing.base import (
     ItemSize,
     ItemTokens,
     ProcessedItem,
+    ProcessorOutput,
 )
 from vlmd.processing.hashing import item_identifier
 from vlmd.types import MultiModalItem
@@ -34,6 +35,7 @@ from vlmd_qwen3_vl.video import (
     collapse_wrappers,
     frame_layout,
     frame_times,
+    join_first_timestamps,
     pair_times,
     resize_video,
     smart_resize,
@@ -188,14 +190,30 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
         return item_identifier(self.info.ctx.model_id, modality, media, kwargs)
 
     def apply(self, prompt_token_ids: list[int], media: dict[str, list[Any]],
-              kwargs: dict[str, Any] | None = None):
+              kwargs: dict[str, Any] | None = None) -> ProcessorOutput:
         """Each video's expansion brackets its frame pairs itself, so the template's bracket
-        pair around its marker goes first (``video.py``)."""
-        if media.get("video"):
-            info = self.info
-            prompt_token_ids = collapse_wrappers(prompt_token_ids, info.vision_start_id, info.marker_token_id("video"),
-                                                 info.vision_end_id)
-        return super().apply(prompt_token_ids, media, kwargs)
+        pair around its marker goes first; its first timestamp is then tokenized with the
+        text before it, as in transformers' whole prompt (``video.py``)."""
+        if not media.get("video"):
+            return super().apply(prompt_token_ids, media, kwargs)
+        info = self.info
+        prompt_token_ids = collapse_wrappers(prompt_token_ids, info.vision_start_id, info.marker_token_id("video"),
+                                             info.vision_end_id)
+        output = super().apply(prompt_token_ids, media, kwargs)
+        tokenizer = info.ctx.tokenizer
+        if tokenizer is None:
+            return output
+        temporal = info.settings["video"].temporal_patch_size
+        videos = iter(media["video"])
+        first = {index: f"<{pair_times(frame_times(next(videos)), temporal)[0]:.1f} seconds>"
+                 for index, item in enumerate(output.items) if item.modality == "video"}
+        ids, items = join_first_timestamps(
+            output.prompt_token_ids, output.items, first, lambda text: tokenizer.encode(text, add_special_tokens=False),
+            lambda ids: tokenizer.decode(ids, clean_up_tokenization_spaces=False),
+            set(tokenizer.added_tokens_decoder))
+        if ids == output.prompt_token_ids:
+            return output
+        return ProcessorOutput(ids, items, self.family_state(ids, items))
 
     def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> PositionTable | None:
         if not items:

@@ -19,15 +19,16 @@ text between pairs with those tokens' own embeddings and no DeepStack additions 
 The template's wrapper goes as transformers drops it (``collapse_wrappers``), so a video adds
 two tokens fewer to the templated prompt than its replacement holds (``prompt_tokens``).
 
-Each timestamp is tokenized on its own, as vLLM does; transformers tokenizes the expanded
-prompt whole, which gives the same ids wherever the text before the video ends in a newline
-or a special token (a message that opens with the video, a video after another item). Text
-that ends in punctuation or a space right before the video can merge with the first ``<``
-there and not here.
+Each timestamp is tokenized on its own (the item's replacement, cached per item); the
+tokenizer splits the prompt at special tokens, so only the first timestamp can merge with
+the text before it (a space or punctuation and ``<``: one token in Qwen's vocabulary), and
+``join_first_timestamps`` tokenizes that text and the first timestamp together, as
+transformers tokenizes the expanded prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -133,6 +134,36 @@ def collapse_wrappers(prompt_ids: list[int], start_id: int, pad_id: int, end_id:
             out.append(prompt_ids[index])
             index += 1
     return out
+
+
+def join_first_timestamps(prompt_ids: list[int], items: list, first_timestamps: dict[int, str],
+                          encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                          boundaries: set[int]) -> tuple[list[int], list]:
+    """(prompt ids, items) with each video's first timestamp tokenized together with the text
+    before it, back to the previous special token (``boundaries``), where that differs from
+    the two tokenized apart; later items move by the difference. ``first_timestamps``: item
+    index -> that video's first timestamp text; its ids end right before the bracket that
+    opens the first pair, one token before the item's offset."""
+    ids, out, shift = list(prompt_ids), [], 0
+    for index, item in enumerate(items):
+        if shift:
+            item = dataclasses.replace(item, offset=item.offset + shift)
+        text = first_timestamps.get(index)
+        if text is not None:
+            end = item.offset - 1  # the first pair's <|vision_start|>
+            start = end - len(encode(text))
+            begin = start
+            while begin > 0 and ids[begin - 1] not in boundaries:
+                begin -= 1
+            if begin < start:
+                joined = encode(decode(ids[begin:start]) + text)
+                if joined != ids[begin:end]:
+                    delta = len(joined) - (end - begin)
+                    ids[begin:end] = joined
+                    item = dataclasses.replace(item, offset=item.offset + delta)
+                    shift += delta
+        out.append(item)
+    return ids, out
 
 
 def resize_video(video: Any, height: int, width: int, resample: int) -> np.ndarray:
