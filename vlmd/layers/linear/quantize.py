@@ -11,7 +11,7 @@ the LM head and vision or audio towers stay float: they are not the decoder's pr
 Why only weights: a decode step reads every weight once and does little arithmetic on
 each, so its time is the weights' bytes; the rows stay float32 and the kernels widen int8
 to float32 (no int8 arithmetic, so no activation scales to calibrate). The accuracy
-bound against the float32 model is docs/decisions.md D85 (tests/test_quantized_linear.py).
+bound against the float32 model is docs/decisions.md D88 (tests/test_quantized_linear.py).
 """
 
 from __future__ import annotations
