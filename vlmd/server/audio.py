@@ -64,6 +64,10 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps,
                                    words=form.words)
     transcriber.check(options)
+    if form.words and state.config.tensor_parallel_size > 1:
+        # The alignment pass reads every head of a layer; under tensor parallelism each rank holds some.
+        raise BadRequestError("word timestamps need the whole decoder on one rank: not under --tensor-parallel-size",
+                              param="timestamp_granularities")
     if form.thresholds_given and not transcriber.processor.temperature_fallback:
         raise BadRequestError("this model has no temperature fallback: drop the *_threshold fields",
                               param=next(name for name in THRESHOLD_FIELDS if name in form.given_fields))
