@@ -1,5 +1,5 @@
 """The README's Quick start works as written: its curl and Python blocks run against a real
-server serving the default model's name, and its install lines name every family plugin in
+server of the default model's checkpoint, and its install lines name every family plugin in
 the repository (the test command is also the one .ci/run runs)."""
 
 from __future__ import annotations
@@ -28,23 +28,23 @@ def _block(language: str, starts: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llava_dir, tmp_path_factory):
-    server = Server(tiny_llava_dir, name=DEFAULT_MODEL_NAME, log_dir=tmp_path_factory.mktemp("readme-logs"))
-    yield server
-    server.stop()
+def server(llava_server):
+    """The session's tiny LLaVA: the same checkpoint as the default model, under another name."""
+    return llava_server
 
 
 def _on(server: Server, code: str) -> str:
-    """The block, talking to the test's server instead of port 8000."""
-    assert "8000" in code
-    return code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    """The block, talking to the test's server instead of port 8000, by its model name."""
+    assert "8000" in code and DEFAULT_MODEL_NAME in code
+    code = code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    return code.replace(f'"{DEFAULT_MODEL_NAME}"', f'"{server.model}"')
 
 
 def test_the_curl_example_answers(server):
     done = subprocess.run(["bash", "-c", _on(server, _block("bash", "curl"))], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr
     body = orjson.loads(done.stdout)
-    assert body["model"] == DEFAULT_MODEL_NAME and body["choices"][0]["message"]["content"], body
+    assert body["model"] == server.model and body["choices"][0]["message"]["content"], body
     assert body["usage"]["prompt_tokens_details"]["multimodal_tokens"] == {"image": 576}, body
 
 
