@@ -19,7 +19,7 @@ from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_
 from vlmd.tiny.weights import StdRule, random_model
 from vlmd_qwen2_vl.tiny import SPECIAL_TOKENS, build_tokenizer
 
-__all__ = ["SIZES", "build_tiny_qwen3_vl", "qwen3_vl_config"]
+__all__ = ["SIZES", "build_checkpoint", "build_tiny_qwen3_vl", "qwen3_vl_config"]
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -129,7 +129,20 @@ def build_tiny_qwen3_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Qwen3-VL checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+
+    def dense(vocab_size: int, ids: dict[str, int]):
+        from transformers import Qwen3VLForConditionalGeneration
+
+        return Qwen3VLForConditionalGeneration, qwen3_vl_config(size, vocab_size=vocab_size, ids=ids), PARAM_STD
+
+    return build_checkpoint(out_dir, seed, size, "qwen3_vl", dense)
+
+
+def build_checkpoint(out_dir, seed: int, size: str, family: str, make_model) -> Path:
+    """The tokenizer, the weights of ``make_model(vocab_size, ids)`` -> (model class, config,
+    weight rule), the processor files and ``vlmd_tiny.json`` of a Qwen3-VL checkpoint (dense
+    or, ``tiny_moe.py``, with experts)."""
+    from transformers import GenerationConfig
 
     spec = SIZES[size]
     out = Path(out_dir)
@@ -137,9 +150,9 @@ def build_tiny_qwen3_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     tokenizer = build_tokenizer(seed, spec["vocab_size"], CHAT_TEMPLATE)
     vocab = tokenizer.get_vocab()
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
-    config = qwen3_vl_config(size, vocab_size=len(tokenizer), ids=ids)
+    model_class, config, rule = make_model(len(tokenizer), ids)
 
-    model = random_model(Qwen3VLForConditionalGeneration, config, seed, PARAM_STD, sorted(ids.values()))
+    model = random_model(model_class, config, seed, rule, sorted(ids.values()))
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
@@ -148,7 +161,7 @@ def build_tiny_qwen3_vl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     restamp_json(out, "config.json", "generation_config.json")
     write_processor_files(out, tokenizer)
     write_json(out / "vlmd_tiny.json", {
-        "family": "qwen3_vl", "size": size, "seed": int(seed),
+        "family": family, "size": size, "seed": int(seed),
         "num_parameters": int(sum(p.numel() for p in model.parameters())), "vocab_size": len(tokenizer),
         "eos_token_ids": eos_ids, "pad_token_id": ids["<|endoftext|>"], "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"], "image_min_pixels": IMAGE_MIN_PIXELS,
