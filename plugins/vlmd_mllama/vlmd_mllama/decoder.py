@@ -89,12 +89,17 @@ class MllamaCrossAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         for start, end, state, allowed in cross.pieces:
             k, v = state.kv[slot]
-            if groups > 1:  # each key-value head serves ``groups`` query heads, in order
-                k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-            queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            rows = end - start
+            # Each key-value head serves ``groups`` consecutive query heads: their queries go
+            # in as one longer run against that head's K/V, which are never copied (an image's
+            # K/V are MBs a layer; the repeated mask is a bool a query row).
+            queries = q[start:end].view(rows, self.num_kv_heads, groups, self.head_dim).permute(1, 2, 0, 3)
+            queries = queries.reshape(1, self.num_kv_heads, groups * rows, self.head_dim)
+            mask = allowed.repeat(groups, 1) if groups > 1 else allowed
             attended = F.scaled_dot_product_attention(queries, k.unsqueeze(0), v.unsqueeze(0),
-                                                      attn_mask=allowed[None, None], scale=self.scale)
-            out[start:end] = attended[0].transpose(0, 1)
+                                                      attn_mask=mask[None, None], scale=self.scale)
+            out[start:end] = attended.view(self.num_kv_heads, groups, rows, self.head_dim).permute(2, 0, 1, 3) \
+                .reshape(rows, self.num_heads, self.head_dim)
         return self.o_proj(out.reshape(tokens, -1))
 
 
