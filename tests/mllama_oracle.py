@@ -16,7 +16,7 @@ _BUILT: dict[str, Path] = {}
 
 @pytest.fixture(scope="session")
 def tiny_mllama_dir(tmp_path_factory) -> Path:
-    """The tiny Llama 3.2 Vision (56-px tiles, at most 2 a image, 17 vectors a tile); built
+    """The tiny Llama 3.2 Vision (56-px tiles, at most 2 an image, 17 vectors a tile); built
     once however many modules ask for it."""
     if "tiny" not in _BUILT:
         from vlmd.testing.tiny import build_tiny
