@@ -1,10 +1,12 @@
 """Clients that cannot hold a connection forever (issue 36, item 3): a body that does not
-arrive within --request-read-timeout is a 408 and the connection closes; an idle keep-alive
+arrive within --request-read-timeout (plus the time its bytes buy at --request-min-body-rate)
+is a 408 and the connection closes, a large one arriving faster than that rate is read; an idle keep-alive
 connection is closed after --keepalive-timeout; a good request beside them is answered."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 import orjson
 import pytest
@@ -74,6 +76,24 @@ def test_a_trickled_body_is_cut_off_at_the_deadline(server):
         sock.settimeout(30)
         reply += _read_until_closed(sock)  # and the server closes the connection
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+
+
+def test_a_large_body_arriving_above_the_minimum_rate_outlives_the_base_deadline(server):
+    """640 KB of leading spaces (not a run the text scan refuses) then the request: 90 % at
+    once, a pause of twice --request-read-timeout, the rest. The bytes sent first bought ~9 s
+    at the default 64 KiB/s, so the pause is inside the deadline; a fixed one-second deadline
+    would have cut it off."""
+    request = orjson.dumps({"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 2})
+    body = b" " * 640_000 + request
+    split = int(len(body) * 0.9)
+    with _connect(server) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body[:split])
+        time.sleep(2 * READ_TIMEOUT_S)
+        sock.sendall(body[split:])
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):

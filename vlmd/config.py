@@ -162,6 +162,10 @@ class ServeConfig:
     request_read_timeout: float = setting(
         30.0, "seconds a request body may take to arrive once its headers have (a slower one is a 408 and the "
         "connection is closed)", minimum=0.001)
+    request_min_body_rate: int = setting(
+        65536, "bytes per second a request body must keep arriving at: each byte received extends the "
+        "--request-read-timeout deadline by 1/rate s, so a large upload on a slow link is read while a client "
+        "that stalls or trickles is cut off (a 408)", minimum=1)
     keepalive_timeout: float = setting(
         5.0, "seconds an idle keep-alive connection stays open between requests (uvicorn's default, so vLLM's)",
         minimum=0)

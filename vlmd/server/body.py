@@ -82,15 +82,30 @@ class _RunScanner:
 
 
 async def within_read_deadline(request: web.Request, reading):
-    """Await ``reading`` (a coroutine reading the body) within --request-read-timeout: a
-    client that trickles its body, or sends less than its Content-Length and waits, gets a
-    408 instead of holding the connection (and a pool slot) for as long as it likes."""
-    timeout = request.app["state"].config.request_read_timeout
+    """Await ``reading`` (a coroutine reading the body) within the read deadline: a client
+    that trickles its body, or sends less than its Content-Length and waits, gets a 408
+    instead of holding the connection (and a pool slot) for as long as it likes. The deadline
+    is --request-read-timeout after the headers plus 1/--request-min-body-rate s for each byte
+    received so far: a 60 MB upload at a steady 1 MB/s is read, a stall is cut off within
+    the time the bytes already sent have bought."""
+    config = request.app["state"].config
+    timeout, rate = config.request_read_timeout, config.request_min_body_rate
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    task = asyncio.ensure_future(reading)
     try:
-        return await asyncio.wait_for(reading, timeout)
-    except asyncio.TimeoutError:
-        raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} s "
-                                  "(--request-read-timeout)") from None
+        while True:
+            remaining = started + timeout + request.content.total_bytes / rate - loop.time()
+            if remaining <= 0:
+                raise RequestTimeoutError(
+                    f"the request body did not arrive in time: {timeout:g} s (--request-read-timeout) plus 1 s "
+                    f"per {rate} bytes received (--request-min-body-rate)")
+            done, _ = await asyncio.wait({task}, timeout=remaining)
+            if done:
+                return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def read_body(request: web.Request, max_run_bytes: int | None = None, describe: str = "") -> bytes | memoryview:
