@@ -132,6 +132,10 @@ def _chat(server) -> bytes:
     return orjson.dumps({"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 
+def _metric(text: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def test_the_bound_reached_by_bodies_that_never_finish(server):
     pid = server.process.pid
     baseline = _descriptors(pid)
@@ -153,7 +157,10 @@ def test_the_bound_reached_by_bodies_that_never_finish(server):
         for path in ("/health", "/metrics"):
             reply = _get(server.port, path)
             assert reply.startswith(b"HTTP/1.1 200"), (path, reply[:300])
-        assert b"vlmd_num_requests_running" in _get(server.port, "/metrics")
+        metrics = _get(server.port, "/metrics").decode()
+        assert "vlmd_num_requests_running" in metrics
+        # The held connections, counted (the monitors' own come on top), and the bound.
+        assert _metric(metrics, "vlmd_open_connections") >= BOUND and _metric(metrics, "vlmd_max_connections") == BOUND
         assert _descriptors(pid) > BOUND  # each held connection is a descriptor
     finally:
         for sock in stuck:

@@ -29,7 +29,9 @@ _PLAN_BYTES = {
 
 
 class _EngineCollector:
-    def __init__(self, engine, processor_cache, admission=None, grammar_compiler=None, memory_plan=None):
+    def __init__(self, engine, processor_cache, admission=None, grammar_compiler=None, memory_plan=None,
+                 connections=None):
+        self.connections = connections  # vlmd.server.connections.ConnectionBound, where served through one
         self.engine = engine
         self.processor_cache = processor_cache
         self.admission = admission
@@ -69,6 +71,11 @@ class _EngineCollector:
                                                    admission.num_preprocessing)
             gauges["vlmd_inflight_media_bytes"] = ("Decoded media bytes held by requests in flight",
                                                    admission.media.used_bytes)
+        connections = self.connections
+        if connections is not None:
+            gauges["vlmd_open_connections"] = ("Client connections open (--max-connections bounds them)",
+                                               connections.open)
+            gauges["vlmd_max_connections"] = ("The bound on open client connections", connections.bound)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
@@ -92,6 +99,9 @@ class _EngineCollector:
             counters["vlmd_grammar_cache_queries"] = ("Structured-output grammar lookups", grammars.num_lookups)
             counters["vlmd_grammar_cache_hits"] = ("Grammar lookups found compiled", grammars.num_hits)
             counters["vlmd_grammar_compiles"] = ("Structured-output grammars compiled", grammars.num_compiles)
+        if connections is not None:
+            counters["vlmd_connections_refused"] = ("Connections closed as accepted, past --max-connections and "
+                                                    "its monitoring headroom", connections.refused)
         counters["vlmd_failed_steps"] = ("Engine steps that raised and were re-run without their culprit",
                                          stats.num_failed_steps)
         counters["vlmd_requests_failed_in_step"] = ("Requests a failed engine step was traced to",
@@ -113,10 +123,13 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine, processor_cache=None, grammar_compiler=None, memory_plan=None, admission=None):
-        """``admission``: the server's vlmd.server.admission.Admission, whose bounds are reported."""
+    def __init__(self, engine, processor_cache=None, grammar_compiler=None, memory_plan=None, admission=None,
+                 connections=None):
+        """``admission``: the server's vlmd.server.admission.Admission, whose bounds are reported;
+        ``connections``: its vlmd.server.connections.ConnectionBound, whose counts are."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, processor_cache, admission, grammar_compiler, memory_plan))
+        self.registry.register(_EngineCollector(engine, processor_cache, admission, grammar_compiler, memory_plan,
+                                                connections))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
