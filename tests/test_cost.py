@@ -126,6 +126,11 @@ def test_a_speech_model_takes_one_clip(tiny_whisper_dir):
     assert isinstance(audio_clip(1.5), ItemSpec)
 
 
+def test_an_item_the_model_does_not_take_is_an_error_naming_what_it_takes(tiny_llava_dir):
+    with pytest.raises(ValueError, match=r"this model takes no audio \(it takes: image\)"):
+        compute_cost(str(tiny_llava_dir), [audio_clip(5)], CostOptions())
+
+
 def test_a_config_only_directory_needs_no_weights_or_tokenizer():
     from conftest import REPO
 

@@ -119,6 +119,11 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     policy = MediaPolicy(**media_policy_fields(options.media_io_kwargs))
     max_model_len = min(info.max_model_len(), options.max_model_len or info.max_model_len())
 
+    served = set(info.supported_mm_limits())
+    for spec in items:
+        if spec.modality not in served:
+            raise ValueError(f"this model takes no {spec.modality} (it takes: "
+                             f"{', '.join(sorted(served)) or 'text only'})")
     rows = []
     for spec in items:
         size = spec.size
