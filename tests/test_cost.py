@@ -126,6 +126,14 @@ def test_a_speech_model_takes_one_clip(tiny_whisper_dir):
     assert isinstance(audio_clip(1.5), ItemSpec)
 
 
+def test_a_directory_that_is_not_a_checkpoint_is_a_one_line_error(tmp_path):
+    for path, fragment in ((tmp_path / "missing", "does not exist"), (tmp_path, "has no config.json")):
+        done = subprocess.run([sys.executable, "-m", "vlmd", "cost", str(path), "--image", "640x480"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("vlmd cost: MODEL_DIR")
+        assert fragment in done.stderr and "Traceback" not in done.stderr
+
+
 def test_an_item_the_model_does_not_take_is_an_error_naming_what_it_takes(tiny_llava_dir):
     with pytest.raises(ValueError, match=r"this model takes no audio \(it takes: image\)"):
         compute_cost(str(tiny_llava_dir), [audio_clip(5)], CostOptions())

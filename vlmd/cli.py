@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         from vlmd.errors import VlmdError
 
         try:
+            check_model_dir(args.model)
             print(run_cost(args))
         except (OSError, ValueError, LookupError) as exc:
             sys.exit(f"vlmd cost: {exc}")
