@@ -341,3 +341,21 @@ def hf_qwen2_audio_generate(model_dir, messages: list[dict[str, Any]], clips: li
         "logprobs": logprobs,
         "num_audio_tokens": num_audio_tokens,
     }
+
+
+def assert_chat_parity(body: dict, ref: dict, atol: float = 1e-3) -> None:
+    """A chat answer (``return_token_ids`` and ``logprobs`` on) against transformers' greedy
+    reference: the same prompt ids and counts, the greedy tokens by ``assert_greedy_match``,
+    and the greedy tokens' log-probs within ``atol`` up to the first divergence (greedy
+    tokens can survive a small position error; their log-probs cannot)."""
+    import numpy as np
+
+    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
+    ours = body["choices"][0]["token_ids"]
+    assert body["usage"]["completion_tokens"] == len(ours)
+    assert_greedy_match(ours, ref)
+    theirs = ref["output_token_ids"]
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=atol), (logprobs, ref["logprobs"])

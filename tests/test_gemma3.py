@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import orjson
 import pytest
 
 from conftest import Server, image_data_url, random_image
 from gemma3_oracle import hf_gemma3_generate
-from oracle import assert_greedy_match
+from oracle import assert_chat_parity
 
 LONG_TEXT = " ".join(["Describe what is here and what the image shows in some detail"] * 12)
 PAN_AND_SCAN = orjson.dumps({"do_pan_and_scan": True}).decode()
@@ -63,17 +62,6 @@ def _reference(model_dir, images, text, kwargs, max_tokens, pan_and_scan, histor
                               pan_and_scan=crops)
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert_greedy_match(ours, ref)
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 def _concurrently(server, bodies):
     def one(body):
         status, answer = server.chat(body)
@@ -107,13 +95,13 @@ def test_prompts_run_past_the_window(references):
 def test_parity_one_request(server, references, name):
     status, body = server.chat(_body(*CASES[name]))
     assert status == 200, body
-    _check(body, references[name])
+    assert_chat_parity(body, references[name])
 
 
 def test_parity_all_concurrently(server, references):
     bodies = _concurrently(server, [_body(*case) for case in CASES.values()])
     for name, body in zip(CASES, bodies):
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
 
 
 def test_second_turn_reuses_the_first(server, tiny_gemma3_dir, references):
@@ -131,7 +119,7 @@ def test_second_turn_reuses_the_first(server, tiny_gemma3_dir, references):
                    {"role": "assistant", "content": answer}]
     ref = hf_gemma3_generate(tiny_gemma3_dir, [*ref_history, {"role": "user", "content": [
         {"type": "text", "text": "And what else?"}]}], images, 10, pan_and_scan=True)
-    _check(second, ref)
+    assert_chat_parity(second, ref)
     # The first turn's prompt blocks (the image inside them) came from the prefix cache.
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= (len(first["prompt_token_ids"]) // 16) * 16 > 0
@@ -172,7 +160,7 @@ def test_small_budget_small_cache_tensor_parallel(tiny_gemma3_dir, tmp_path):
         for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
             bodies = _concurrently(server, [_body(*CASES[name]) for name in SMALL_CASES] * 2)
             for name, body in zip(SMALL_CASES * 2, bodies):
-                _check(body, refs[name])
+                assert_chat_parity(body, refs[name])
             metrics = server.metrics()
             if metrics["vlmd_num_preemptions_total"] > 0:
                 break

@@ -19,13 +19,12 @@ import base64
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import orjson
 import pytest
 
 from conftest import Server, assert_refused_then_served, image_data_url, make_video, png_header_only, random_image, video_data_url
 from internvl_support import hf_internvl_generate, tiny_internvl_dir  # noqa: F401  (a fixture)
-from oracle import assert_greedy_match
+from oracle import assert_chat_parity
 from test_qwen2_vl import reference_frames
 
 NUM_FRAMES = 4  # frames the servers keep of a video
@@ -86,18 +85,6 @@ def server(tiny_internvl_dir, tmp_path_factory):  # noqa: F811
     server.stop()
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert body["usage"]["completion_tokens"] == len(ours)
-    assert_greedy_match(ours, ref)
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 def _run_concurrently(server, names=CASE_NAMES):
     def one(name):
         status, body = server.chat(_body(name, _max_tokens(CASE_NAMES.index(name))))
@@ -118,7 +105,7 @@ def test_parity_one_request(server, references, name):
     steps_before = server.metrics()["vlmd_engine_steps_total"]
     status, body = server.chat(_body(name, _max_tokens(CASE_NAMES.index(name))))
     assert status == 200, body
-    _check(body, references[name])
+    assert_chat_parity(body, references[name])
     # The prompt took a step per 32 tokens at least: its images were split across steps.
     assert server.metrics()["vlmd_engine_steps_total"] - steps_before >= body["usage"]["prompt_tokens"] // 32
     assert body["usage"]["prompt_tokens_details"].get("multimodal_tokens", {}).get("image", 0) == \
@@ -139,7 +126,7 @@ def test_tokenize_counts_equal_the_processors(server, references, name):
 
 def test_parity_all_concurrently(server, references):
     for name, body in zip(CASE_NAMES, _run_concurrently(server)):
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
 
 
 def test_second_turn_finds_the_first_cached(server, references, tiny_internvl_dir):  # noqa: F811
@@ -157,7 +144,7 @@ def test_second_turn_finds_the_first_cached(server, references, tiny_internvl_di
                    {"role": "assistant", "content": [{"type": "text", "text": answer}]},
                    {"role": "user", "content": [{"type": "text", "text": "And the colours?"}]}]
     ref = hf_internvl_generate(tiny_internvl_dir, ref_history, _images(name), 10)
-    _check(body, ref)
+    assert_chat_parity(body, ref)
     # The first turn's prompt (both images' placeholders) is in the cache, whole blocks of it.
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first["prompt_token_ids"]) // 16 * 16
 
@@ -180,7 +167,7 @@ def test_parity_tp2_split_across_steps_and_preempted(tiny_internvl_dir, tmp_path
             steps_before = server.metrics()["vlmd_engine_steps_total"]
             bodies = _run_concurrently(server)
             for body, ref in zip(bodies, refs):
-                _check(body, ref)
+                assert_chat_parity(body, ref)
             metrics = server.metrics()
             prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
             assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 32
@@ -219,7 +206,7 @@ def test_video_parity(server, tiny_internvl_dir):  # noqa: F811
         assert status == 200, body
         messages = [{"role": "user", "content": [*ref_parts, {"type": "text", "text": "What happens?"}]}]
         ref = hf_internvl_generate(tiny_internvl_dir, messages, images, 12, videos=[frames])
-        _check(body, ref)
+        assert_chat_parity(body, ref)
         assert ref["num_tiles"] == NUM_FRAMES + (7 if images else 0)  # the image: 3x2 + thumbnail
 
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import orjson
 import pytest
 
 from conftest import Server, image_data_url, random_image
 from mllama_oracle import hf_mllama_generate, tiny_mllama_dir  # noqa: F401  (a fixture)
-from oracle import assert_greedy_match
+from oracle import assert_chat_parity
 
 TOKEN_BUDGET = 16
 
@@ -76,18 +75,6 @@ def server(tiny_mllama_dir, tmp_path_factory):  # noqa: F811
     server.stop()
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert body["usage"]["completion_tokens"] == len(ours)
-    assert_greedy_match(ours, ref)
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 def test_the_images_change_the_answer(references):
     """The gates are open: an image changes what follows it (else parity would prove little)."""
     outputs = {tuple(references[name]["output_token_ids"]) for name in CASE_NAMES}
@@ -99,7 +86,7 @@ def test_parity_one_request(server, references, name):
     steps_before = server.metrics()["vlmd_engine_steps_total"]
     status, body = server.chat(_body(name))
     assert status == 200, body
-    _check(body, references[name])
+    assert_chat_parity(body, references[name])
     # The prompt took a step per 16 tokens at least: it was split across steps.
     assert server.metrics()["vlmd_engine_steps_total"] - steps_before >= body["usage"]["prompt_tokens"] // TOKEN_BUDGET
 
@@ -123,7 +110,7 @@ def test_parity_all_concurrently(server, references):
     with ThreadPoolExecutor(len(CASE_NAMES)) as pool:
         bodies = list(pool.map(one, CASE_NAMES))
     for name, body in zip(CASE_NAMES, bodies):
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
 
 
 def test_second_turn(server, references, tiny_mllama_dir):  # noqa: F811
@@ -136,7 +123,7 @@ def test_second_turn(server, references, tiny_mllama_dir):  # noqa: F811
     assert status == 200, body
     history = [*_reference_messages(name), {"role": "assistant", "content": [{"type": "text", "text": answer}]},
                {"role": "user", "content": [{"type": "text", "text": "And the colours?"}]}]
-    _check(body, hf_mllama_generate(tiny_mllama_dir, history, _images(name), 10))
+    assert_chat_parity(body, hf_mllama_generate(tiny_mllama_dir, history, _images(name), 10))
     # The first turn's prompt is in the prefix cache, whole blocks of it; the images' K/V were
     # derived again for the rows after the hit.
     first_prompt = len(references[name]["prompt_token_ids"])
@@ -154,7 +141,7 @@ def test_same_text_other_image_shares_no_blocks(server, references, tiny_mllama_
     status, answer = server.chat(body)
     assert status == 200, answer
     assert answer["usage"]["prompt_tokens_details"].get("cached_tokens", 0) == 0
-    _check(answer, hf_mllama_generate(tiny_mllama_dir, _reference_messages(name), [random_image(*other)], max_tokens))
+    assert_chat_parity(answer, hf_mllama_generate(tiny_mllama_dir, _reference_messages(name), [random_image(*other)], max_tokens))
 
 
 def test_structured_output_with_an_image(server):
@@ -192,7 +179,7 @@ def test_bad_input_is_a_4xx_then_a_good_request_is_answered(server, references):
         assert answer["error"]["message"], answer
     status, body = server.chat(_body("two_images"))
     assert status == 200, body
-    _check(body, references["two_images"])
+    assert_chat_parity(body, references["two_images"])
 
 
 def test_parity_tp2_split_across_steps_and_preempted(tiny_mllama_dir, references, tmp_path):  # noqa: F811
@@ -212,7 +199,7 @@ def test_parity_tp2_split_across_steps_and_preempted(tiny_mllama_dir, references
                 bodies = list(pool.map(lambda name: server.chat(_body(name)), CASE_NAMES))
             for name, (status, body) in zip(CASE_NAMES, bodies):
                 assert status == 200, body
-                _check(body, references[name])
+                assert_chat_parity(body, references[name])
             metrics = server.metrics()
             if metrics["vlmd_num_preemptions_total"] > 0:
                 break

@@ -17,12 +17,11 @@ from __future__ import annotations
 import base64
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import orjson
 import pytest
 
 from conftest import Server, assert_refused_then_served, image_data_url, make_video, png_header_only, random_image, video_data_url
-from oracle import assert_greedy_match
+from oracle import assert_chat_parity
 from oracle_qwen2_5_vl import hf_qwen2_5_vl_generate
 from qwen2_5_vl_support import MEDIA_IO, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
 
@@ -85,19 +84,6 @@ def _reference(model_dir, case, index, server_kwargs=None):
                                   mm_processor_kwargs=mm_processor_kwargs or None)
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert body["usage"]["completion_tokens"] == len(ours)
-    assert_greedy_match(ours, ref)
-    # Greedy tokens can survive a small position error; their log-probs cannot.
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 def _run_concurrently(server, cases):
     def one(index):
         status, body = server.chat(_body(cases[index], index))
@@ -130,7 +116,7 @@ def test_parity_concurrent_and_second_turn_cached(server, tiny_qwen2_5_vl_dir, c
         refs = [_reference(tiny_qwen2_5_vl_dir, case, index) for index, case in enumerate(cases)]
         bodies = answered.result()
     for body, ref in zip(bodies, refs):
-        _check(body, ref)
+        assert_chat_parity(body, ref)
     # /tokenize counts as transformers' processor does (images, video, text).
     for index, (case, ref) in enumerate(zip(cases, refs)):
         request = {key: value for key, value in _body(case, index).items() if key in ("messages", "mm_processor_kwargs")}
@@ -142,7 +128,7 @@ def test_parity_concurrent_and_second_turn_cached(server, tiny_qwen2_5_vl_dir, c
     index = len(cases) - 1
     status, body = server.chat(_body(cases[index], index))
     assert status == 200, body
-    _check(body, refs[index])
+    assert_chat_parity(body, refs[index])
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 8
 
 
@@ -165,7 +151,7 @@ def test_parity_tp2_split_placeholders_server_kwargs_and_preemption(tiny_qwen2_5
             steps_before = server.metrics()["vlmd_engine_steps_total"]
             bodies = _run_concurrently(server, cases)
             for body, ref in zip(bodies, refs):
-                _check(body, ref)
+                assert_chat_parity(body, ref)
             metrics = server.metrics()
             prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
             assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 32

@@ -15,12 +15,11 @@ import base64
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import openai
 import pytest
 
 from conftest import Server, qwen2_audio_flags
-from oracle import assert_greedy_match, hf_qwen2_audio_generate
+from oracle import assert_chat_parity, hf_qwen2_audio_generate
 from qwen2_audio_support import RATE, audio_url, decoded, encode, input_audio, make_clip, text
 
 @pytest.fixture(scope="module")
@@ -78,18 +77,6 @@ def _chat(server, messages, max_tokens) -> dict:
     return response.model_dump()
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]  # every placeholder count included
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert body["usage"]["completion_tokens"] == len(ours)
-    assert_greedy_match(ours, ref)
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 @pytest.fixture(scope="module")
 def server(qwen2_audio_server):
     return qwen2_audio_server
@@ -109,12 +96,12 @@ def test_placeholder_counts_follow_the_clip_length(references):
 
 def test_parity_each_alone(server, cases, references):
     for index, (name, (messages, _, _)) in enumerate(cases.items()):
-        _check(_chat(server, messages, _max_tokens(index)), references[name])
+        assert_chat_parity(_chat(server, messages, _max_tokens(index)), references[name])
 
 
 def test_parity_8_concurrent(server, cases, references):
     for name, body in zip(cases, _run_concurrently(server, cases)):
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
 
 
 def test_parity_split_placeholders_and_preemption(tiny_qwen2_audio_dir, media_dir, cases, references, tmp_path):
@@ -131,7 +118,7 @@ def test_parity_split_placeholders_and_preemption(tiny_qwen2_audio_dir, media_di
             steps_before = server.metrics()["vlmd_engine_steps_total"]
             bodies = _run_concurrently(server, cases)
             for name, body in zip(cases, bodies):
-                _check(body, references[name])
+                assert_chat_parity(body, references[name])
             metrics = server.metrics()
             # Prompt tokens a step had to compute, 32 at most per step: a later round can find
             # an earlier one's blocks in the prefix cache, and those are not computed again.
@@ -170,4 +157,4 @@ def test_second_question_about_a_clip_reuses_every_cache(server, tiny_qwen2_audi
     assert delta("vlmd_encoder_forwards_total") == 0
     assert delta("vlmd_processor_cache_hits_total") == 1
     assert delta('vlmd_media_preprocess_seconds_count{modality="audio"}') == 0
-    _check(second, reference)
+    assert_chat_parity(second, reference)

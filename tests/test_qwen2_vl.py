@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import Server, image_data_url, make_video, random_image, video_data_url
-from oracle import assert_greedy_match, hf_qwen2_vl_generate
+from oracle import assert_chat_parity, hf_qwen2_vl_generate
 
 NUM_FRAMES = 8
 SERVER_MAX_PIXELS = 64 * 28 * 28  # the split server's --mm-processor-kwargs
@@ -124,19 +124,6 @@ def server(tiny_qwen2_vl_dir, media_dir, tmp_path_factory):
     server.stop()
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert body["usage"]["completion_tokens"] == len(ours)
-    assert_greedy_match(ours, ref)
-    # Greedy tokens can survive a small position error; their log-probs cannot.
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 def _run_concurrently(server, cases):
     def one(index):
         status, body = server.chat(_body(*cases[index][1], _max_tokens(index)))
@@ -152,13 +139,13 @@ def test_parity_one_request(server, cases, references, name):
     index = CASE_NAMES.index(name)
     status, body = server.chat(_body(*cases[index][1], _max_tokens(index)))
     assert status == 200, body
-    _check(body, references[name])
+    assert_chat_parity(body, references[name])
 
 
 def test_parity_mixed_batch_of_8(server, cases, references):
     assert len(cases) == 8
     for (name, _), body in zip(cases, _run_concurrently(server, cases)):
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
 
 
 def test_parity_split_placeholders_server_kwargs_and_preemption(tiny_qwen2_vl_dir, media_dir, cases, tmp_path):
@@ -181,7 +168,7 @@ def test_parity_split_placeholders_server_kwargs_and_preemption(tiny_qwen2_vl_di
             steps_before = server.metrics()["vlmd_engine_steps_total"]
             bodies = _run_concurrently(server, cases)
             for body, ref in zip(bodies, refs):
-                _check(body, ref)
+                assert_chat_parity(body, ref)
             metrics = server.metrics()
             prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
             assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 32

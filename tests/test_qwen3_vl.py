@@ -28,7 +28,7 @@ import pytest
 from PIL import Image
 
 from conftest import Server, image_data_url, make_video, random_image, video_data_url
-from oracle import assert_greedy_match
+from oracle import assert_chat_parity
 from qwen3_vl_oracle import hf_qwen3_vl_generate
 from test_bad_input import png_header_only
 
@@ -150,17 +150,6 @@ def server(launched, references):
     return launched["main"].result()
 
 
-def _check(body, ref):
-    assert body["prompt_token_ids"] == ref["prompt_token_ids"]
-    assert body["usage"]["prompt_tokens"] == len(ref["prompt_token_ids"])
-    ours = body["choices"][0]["token_ids"]
-    assert_greedy_match(ours, ref)
-    theirs = ref["output_token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    logprobs = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
-    assert np.allclose(logprobs[:same], ref["logprobs"][:same], atol=1e-3), (logprobs, ref["logprobs"])
-
-
 def _run_concurrently(server, cases):
     def one(index):
         status, body = server.chat(_body(*cases[index][1], _max_tokens(index)))
@@ -176,7 +165,7 @@ def test_parity_one_request_at_a_time(server, cases, references, tiny_qwen3_vl_d
     for index, (name, case) in enumerate(cases):
         status, body = server.chat(_body(*case, _max_tokens(index)))
         assert status == 200, body
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
         body_sent = _body(*case, _max_tokens(index))
         status, raw = server.request("POST", "/tokenize", orjson.dumps({"messages": body_sent["messages"],
                                                                         **({"mm_processor_kwargs": case[2]} if case[2] else {})}))
@@ -193,7 +182,7 @@ def _image_token(model_dir) -> int:
 
 def test_parity_all_concurrently(server, cases, references):
     for (name, _), body in zip(cases, _run_concurrently(server, cases)):
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
 
 
 def test_parity_when_the_image_comes_from_the_encoder_cache(server, tiny_qwen3_vl_dir):
@@ -210,7 +199,7 @@ def test_parity_when_the_image_comes_from_the_encoder_cache(server, tiny_qwen3_v
         assert status == 200, answer
         forwards = server.metrics()["vlmd_encoder_forwards_total"] - before["vlmd_encoder_forwards_total"]
         messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
-        _check(answer, hf_qwen3_vl_generate(tiny_qwen3_vl_dir, messages, [image["media"]], 6))
+        assert_chat_parity(answer, hf_qwen3_vl_generate(tiny_qwen3_vl_dir, messages, [image["media"]], 6))
     assert forwards == 0, "the second request should have found the encoder output"
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] < answer["prompt_token_ids"].index(
         _image_token(tiny_qwen3_vl_dir))
@@ -222,7 +211,7 @@ def test_parity_tp2_items_split_across_steps_and_preempted(launched, cases, refe
         steps_before = server.metrics()["vlmd_engine_steps_total"]
         bodies = _run_concurrently(server, cases)
         for (name, _), body in zip(cases, bodies):
-            _check(body, references[name])
+            assert_chat_parity(body, references[name])
         metrics = server.metrics()
         prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
         assert metrics["vlmd_engine_steps_total"] - steps_before >= prompt_tokens // 16
@@ -241,7 +230,7 @@ def test_parity_when_the_prefix_cache_ends_inside_the_image(launched, tiny_qwen3
     reference = _reference(tiny_qwen3_vl_dir, parts, "What is in this image?", {}, None, 3)
     status, first = server.chat(_body(parts, "What is in this image?", {}, None, 3))
     assert status == 200, first
-    _check(first, reference)
+    assert_chat_parity(first, reference)
     words = ["sea"] * 150
     while True:  # a text prompt that leaves two of the 14 blocks, whatever the tokenizer makes of it
         messages = [{"role": "user", "content": " ".join(words)}]
@@ -255,7 +244,7 @@ def test_parity_when_the_prefix_cache_ends_inside_the_image(launched, tiny_qwen3
     assert status == 200, body
     status, again = server.chat(_body(parts, "What is in this image?", {}, None, 3))
     assert status == 200, again
-    _check(again, reference)
+    assert_chat_parity(again, reference)
     image = [i for i, token in enumerate(again["prompt_token_ids"]) if token == _image_token(tiny_qwen3_vl_dir)]
     assert image[0] < again["usage"]["prompt_tokens_details"]["cached_tokens"] <= image[-1], (image, again["usage"])
 

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import Server
-from test_qwen3_vl import _body, _cases, _check, _max_tokens, _reference
+from oracle import assert_chat_parity
+from test_qwen3_vl import _body, _cases, _max_tokens, _reference
 
 NAMES = ["image_640x480", "two_images", "text_only", "second_turn"]
 FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2,video=0",
@@ -63,13 +64,13 @@ def test_parity_alone_then_concurrently_under_tp2_split_and_preempted(launched, 
     for index, (name, case) in enumerate(cases):
         status, body = server.chat(_body(*case, _max_tokens(index)))
         assert status == 200, body
-        _check(body, references[name])
+        assert_chat_parity(body, references[name])
     for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
         with ThreadPoolExecutor(len(cases)) as pool:
             bodies = list(pool.map(lambda i: server.chat(_body(*cases[i][1], _max_tokens(i))), range(len(cases))))
         for (status, body), (name, _) in zip(bodies, cases):
             assert status == 200, body
-            _check(body, references[name])
+            assert_chat_parity(body, references[name])
         if server.metrics()["vlmd_num_preemptions_total"] > 0:
             break
     assert server.metrics()["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
