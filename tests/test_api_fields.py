@@ -308,3 +308,21 @@ def test_an_image_in_a_tool_result_reaches_the_model(llava_server):
 def test_tool_history_the_template_cannot_render_is_a_400(llava_server, messages, fragment):
     status, body = llava_server.chat({"messages": messages, "max_tokens": 2})
     assert_error(status, body, 400, fragment, param="messages")
+
+
+def test_a_tool_result_image_and_usage_per_modality_through_the_openai_client(llava_server):
+    """What an agent sends (a screenshot as a tool result), through the official client: the
+    image reaches the model (its 576 placeholders are in the usage, by modality) and the answer
+    is the one the same messages get over plain HTTP."""
+    from openai import OpenAI
+
+    url = image_data_url(random_image(37, 48, 40))
+    messages = [{"role": "user", "content": "take a screenshot"}, {"role": "assistant", "content": "done"},
+                {"role": "tool", "tool_call_id": "call_1", "content": [
+                    {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "the screenshot"}]}]
+    client = OpenAI(base_url=llava_server.url + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model=llava_server.model, messages=messages, max_tokens=4, temperature=0)
+    usage = reply.usage.model_dump()
+    assert usage["prompt_tokens_details"]["multimodal_tokens"] == {"image": 576}, usage
+    status, body = llava_server.chat({"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert status == 200 and reply.choices[0].message.content == body["choices"][0]["message"]["content"]
