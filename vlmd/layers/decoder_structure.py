@@ -58,3 +58,14 @@ class DecoderStructure:
     def products(self) -> list[nn.Module]:
         """Every layer's products in the order a step runs them."""
         return [product for layer in self.layers for product in layer.products()]
+
+
+def decoder_structures(model: nn.Module) -> list[DecoderStructure]:
+    """The decoders ``model`` describes as data (a family's language model does; one that
+    cannot be described, such as a mixture of experts, has ``decoder_structure`` None)."""
+    found = []
+    for module in model.modules():
+        structure = getattr(module, "decoder_structure", None)
+        if isinstance(structure, DecoderStructure):
+            found.append(structure)
+    return found

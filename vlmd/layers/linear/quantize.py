@@ -22,19 +22,9 @@ from torch import nn
 from vlmd.config import QUANTIZATIONS
 from vlmd.layers.cpu import packed_linear as native_linear
 from vlmd.layers.cpu.panel_packing import int8_panels
-from vlmd.layers.decoder_structure import DecoderStructure
+from vlmd.layers.decoder_structure import decoder_structures
 from vlmd.layers.linear.kernels import INT8_CHOICES, SelectedKernel
 from vlmd.layers.linear.layers import LinearBase
-
-
-def decoder_structures(model: nn.Module) -> list[DecoderStructure]:
-    """The decoders ``model`` describes as data (a family's language model does)."""
-    found = []
-    for module in model.modules():
-        structure = getattr(module, "decoder_structure", None)
-        if isinstance(structure, DecoderStructure):
-            found.append(structure)
-    return found
 
 
 def quantizable_layers(model: nn.Module) -> list[LinearBase]:

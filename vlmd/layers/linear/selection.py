@@ -35,8 +35,8 @@ from vlmd.layers.cpu import fused_step
 from vlmd.layers.cpu import packed_linear as native_linear
 from vlmd.layers.cpu.packed_linear import PackedPanels
 from vlmd.layers.cpu.panel_packing import bfloat16_panels
+from vlmd.layers.decoder_structure import decoder_structures
 from vlmd.layers.linear.layers import LinearBase
-from vlmd.layers.linear.quantize import decoder_structures as _decoder_structures
 from vlmd.layers.linear.quantize import quantize_decoder
 
 log = structlog.get_logger(__name__)
@@ -304,14 +304,14 @@ def _unmeasured_default(measured: list[tuple[KernelChoice, ...]], weight: torch.
 def _native_step_products(model: nn.Module) -> set[int]:
     """Ids of the products that a fused decode step of the model's decoders runs
     (``layers/cpu/fused_step.py``)."""
-    return {id(layer) for structure in _decoder_structures(model) for layer in fused_step.products(structure)}
+    return {id(layer) for structure in decoder_structures(model) for layer in fused_step.products(structure)}
 
 
 def _log_decode_paths(model: nn.Module, attention_runs_natively: bool) -> None:
     """One line per decoder: at which batch sizes its decode steps take one fused native
     call (every product's kernel there is vlmd's, on panels it reads), and if at none, why.
     ``vlmd_decode_steps{path}`` on /metrics then counts the steps that did."""
-    for structure in _decoder_structures(model):
+    for structure in decoder_structures(model):
         reason = fused_step.unsupported(structure)
         buckets = []
         for largest, rows in M_BUCKETS[:-1]:
