@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, media_policy_fields, serve_setting, setting_default
-from vlmd.engine.memory_plan import GIB, blocks_for_bytes, blocks_for_tokens, kv_budget_bytes
+from vlmd.engine.memory_plan import (
+    GIB, blocks_for_bytes, blocks_for_tokens, cross_kv_bytes_per_request, items_per_request, kv_budget_bytes,
+)
 from vlmd.processing.base import ItemSize, ProcessingContext
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
@@ -25,7 +27,8 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype ch
 # serve's (vlmd/config.py:ServeConfig), so the two commands cannot drift apart.
 SHARED_SERVE_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs", "dtype", "quantization", "block_size",
                          "max_model_len",
-                         "kv_cache_gb", "num_kv_blocks", "max_num_batched_tokens", "encoder_cache_size")
+                         "kv_cache_gb", "num_kv_blocks", "max_num_batched_tokens", "encoder_cache_size",
+                         "max_num_seqs", "limit_mm_per_prompt")
 _IMAGE = re.compile(r"^(\d+)x(\d+)$")
 _VIDEO = re.compile(r"^(\d+(?:\.\d+)?)(s?)x(\d+)x(\d+)$")
 
@@ -89,6 +92,8 @@ class CostOptions:
     activation_gb: float = 0.0  # the start-up profile's figure (logged by `vlmd serve`)
     max_num_batched_tokens: int = _serve_default("max_num_batched_tokens")
     encoder_cache_size: int | None = _serve_default("encoder_cache_size")
+    max_num_seqs: int = _serve_default("max_num_seqs")
+    limit_mm_per_prompt: dict = field(default_factory=lambda: _serve_default("limit_mm_per_prompt"))
 
 
 def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) -> dict[str, Any]:
@@ -164,7 +169,8 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
         blocks = blocks_for_tokens(kv_tokens, options.block_size)
         request.update(kv_tokens=kv_tokens, kv_blocks=blocks, kv_bytes=blocks * per_block,
                        fits_max_model_len=request["prompt_tokens"] < max_model_len and kv_tokens <= max_model_len)
-    cache = _cache(options, info, rows, per_block, hf_config)
+    cross_kv = _cross_kv(options, info, items, max_model_len)
+    cache = _cache(options, info, rows, per_block, hf_config, cross_kv["bytes"])
     most_blocks = max(request["kv_blocks"] for request in requests)
     cache["requests_held"] = cache["num_kv_blocks"] // most_blocks if most_blocks else 0
     cache["full_length_requests"] = cache["num_kv_blocks"] // blocks_for_tokens(max_model_len, options.block_size)
@@ -174,8 +180,21 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
         "model": model_dir, "family": family.name, "dtype": options.dtype, "quantization": options.quantization,
         "block_size": options.block_size,
         "max_model_len": max_model_len, "kv_bytes_per_token": per_token, "max_tokens": options.max_tokens,
-        "items": rows, "requests": requests, "cache": cache,
+        "items": rows, "requests": requests, "cross_kv": cross_kv, "cache": cache,
     }
+
+
+def _cross_kv(options: CostOptions, info, items: list[ItemSpec], max_model_len: int) -> dict:
+    """Cross-attention K/V (held per running request, outside the KV cache, as the server's
+    memory plan counts them): of these items, of a request's most, and of --max-num-seqs."""
+    dtype_bytes = _DTYPE_BYTES[options.dtype]
+    limits = {m: count for m, count in options.limit_mm_per_prompt.items() if count != 0}
+    supported = {m: limit for m, limit in info.supported_mm_limits().items() if options.limit_mm_per_prompt.get(m) != 0}
+    counts = items_per_request(supported, limits, max_model_len)
+    most = cross_kv_bytes_per_request(info, counts, dtype_bytes)
+    return {"request_bytes": sum(info.cross_kv_bytes_per_item(spec.modality, dtype_bytes) for spec in items),
+            "items_per_request": counts, "max_request_bytes": most, "max_num_seqs": options.max_num_seqs,
+            "bytes": most * options.max_num_seqs}
 
 
 def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> list[dict]:
@@ -213,7 +232,7 @@ def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> 
     return requests
 
 
-def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config) -> dict:
+def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config, cross_kv_bytes: int) -> dict:
     """The cache's blocks in the server's order (engine/sizing.py:plan_kv_cache): --num-kv-blocks,
     --kv-cache-gb, the memory plan (here --memory-gb), else a CPU server's default size."""
     if options.num_kv_blocks is not None:
@@ -228,11 +247,13 @@ def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_conf
     encoder_tokens = max(options.encoder_cache_size or options.max_num_batched_tokens, largest)
     encoder_bytes = encoder_tokens * info.encoder_output_width() * _DTYPE_BYTES[options.dtype]
     activations = int(options.activation_gb * GIB)
-    budget = kv_budget_bytes(int(options.memory_gb * GIB), options.memory_utilization, weights, activations, encoder_bytes)
+    budget = kv_budget_bytes(int(options.memory_gb * GIB), options.memory_utilization, weights, activations,
+                             encoder_bytes, cross_kv_bytes)
     blocks = blocks_for_bytes(budget, per_block)
     return {"source": "utilization", "memory_bytes": int(options.memory_gb * GIB),
             "utilization": options.memory_utilization, "weight_bytes": weights, "activation_bytes": activations,
             "encoder_cache_tokens": encoder_tokens, "encoder_cache_bytes": encoder_bytes,
+            "cross_kv_bytes": cross_kv_bytes,
             "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
 
 
@@ -305,13 +326,20 @@ def format_table(report: dict[str, Any]) -> str:
         fits = "" if request["fits_max_model_len"] else "  (does NOT fit max_model_len)"
         lines.append(f"{request['request']}{windows}: {request['prompt_tokens']} prompt tokens, KV for "
                      f"{request['kv_tokens']} tokens = {request['kv_blocks']} blocks = {_size(request['kv_bytes'])}{fits}")
+    cross = report["cross_kv"]
+    if cross["max_request_bytes"]:
+        held = ", ".join(f"{count} {modality}" for modality, count in cross["items_per_request"].items())
+        lines.append(f"cross-attention K/V (held per request, outside the KV cache): {_size(cross['request_bytes'])} "
+                     f"for these items; at most {_size(cross['max_request_bytes'])} a request ({held}), "
+                     f"{_size(cross['bytes'])} for --max-num-seqs {cross['max_num_seqs']}")
     cache = report["cache"]
     lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks = {_size(cache['kv_bytes'])}; "
                  f"holds {cache['requests_held']} such requests, {cache['full_length_requests']} of max_model_len")
     if cache["source"] == "utilization":
         lines.append(f"  plan: {_size(cache['memory_bytes'])} x {cache['utilization']} - weights {_size(cache['weight_bytes'])}"
                      f" - activations {_size(cache['activation_bytes'])} - encoder cache {_size(cache['encoder_cache_bytes'])}"
-                     f" ({cache['encoder_cache_tokens']} tokens)")
+                     f" ({cache['encoder_cache_tokens']} tokens)"
+                     f" - cross-attention K/V {_size(cache['cross_kv_bytes'])}")
     return "\n".join(lines)
 
 
@@ -357,6 +385,7 @@ def run(args) -> str:
         kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, memory_gb=args.memory_gb,
         memory_utilization=args.memory_utilization, activation_gb=args.activation_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, encoder_cache_size=args.encoder_cache_size,
+        max_num_seqs=args.max_num_seqs, limit_mm_per_prompt=args.limit_mm_per_prompt,
     )
     report = compute_cost(args.model, items, options)
     if args.json:

@@ -28,7 +28,7 @@ from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.processing.speech import SpeechToTextProcessor
 from vlmd.processing.transcription import TranscriptionPreprocessor
-from vlmd.engine.memory_plan import MemoryPlan
+from vlmd.engine.memory_plan import MemoryPlan, cross_kv_bytes_per_request, items_per_request
 from vlmd.engine.profile import profile_peak, unprofiled, worst_case_runs
 from vlmd.host import last_level_cache_bytes
 from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
@@ -219,8 +219,13 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         profile = unprofiled()
     width = processor.info.encoder_output_width()  # values in one cached encoder vector
     weight_bytes = weight_bytes_of(model)
+    # Cross-attention K/V a request holds for its life (per-request tensors, not blocks); a
+    # tensor-parallel rank holds its share of the heads.
+    cross_kv = cross_kv_bytes_per_request(
+        info, items_per_request({m: supported[m] for m in modalities}, config.limit_mm_per_prompt, max_model_len),
+        dtype.itemsize) // config.tensor_parallel_size
     plan = plan_kv_cache(config, device, profile, weight_bytes, bytes_per_block(model.kv_spec, config.block_size, dtype),
-                         encoder_cache_size * width * dtype.itemsize, max_model_len)
+                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross_kv)
     num_blocks = plan.num_kv_blocks
     scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks)
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device,

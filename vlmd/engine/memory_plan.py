@@ -1,7 +1,12 @@
 """The memory plan: what is left for the KV cache after weights, activations and the encoder.
 
     KV budget = memory x utilisation - (weights + the rest of the process) - activation peak
-                - encoder cache
+                - encoder cache - cross-attention K/V x --max-num-seqs
+
+Cross-attention K/V (an encoder-decoder's, computed once per request from its items' encoder
+output and held for the request's life) are per-request tensors, not paged blocks: each of
+``--max-num-seqs`` running requests may hold as many as its family declares
+(``BaseProcessingInfo.cross_kv_bytes_per_item`` x the items a prompt may carry).
 
 The activation peak is measured at start-up by a forward at the worst case the server
 accepts (``vlmd/engine/profile.py``); ``vlmd cost`` uses the same arithmetic with figures it
@@ -30,10 +35,22 @@ class MemoryPlan:
     block_size: int
     num_kv_blocks: int
     max_model_len: int
+    cross_kv_bytes_per_request: int = 0  # the most cross-attention K/V one request holds (0: none)
+    max_num_seqs: int = 0  # requests that may hold them at once
 
     @property
     def kv_bytes(self) -> int:
         return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def cross_kv_bytes(self) -> int:
+        return self.cross_kv_bytes_per_request * self.max_num_seqs
+
+    @property
+    def planned_bytes(self) -> int:
+        """What the plan comes to in all: where the KV size is given (--kv-cache-gb,
+        --num-kv-blocks) nothing checks it against the device, so the log says it."""
+        return self.base_bytes + self.activation_bytes + self.encoder_cache_bytes + self.cross_kv_bytes + self.kv_bytes
 
     @property
     def max_full_length_requests(self) -> int:
@@ -42,25 +59,51 @@ class MemoryPlan:
 
     def fields(self) -> dict:
         """Everything, for the start-up log and /metrics."""
-        return {**asdict(self), "kv_bytes": self.kv_bytes, "max_full_length_requests": self.max_full_length_requests}
+        return {**asdict(self), "kv_bytes": self.kv_bytes, "cross_kv_bytes": self.cross_kv_bytes,
+                "planned_bytes": self.planned_bytes, "max_full_length_requests": self.max_full_length_requests}
 
 
 def kv_budget_bytes(
-    total_bytes: int, utilization: float, base_bytes: int, activation_bytes: int, encoder_cache_bytes: int
+    total_bytes: int, utilization: float, base_bytes: int, activation_bytes: int, encoder_cache_bytes: int,
+    cross_kv_bytes: int = 0,
 ) -> int:
     """Bytes left for the KV cache; a clear error when nothing is left."""
     if not 0 < utilization <= 1:
         raise ValueError(f"a memory utilisation must be in (0, 1], got {utilization}")
     allowed = int(total_bytes * utilization)
-    used = base_bytes + activation_bytes + encoder_cache_bytes
+    used = base_bytes + activation_bytes + encoder_cache_bytes + cross_kv_bytes
     if used >= allowed:
+        cross = ""
+        if cross_kv_bytes:
+            cross = (f", the cross-attention K/V of the running requests {cross_kv_bytes / GIB:.2f} GiB (lower "
+                     "--max-num-seqs or --limit-mm-per-prompt)")
         raise ValueError(
             f"{utilization:.0%} of {total_bytes / GIB:.2f} GiB is {allowed / GIB:.2f} GiB, but weights and the rest "
-            f"of the process take {base_bytes / GIB:.2f} GiB, activations {activation_bytes / GIB:.2f} GiB and the "
-            f"encoder cache {encoder_cache_bytes / GIB:.2f} GiB: nothing is left for the KV cache; raise the "
-            "utilisation, lower --max-num-batched-tokens / --encoder-cache-size, or set --kv-cache-gb"
+            f"of the process take {base_bytes / GIB:.2f} GiB, activations {activation_bytes / GIB:.2f} GiB, the "
+            f"encoder cache {encoder_cache_bytes / GIB:.2f} GiB{cross}: nothing is left for the KV cache; raise the "
+            "utilisation, lower --max-num-batched-tokens / --encoder-cache-size, or set --kv-cache-gb / --num-kv-blocks"
         )
     return allowed - used
+
+
+def items_per_request(
+    supported: dict[str, int | None], flag_limits: dict[str, int], max_model_len: int
+) -> dict[str, int]:
+    """The most items of each modality one request carries: the family's own limit narrowed by
+    --limit-mm-per-prompt; where neither sets one, the prompt does (an item without its own
+    limit takes at least one prompt token, so fewer than max_model_len fit)."""
+    counts = {}
+    for modality, limit in supported.items():
+        flag = flag_limits.get(modality)
+        bounds = [value for value in (limit, flag) if value is not None]
+        counts[modality] = min(bounds) if bounds else max_model_len - 1
+    return counts
+
+
+def cross_kv_bytes_per_request(info, counts: dict[str, int], dtype_bytes: int) -> int:
+    """The most cross-attention K/V bytes one request holds: the family's bytes per item x the
+    items it may carry (0 for a family without cross-attention)."""
+    return sum(info.cross_kv_bytes_per_item(modality, dtype_bytes) * count for modality, count in counts.items())
 
 
 def blocks_for_bytes(budget_bytes: float, kv_bytes_per_block: int) -> int:

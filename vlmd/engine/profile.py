@@ -70,7 +70,7 @@ def worst_case_runs(
         if not encoder_decoder:
             requests += _filler(budget, longest, filler_token, f"profile-{modality}-text")
         runs.append(ProfileRun(modality, requests))
-    if not modalities and not encoder_decoder:
+    if not modalities:  # text only (an encoder-decoder that needs its encoder is refused before this)
         runs.append(ProfileRun("text", _filler(budget, longest, filler_token, "profile-text")))
     return runs
 

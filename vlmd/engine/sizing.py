@@ -54,7 +54,11 @@ def drop_unused_encoders(model, supported: dict, modalities: list[str]) -> list[
     disabled = [m for m in supported if m not in modalities]
     if not disabled:
         return []
-    if not modalities and getattr(model, "is_encoder_decoder", False):
+    # An encoder-decoder whose decoder cross-attends per request to all its items
+    # (``prepare_request_cross_attention``, Llama 3.2 Vision) runs a request without any
+    # as text only; one with a single encoder input (Whisper) needs it in every request.
+    if not modalities and getattr(model, "is_encoder_decoder", False) \
+            and getattr(model, "prepare_request_cross_attention", None) is None:
         raise ValueError(f"--limit-mm-per-prompt disables {disabled}, but this encoder-decoder model needs "
                          "its encoder for every request")
     drop = getattr(model, "drop_encoders", None)
@@ -74,10 +78,11 @@ def weight_bytes_of(model: torch.nn.Module) -> int:
 
 def plan_kv_cache(
     config: ServeConfig, device: torch.device, profile: ProfileResult, weight_bytes: int, kv_bytes_per_block: int,
-    encoder_cache_bytes: int, max_model_len: int,
+    encoder_cache_bytes: int, max_model_len: int, cross_kv_bytes_per_request: int = 0,
 ) -> MemoryPlan:
     """KV blocks from, in order: --num-kv-blocks, --kv-cache-gb, the utilisation of the
-    device's memory (CUDA: --gpu-memory-utilization; CPU: --memory-utilization), else 4 GiB."""
+    device's memory (CUDA: --gpu-memory-utilization; CPU: --memory-utilization), else 4 GiB.
+    The utilisation also pays for the cross-attention K/V of --max-num-seqs requests."""
     memory = DeviceMemory(device)
     total, utilization, base = 0, 0.0, profile.base_bytes
     if config.num_kv_blocks is not None:
@@ -95,7 +100,8 @@ def plan_kv_cache(
             utilization = config.memory_utilization
             # The processed-media cache shares the host's memory with the KV cache.
             base += int(config.mm_processor_cache_gb * GIB)
-        budget = kv_budget_bytes(total, utilization, base, profile.activation_bytes, encoder_cache_bytes)
+        budget = kv_budget_bytes(total, utilization, base, profile.activation_bytes, encoder_cache_bytes,
+                                 cross_kv_bytes_per_request * config.max_num_seqs)
         blocks = blocks_for_bytes(budget, kv_bytes_per_block)
     else:
         source, blocks = "kv-cache-gb", blocks_for_bytes(DEFAULT_CPU_KV_CACHE_GB * GIB, kv_bytes_per_block)
@@ -103,6 +109,7 @@ def plan_kv_cache(
     return MemoryPlan(
         device=str(device), source=source, total_bytes=total, utilization=utilization, weight_bytes=weight_bytes,
         base_bytes=base, activation_bytes=profile.activation_bytes, encoder_peak_bytes=profile.encoder_peak_bytes,
-        encoder_cache_bytes=encoder_cache_bytes, kv_bytes_per_block=kv_bytes_per_block,
+        encoder_cache_bytes=encoder_cache_bytes, cross_kv_bytes_per_request=cross_kv_bytes_per_request,
+        max_num_seqs=config.max_num_seqs, kv_bytes_per_block=kv_bytes_per_block,
         block_size=config.block_size, num_kv_blocks=blocks, max_model_len=max_model_len,
     )

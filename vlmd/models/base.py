@@ -27,7 +27,9 @@ class MultimodalModel(Protocol):
     Optional, for encoder-decoder models (Whisper), whose items have no placeholders:
     - ``is_encoder_decoder = True``;
     - ``prepare_cross_attention(encoder_output) -> state``: computed once per request (e.g.
-      cross-attention K/V of every layer); the runner keeps it for the request's life;
+      cross-attention K/V of every layer); the runner keeps it for the request's life, and
+      its bytes per item are what the family's processing info declares
+      (``cross_kv_bytes_per_item``: the memory plan reserves them for --max-num-seqs requests);
     - ``forward(..., cross_states=[(first row, end row, state), ...])``, one per request in
       batch order.
     - ``align_tokens(encoder_output, token_ids, first_row, num_frames) -> [rows, frames]``

@@ -131,6 +131,13 @@ class BaseProcessingInfo(ABC):
         config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config
         return int(config.hidden_size)
 
+    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
+        """Bytes of cross-attention K/V one item of ``modality`` adds to its request (the
+        state ``prepare_cross_attention`` / ``prepare_request_cross_attention`` builds and the
+        runner keeps for the request's life), from the config alone. 0: the family has no
+        cross-attention. The memory plan reserves it for every running request."""
+        return 0
+
     def kv_spec(self) -> KVSpec:
         """The decoder's paged-cache shape, from the checkpoint config alone (no weights).
 

@@ -83,6 +83,14 @@ class MllamaProcessingInfo(BaseProcessingInfo):
         return KVSpec(num_layers=int(text.num_hidden_layers) - len(text.cross_attention_layers),
                       num_kv_heads=int(text.num_key_value_heads), head_dim=int(text.hidden_size) // heads)
 
+    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
+        """Each cross-attention layer's K and V (``[kv_heads, vision_tokens, head_dim]``,
+        ``decoder.py``) of every tile the tower embeds for one image, padding tiles too."""
+        text = self.ctx.hf_config.text_config
+        head_dim = int(text.hidden_size) // int(text.num_attention_heads)
+        per_token = len(text.cross_attention_layers) * 2 * int(text.num_key_value_heads) * head_dim
+        return per_token * self.max_tiles * self.tokens_per_tile * dtype_bytes
+
 
 class MllamaProcessor(BaseMultiModalProcessor):
     def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:

@@ -76,6 +76,12 @@ class WhisperProcessingInfo(BaseProcessingInfo):
         heads = int(config.decoder_attention_heads)
         return KVSpec(num_layers=int(config.decoder_layers), num_kv_heads=heads, head_dim=int(config.d_model) // heads)
 
+    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
+        """Every decoder layer's K and V of the window's encoder frames (``decoder.py``:
+        ``[1, heads, frames, head_dim]`` each)."""
+        config = self.ctx.hf_config
+        return int(config.decoder_layers) * 2 * int(config.d_model) * self.num_encoder_tokens() * dtype_bytes
+
 
 class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
     temperature_fallback = True
