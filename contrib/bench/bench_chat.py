@@ -80,7 +80,10 @@ async def run_level(url, model, concurrency, num_requests, output_tokens, images
     queue = list(range(num_requests))
     results = []
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A connection per request: llama.cpp's server closes a connection after a streamed answer,
+    # and a client reusing it then fails its next request; the same for every server measured.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def worker():
             while queue:
                 index = queue.pop(0)

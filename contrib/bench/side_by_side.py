@@ -1,4 +1,4 @@
-"""vLLM-CPU and vlmd on the same checkpoint, one after the other in one run, as one JSON line.
+"""vLLM-CPU, llama.cpp and vlmd on the same checkpoint, in one run, as one JSON line.
 
 The same request stream against each server (client code from bench_chat.py): 640x480
 JPEGs, ``--output-tokens`` with ignore_eos, streaming, four workloads (c1 / c8 x every image
@@ -9,10 +9,15 @@ after the load). Ratios are vlmd / vLLM for req/s and vLLM / vlmd for times, so 
 vlmd is better. A human table goes to stderr.
 
 vLLM runs from ``--vllm-venv`` (recipe: /work/shared/peer/README.md); it is skipped, not
-faked, when that venv is missing. Each server is stopped by its process group.
+faked, when that venv is missing (or with ``--no-vllm``). llama.cpp runs when ``--llama-cpp``
+names its built tree (``llama_cpp_peer.py``: conversion to GGUF, ``llama-server``). Each
+server is stopped by its process group. ``--family qwen2_vl`` measures the Qwen2-VL
+checkpoint instead of LLaVA-1.5 (llama.cpp's converter takes Qwen2-VL; LLaVA-1.5 only
+through its legacy scripts). Each server's ``prompt_tokens`` for the same image request is
+reported: the same processor should give the same count.
 
-``--interleave N``: both servers up at once, each workload run against vLLM then vlmd (the
-order swapped every round) N times, with fresh images each round that both servers get;
+``--interleave N``: every server up at once, each workload run against each in turn (the
+order reversed every round) N times, with fresh images each round that every server gets;
 figures are per-workload medians, and the ratios also come per round. Why: this host's
 speed drifts by tens of percent within minutes, and one after the other puts minutes
 between the two servers' runs of a workload; interleaved, seconds. While one server runs
@@ -22,6 +27,8 @@ rounds), which would otherwise be taken from vlmd.
 
     python contrib/bench/side_by_side.py --size small --num-requests 24
     python contrib/bench/side_by_side.py --size small --num-requests 24 --interleave 3
+    python contrib/bench/side_by_side.py --family qwen2_vl --interleave 2 \
+        --llama-cpp /path/to/llama.cpp --llama-cpp-python /path/to/converter-venv/bin/python
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chat import make_jpeg, run_level  # noqa: E402
+import llama_cpp_peer  # noqa: E402
 
 WORKLOADS = (("c1_new", 1, False), ("c1_repeated", 1, True), ("c8_new", 8, False), ("c8_repeated", 8, True))
 
@@ -158,6 +166,15 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def prompt_tokens(url: str, image_url: str) -> int | None:
+    """``usage.prompt_tokens`` of one image request (non-streamed, 1 token)."""
+    body = json.dumps({"model": "bench", "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "Describe this image."}]}]})
+    request = urllib.request.Request(url + "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read()).get("usage", {}).get("prompt_tokens")
+
+
 def run_workload(url: str, workload: tuple, images: list, args) -> dict:
     _, concurrency, _ = workload
     level = asyncio.run(run_level(url, "bench", concurrency, args.num_requests, args.output_tokens, images))
@@ -179,6 +196,7 @@ def interleaved(servers: dict, args) -> dict:
         for name, process in started.items():
             url = f"http://127.0.0.1:{servers[name][2]}"
             asyncio.run(run_level(url, "bench", 1, 1, 4, [make_jpeg(args.seed - 1, args.width, args.height)]))
+            results[name]["prompt_tokens"] = prompt_tokens(url, make_jpeg(args.seed - 2, args.width, args.height))
         for name, process in started.items():  # idle: what it costs the other server
             before = group_cpu_seconds(process.pid)
             time.sleep(3)
@@ -221,7 +239,8 @@ def measure(name, command, env, port, args, seed) -> dict:
     try:
         warm = make_jpeg(seed - 1, args.width, args.height)
         asyncio.run(run_level(url, "bench", 1, 1, 4, [warm]))
-        result = {"startup_s": round(startup, 1), "workloads": {}}
+        result = {"startup_s": round(startup, 1), "workloads": {},
+                  "prompt_tokens": prompt_tokens(url, make_jpeg(seed - 2, args.width, args.height))}
         for index, workload in enumerate(WORKLOADS):
             images = workload_images(workload, seed + 1000 * (index + 1), args)
             result["workloads"][workload[0]] = run_workload(url, workload, images, args)
@@ -233,6 +252,7 @@ def measure(name, command, env, port, args, seed) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="llava", choices=["llava", "qwen2_vl"])
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--model-dir")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -243,6 +263,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000, help="image seed base (fresh per run)")
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("W", "/work/peer")) / "vllm-venv")
     parser.add_argument("--vllm-work", type=Path, default=Path(os.environ.get("W", "/work/peer")))
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's tree with build/bin/llama-server")
+    parser.add_argument("--llama-cpp-python", type=Path, default=Path(sys.executable),
+                        help="a python with torch, transformers and llama.cpp's gguf-py, for its converter")
+    parser.add_argument("--llama-cpp-type", default="f32", choices=["f32", "q8_0"],
+                        help="the GGUF weights' type (the projector stays f32)")
     parser.add_argument("--vlmd-flag", action="append", default=[], help="extra flag for vlmd serve (repeatable)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--port", type=int, default=8313)
@@ -256,14 +282,21 @@ def main() -> None:
         from vlmd.config import cache_dir
         from vlmd.tiny import build_tiny
 
-        target = cache_dir() / "bench" / f"llava-{args.size}-seed0"
+        target = cache_dir() / "bench" / f"{args.family}-{args.size}-seed0"
         if not (target / "config.json").exists():
-            build_tiny("llava", target, seed=0, size=args.size)
+            build_tiny(args.family, target, seed=0, size=args.size)
         model_dir = str(target)
-    model_dir = published_layout(model_dir)
+    if args.family == "llava":
+        model_dir = published_layout(model_dir)
 
     servers: dict = {}
-    if (args.vllm_venv / "bin" / "python").exists():
+    if args.llama_cpp is not None:
+        gguf, mmproj = llama_cpp_peer.convert(model_dir, args.llama_cpp, args.llama_cpp_python, args.llama_cpp_type)
+        servers["llama.cpp"] = (*llama_cpp_peer.command(args.llama_cpp, model_dir, gguf, mmproj, args.port + 2, 8, 2048),
+                                args.port + 2)
+    if args.no_vllm:
+        pass
+    elif (args.vllm_venv / "bin" / "python").exists():
         for sub in ("tmp", "cache"):
             (args.vllm_work / sub).mkdir(parents=True, exist_ok=True)
         servers["vllm"] = (*vllm_command(args.vllm_venv, model_dir, args.port, args.dtype, args.vllm_work), args.port)
@@ -276,36 +309,40 @@ def main() -> None:
         results = {name: measure(name, command, env, port, args, args.seed)
                    for name, (command, env, port) in servers.items()}
 
-    ratios = {}
-    if "vllm" in results:
-        peer, ours = results["vllm"], results["vlmd"]
-        for workload, _, _ in WORKLOADS:
-            a, b = peer["workloads"][workload], ours["workloads"][workload]
-            ratios[workload] = {
-                "req_per_s": round(b["req_per_s"] / a["req_per_s"], 3),
-                "ttft_p50": round(a["ttft_p50_s"] / b["ttft_p50_s"], 3),
-                "tpot": round(a["itl_p50_s"] / b["itl_p50_s"], 3) if a["itl_p50_s"] and b["itl_p50_s"] else None,
-            }
-            if "rounds" in ours:  # interleaved: the ratio of each round too
-                ratios[workload]["req_per_s_rounds"] = [
-                    round(b_run["req_per_s"] / a_run["req_per_s"], 3)
-                    for a_run, b_run in zip(peer["rounds"][workload], ours["rounds"][workload])]
-        ratios["startup"] = round(peer["startup_s"] / ours["startup_s"], 2)
-        ratios["rss"] = round(peer["rss_gib"] / ours["rss_gib"], 2)
+    ratios = {peer: advantage(results[peer], results["vlmd"]) for peer in results if peer != "vlmd"}
     print(json.dumps({"model": model_dir, "dtype": args.dtype, "num_requests": args.num_requests,
                       "output_tokens": args.output_tokens, "seed": args.seed, "interleave": args.interleave,
                       "servers": results,
                       "vlmd_advantage": ratios}))
     for workload, _, _ in WORKLOADS:
         row = [f"{workload:12s}"]
-        for server in ("vllm", "vlmd"):
-            if server in results:
-                w = results[server]["workloads"][workload]
-                row.append(f"{server} {w['req_per_s']:.3f} req/s ttft {w['ttft_p50_s']:.3f} tpot {w['itl_p50_s']}")
-        if workload in ratios:
-            rounds = ratios[workload].get("req_per_s_rounds")
-            row.append(f"vlmd/vllm req/s {ratios[workload]['req_per_s']:.2f}" + (f" (rounds {rounds})" if rounds else ""))
+        for server, result in results.items():
+            w = result["workloads"][workload]
+            row.append(f"{server} {w['req_per_s']:.3f} req/s ttft {w['ttft_p50_s']:.3f} tpot {w['itl_p50_s']}")
+        for peer, by_workload in ratios.items():
+            rounds = by_workload[workload].get("req_per_s_rounds")
+            row.append(f"vlmd/{peer} req/s {by_workload[workload]['req_per_s']:.2f}"
+                       + (f" (rounds {rounds})" if rounds else ""))
         print(" | ".join(row), file=sys.stderr)
+
+
+def advantage(peer: dict, ours: dict) -> dict:
+    """vlmd against one peer: req/s ours / theirs, times theirs / ours (> 1: vlmd better)."""
+    ratios = {}
+    for workload, _, _ in WORKLOADS:
+        a, b = peer["workloads"][workload], ours["workloads"][workload]
+        ratios[workload] = {
+            "req_per_s": round(b["req_per_s"] / a["req_per_s"], 3),
+            "ttft_p50": round(a["ttft_p50_s"] / b["ttft_p50_s"], 3),
+            "tpot": round(a["itl_p50_s"] / b["itl_p50_s"], 3) if a["itl_p50_s"] and b["itl_p50_s"] else None,
+        }
+        if "rounds" in ours:  # interleaved: the ratio of each round too
+            ratios[workload]["req_per_s_rounds"] = [
+                round(b_run["req_per_s"] / a_run["req_per_s"], 3)
+                for a_run, b_run in zip(peer["rounds"][workload], ours["rounds"][workload])]
+    ratios["startup"] = round(peer["startup_s"] / ours["startup_s"], 2)
+    ratios["rss"] = round(peer["rss_gib"] / ours["rss_gib"], 2)
+    return ratios
 
 
 if __name__ == "__main__":
