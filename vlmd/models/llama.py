@@ -27,6 +27,7 @@ from vlmd.layers.linear import (
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, rope_parameters, rotate_qkv
 from vlmd.models.base import KVSpec
+from vlmd.models.loader import load_into
 
 
 def _head_dim(config) -> int:
@@ -218,23 +219,6 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as exc:
-                    raise ValueError(f"weight {name!r}: {exc}") from None
-            elif shard is not None:
-                raise ValueError(f"weight {name!r} maps to {target!r}, which is not a fused projection")
-            else:
-                _copy_checked(param, tensor, name)
+            load_into(params[target], tensor, name, shard)
             loaded.add(target)
         return loaded
-
-
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor.to(param.dtype))

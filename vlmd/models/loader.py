@@ -121,3 +121,23 @@ def load_multimodal_weights(
     missing = sorted(expected - filled) + sorted({name for name, _ in language_model.named_parameters()} - loaded)
     if missing:
         raise ValueError(f"{family} checkpoint lacks weights, e.g. {missing[:3]}")
+
+
+def load_into(param: torch.Tensor, tensor: torch.Tensor, name: str, shard=None) -> None:
+    """One checkpoint tensor (``name``) into its parameter: through the parameter's
+    ``weight_loader`` where it has one (a linear layer's, which takes this rank's slice, or
+    the ``shard`` of a fused projection), else copied after a shape check. Every error names
+    the checkpoint's weight."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        try:
+            loader(param, tensor, shard)
+        except ValueError as exc:
+            raise ValueError(f"weight {name!r}: {exc}") from None
+        return
+    if shard is not None:
+        raise ValueError(f"weight {name!r} is part {shard!r} of a fused projection, but its parameter is not one")
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

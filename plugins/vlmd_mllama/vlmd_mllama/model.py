@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup
-from vlmd.models.loader import iterate_weights
+from vlmd.models.loader import iterate_weights, load_into
 from vlmd_mllama.decoder import CrossState, MllamaTextDecoder
 from vlmd_mllama.layout import CrossLayout
 from vlmd_mllama.tiles import read_tile_settings
@@ -90,17 +90,7 @@ class MllamaModel(nn.Module):
                 param = vision_params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in the Mllama checkpoint")
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:  # a linear layer's: it takes this rank's slice (or shard)
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as exc:
-                    raise ValueError(f"weight {name!r}: {exc}") from None
-            elif param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            else:
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
+            load_into(param, tensor, name, shard)
             loaded.add(f"{part}:{target}")
         expected = {f"text:{n}" for n in params} | {f"vision:{n}" for n in vision_params}
         missing = sorted(expected - loaded)

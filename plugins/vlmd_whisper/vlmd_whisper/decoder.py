@@ -29,6 +29,7 @@ from vlmd.layers.linear import (
     TPGroup,
 )
 from vlmd.models.base import KVSpec
+from vlmd.models.loader import load_into
 
 CrossState = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [1, heads, frames, head_dim]
 
@@ -180,17 +181,7 @@ class WhisperDecoder(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in Whisper checkpoint")
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:  # a linear layer: it takes this rank's slice
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as exc:
-                    raise ValueError(f"weight {name!r}: {exc}") from None
-            elif param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            else:
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
+            load_into(param, tensor, name, shard)
             loaded.add(name)
         return loaded
 
