@@ -127,6 +127,10 @@ def test_the_start_up_plan_logs_the_reservation(whisper_server):
     assert per_request == 2 * 2 * 64 * 1500 * 4  # decoder layers x (K, V) x d_model x frames x float32
     assert int(fields["cross_kv_bytes"]) == per_request * int(fields["max_num_seqs"]) == per_request * 256
     assert int(fields["planned_bytes"]) >= int(fields["kv_bytes"]) + int(fields["cross_kv_bytes"])
+    # And /metrics says the same, as a part of the plan.
+    metric = next(line for line in whisper_server.request("GET", "/metrics")[1].decode().splitlines()
+                  if line.startswith("vlmd_memory_plan_bytes{") and 'part="cross_kv"' in line)
+    assert float(metric.split()[-1]) == int(fields["cross_kv_bytes"])
 
 
 def test_a_text_only_mllama_server_starts_and_serves_text(tiny_mllama_dir, tmp_path_factory):  # noqa: F811

@@ -24,6 +24,8 @@ _PLAN_BYTES = {
     "encoder_peak_bytes": "encoder_peak",
     "encoder_cache_bytes": "encoder_cache",
     "kv_bytes": "kv_cache",
+    "cross_kv_bytes": "cross_kv",  # an encoder-decoder's cross-attention K/V, reserved for --max-num-seqs requests
+    "planned_bytes": "planned",
     "total_bytes": "total",
 }
 
@@ -42,7 +44,8 @@ class _EngineCollector:
         fields = self.memory_plan.fields()
         family = GaugeMetricFamily(
             "vlmd_memory_plan_bytes", "Start-up memory plan: weights, base (process or card), activation and "
-            "encoder peaks of the profile, encoder cache, KV cache, total the utilisation applies to",
+            "encoder peaks of the profile, encoder cache, KV cache, cross-attention K/V, what they come to, "
+            "total the utilisation applies to",
             labels=["part", "device", "source"])
         for key, part in _PLAN_BYTES.items():
             family.add_metric([part, fields["device"], fields["source"]], fields[key])
