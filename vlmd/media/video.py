@@ -246,3 +246,23 @@ def _reason(exc: Exception) -> str:
     # FFmpeg messages carry the errno text and, for files, a path: keep the text only.
     text = getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__
     return text[:200]
+
+
+def resize_frames_chw(video, height: int, width: int, resample: int) -> np.ndarray:
+    """uint8 ``[frames, 3, height, width]`` from decoded RGB frames ``[frames, H, W, 3]``, each
+    resized with PIL (``resample`` as the family's image backend resizes), for families whose
+    processor resizes every frame to one size (InternVL's tiles, Qwen3-VL's pairs)."""
+    from PIL import Image
+
+    from vlmd.errors import BadRequestError
+
+    frames = np.asarray(video)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+        raise BadRequestError("a video must decode to one or more RGB frames")
+    out = np.empty((len(frames), 3, height, width), dtype=np.uint8)
+    for index, frame in enumerate(frames):
+        image = Image.fromarray(frame)
+        if image.size != (width, height):
+            image = image.resize((width, height), resample=resample, reducing_gap=None)
+        out[index] = np.asarray(image).transpose(2, 0, 1)
+    return out

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from vlmd.errors import BadRequestError
+from vlmd.media.video import resize_frames_chw
 from vlmd.processing.base import (
     BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
@@ -27,7 +28,7 @@ from vlmd.processing.base import (
 )
 from vlmd_internvl.settings import FrameSettings, read_frame_settings, read_tile_settings
 from vlmd_internvl.tiling import TileGrid, TileSettings, tile_boxes
-from vlmd_internvl.video import FrameLayout, frame_layout, resize_frames
+from vlmd_internvl.video import FrameLayout, frame_layout
 
 DEFAULT_NUM_FRAMES = 32  # vlmd.media.policy.MediaPolicy.video_num_frames
 
@@ -132,7 +133,7 @@ class InternVLProcessor(BaseMultiModalProcessor):
     def process_video(self, video: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         self.info.settings.with_kwargs(kwargs)
         frames = self.info.video_frames()
-        tiles = resize_frames(video, frames.height, frames.width, frames.resample)
+        tiles = resize_frames_chw(video, frames.height, frames.width, frames.resample)
         layout = self.info.frame_layout(len(tiles))
         return ProcessedItem(
             encoder_inputs={"tiles": tiles, "between": [np.asarray(ids, dtype=np.int64) for ids in layout.between]},

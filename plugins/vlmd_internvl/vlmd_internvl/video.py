@@ -16,12 +16,6 @@ rounding while the layout and counts are its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-from PIL import Image
-
-from vlmd.errors import BadRequestError
 
 
 @dataclass(frozen=True)
@@ -47,20 +41,6 @@ def frame_layout(tokenizer, num_frames: int, tokens_per_frame: int, context_toke
     runs = [positions[index * tokens_per_frame : (index + 1) * tokens_per_frame] for index in range(num_frames)]
     between = [ids[runs[index][-1] + 1 : runs[index + 1][0]] for index in range(num_frames - 1)]
     return FrameLayout(ids, positions[0], positions[-1] - positions[0] + 1, between)
-
-
-def resize_frames(video: Any, height: int, width: int, resample: int) -> np.ndarray:
-    """uint8 ``[frames, 3, height, width]`` from decoded RGB frames ``[frames, H, W, 3]``."""
-    frames = np.asarray(video)
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
-        raise BadRequestError("a video must decode to one or more RGB frames")
-    out = np.empty((len(frames), 3, height, width), dtype=np.uint8)
-    for index, frame in enumerate(frames):
-        image = Image.fromarray(frame)
-        if image.size != (width, height):
-            image = image.resize((width, height), resample=resample, reducing_gap=None)
-        out[index] = np.asarray(image).transpose(2, 0, 1)
-    return out
 
 
 def interleave_frames(frame_features: list, between_embeddings: list):

@@ -23,6 +23,7 @@ from vlmd.processing.base import (
     ProcessedItem,
     ProcessorOutput,
 )
+from vlmd.media.video import resize_frames_chw
 from vlmd.processing.hashing import item_identifier
 from vlmd.types import MultiModalItem
 from vlmd_qwen2_vl.processing import Qwen2VLDummyInputsBuilder, grid_thw, resize_frames
@@ -37,7 +38,6 @@ from vlmd_qwen3_vl.video import (
     frame_times,
     join_first_timestamps,
     pair_times,
-    resize_video,
     smart_resize,
 )
 
@@ -170,7 +170,7 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
         size = ItemSize(frames.shape[2], frames.shape[1], len(frames), frame_times=frame_times(video))
         layout, pairs, per_pair, _ = self.info.video_layout(size, kwargs)
         height, width = self.info.video_size(size, settings)
-        pixels = resize_video(frames, height, width, settings.resample)
+        pixels = resize_frames_chw(frames, height, width, settings.resample)
         grid = grid_thw(pixels.shape, settings)
         if grid[0] != pairs or grid[1] * grid[2] // settings.merge_size**2 != per_pair:
             raise RuntimeError(f"video grid {grid} does not give the {pairs} x {per_pair} tokens the layout says")

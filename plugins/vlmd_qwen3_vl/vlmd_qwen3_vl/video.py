@@ -34,9 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 from vlmd.errors import BadRequestError
 
 DEFAULT_FPS = 24  # transformers' rate for a video whose metadata names none
@@ -164,21 +161,6 @@ def join_first_timestamps(prompt_ids: list[int], items: list, first_timestamps: 
                     shift += delta
         out.append(item)
     return ids, out
-
-
-def resize_video(video: Any, height: int, width: int, resample: int) -> np.ndarray:
-    """uint8 ``[frames, 3, height, width]`` from decoded RGB frames ``[frames, H, W, 3]``, each
-    resized with PIL (bicubic, as the image backend resizes)."""
-    frames = np.asarray(video)
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
-        raise BadRequestError("a video must decode to one or more RGB frames")
-    out = np.empty((len(frames), 3, height, width), dtype=np.uint8)
-    for index, frame in enumerate(frames):
-        image = Image.fromarray(frame)
-        if image.size != (width, height):
-            image = image.resize((width, height), resample=resample, reducing_gap=None)
-        out[index] = np.asarray(image).transpose(2, 0, 1)
-    return out
 
 
 def interleave_rows(pair_rows: list, between: list, width: int):
