@@ -24,8 +24,8 @@ import orjson
 import pytest
 
 from conftest import Server, free_port, image_message, random_image
-from oracle import assert_greedy_match, hf_llava_generate
-from test_qwen2_vl import CASE_NAMES, NUM_FRAMES, SERVER_MAX_PIXELS, _body, _cases, _check, _max_tokens, _reference
+from oracle import assert_chat_parity, assert_greedy_match, hf_llava_generate
+from test_qwen2_vl import CASE_NAMES, NUM_FRAMES, SERVER_MAX_PIXELS, _body, _cases, _max_tokens, _reference
 from test_qwen2_vl import video_file  # noqa: F401  (a fixture)
 from whisper_support import hf_whisper_generate, load_hf_whisper, post_audio, read_samples, wav_bytes
 
@@ -151,7 +151,7 @@ def test_qwen2_vl_tp2_images_and_video(tiny_qwen2_vl_dir, media_dir, video_file,
             bodies = list(pool.map(one, range(len(cases))))
         for index, ((name, (parts, text, kwargs)), body) in enumerate(zip(cases, bodies)):
             merged = {"max_pixels": SERVER_MAX_PIXELS, **kwargs}
-            _check(body, _reference(tiny_qwen2_vl_dir, parts, text, merged, _max_tokens(index)))
+            assert_chat_parity(body, _reference(tiny_qwen2_vl_dir, parts, text, merged, _max_tokens(index)))
         assert server.metrics()["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
         assert "video_file_url" in CASE_NAMES
     finally:
