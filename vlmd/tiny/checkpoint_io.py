@@ -91,3 +91,14 @@ def write_tokenizer(
     finish_tokenizer_config(out, chat_template, extra_special_tokens=extra_special_tokens,
                             additional_special_tokens=additional_special_tokens)
     (Path(out) / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+
+
+def save_checkpoint(model, out: Path, bos_token_id: int, eos_token_ids: list[int], pad_token_id: int) -> None:
+    """The model with the generation config greedy tests stop by (its bos, eos and pad
+    ids), saved by :func:`save_model`, its two JSON files restamped by :func:`restamp_json`."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_ids,
+                                               pad_token_id=pad_token_id)
+    save_model(model, out)
+    restamp_json(out, "config.json", "generation_config.json")

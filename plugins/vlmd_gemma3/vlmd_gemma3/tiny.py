@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "SIZES", "build_tiny_gemma3", "gemma3_config"]
@@ -141,7 +141,7 @@ def build_tiny_gemma3(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Gemma 3 checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    from transformers import Gemma3ForConditionalGeneration, GenerationConfig
+    from transformers import Gemma3ForConditionalGeneration
 
     spec = SIZES[size]
     out = Path(out_dir)
@@ -153,10 +153,7 @@ def build_tiny_gemma3(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     model = random_model(Gemma3ForConditionalGeneration, config, seed, _param_std, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<eos>"], ids["<end_of_turn>"]]
-    model.generation_config = GenerationConfig(bos_token_id=ids["<bos>"], eos_token_id=eos_ids,
-                                               pad_token_id=ids["<pad>"])
-    save_model(model, out)
-    restamp_json(out, "config.json", "generation_config.json")
+    save_checkpoint(model, out, ids["<bos>"], eos_ids, ids["<pad>"])
     _write_processor_files(out, tokenizer, spec)
     write_json(out / "vlmd_tiny.json", {
         "family": "gemma3", "size": size, "seed": int(seed), "num_parameters": int(num_params),

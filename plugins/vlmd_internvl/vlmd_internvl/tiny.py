@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "INTERNVL_CHAT_TEMPLATE", "build_tiny_internvl", "internvl_config"]
@@ -138,7 +138,7 @@ def build_tiny_internvl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random InternVL3 checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    from transformers import GenerationConfig, InternVLForConditionalGeneration
+    from transformers import InternVLForConditionalGeneration
 
     spec = SIZES[size]
     out = Path(out_dir)
@@ -151,11 +151,7 @@ def build_tiny_internvl(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     model = random_model(InternVLForConditionalGeneration, config, seed, PARAM_STD, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
-    )
-    save_model(model, out)
-    restamp_json(out, "config.json", "generation_config.json")
+    save_checkpoint(model, out, ids["<|endoftext|>"], eos_ids, ids["<|endoftext|>"])
     _write_processor_files(out, tokenizer)
     write_json(out / "vlmd_tiny.json", {
         "family": "internvl", "size": size, "seed": int(seed), "num_parameters": int(num_params),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "MLLAMA_CHAT_TEMPLATE", "build_tiny_mllama", "mllama_config"]
@@ -132,7 +132,7 @@ def build_tiny_mllama(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Llama 3.2 Vision checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    from transformers import GenerationConfig, MllamaForConditionalGeneration
+    from transformers import MllamaForConditionalGeneration
 
     spec = SIZES[size]
     out = Path(out_dir)
@@ -149,11 +149,7 @@ def build_tiny_mllama(out_dir, seed: int = 0, size: str = "tiny") -> Path:
                          sorted(i for i in ids.values() if i != ids["<|image|>"]))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|eot_id|>"], ids["<|end_of_text|>"]]
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos_ids, pad_token_id=ids["<|finetune_right_pad_id|>"]
-    )
-    save_model(model, out)
-    restamp_json(out, "config.json", "generation_config.json")
+    save_checkpoint(model, out, ids["<|begin_of_text|>"], eos_ids, ids["<|finetune_right_pad_id|>"])
     vision = spec["vision"]
     _write_processor_files(out, tokenizer, vision["image_size"], vision["max_num_tiles"])
     tokens_per_tile = (vision["image_size"] // 14) ** 2 + 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 
 __all__ = ["SIZES", "QWEN2_AUDIO_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_qwen2_audio"]
@@ -130,7 +130,7 @@ def build_tiny_qwen2_audio(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Qwen2-Audio checkpoint into ``out_dir`` and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    from transformers import GenerationConfig, Qwen2AudioForConditionalGeneration
+    from transformers import Qwen2AudioForConditionalGeneration
 
     spec = SIZES[size]
     out = Path(out_dir)
@@ -143,11 +143,7 @@ def build_tiny_qwen2_audio(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     model = random_model(Qwen2AudioForConditionalGeneration, config, seed, PARAM_STD, sorted(ids.values()))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
-    )
-    save_model(model, out)
-    restamp_json(out, "config.json", "generation_config.json")
+    save_checkpoint(model, out, ids["<|endoftext|>"], eos_ids, ids["<|endoftext|>"])
     _write_processor_files(out, tokenizer)
     write_json(
         out / "vlmd_tiny.json",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmd.tiny.checkpoint_io import restamp_json, save_model, write_json, write_tokenizer
+from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 from vlmd_qwen2_vl.tiny import SPECIAL_TOKENS, build_tokenizer
 
@@ -142,8 +142,6 @@ def build_checkpoint(out_dir, seed: int, size: str, family: str, make_model) -> 
     """The tokenizer, the weights of ``make_model(vocab_size, ids)`` -> (model class, config,
     weight rule), the processor files and ``vlmd_tiny.json`` of a Qwen3-VL checkpoint (dense
     or, ``tiny_moe.py``, with experts)."""
-    from transformers import GenerationConfig
-
     spec = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,11 +152,7 @@ def build_checkpoint(out_dir, seed: int, size: str, family: str, make_model) -> 
 
     model = random_model(model_class, config, seed, rule, sorted(ids.values()))
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"]
-    )
-    save_model(model, out)
-    restamp_json(out, "config.json", "generation_config.json")
+    save_checkpoint(model, out, ids["<|endoftext|>"], eos_ids, ids["<|endoftext|>"])
     write_processor_files(out, tokenizer)
     write_json(out / "vlmd_tiny.json", {
         "family": family, "size": size, "seed": int(seed),
