@@ -249,6 +249,29 @@ def tiny_qwen3_vl_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen2_5_vl", tmp_path_factory.mktemp("tiny-qwen2-5-vl"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_internvl_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint (112-px tiles, at most 6 + thumbnail, 16 tokens per tile)."""
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("internvl", tmp_path_factory.mktemp("tiny-internvl"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_mllama_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint (56-px tiles, at most 2 an image, 17 vectors a tile)."""
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("mllama", tmp_path_factory.mktemp("tiny-mllama"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> Path:
     from vlmd.tiny import build_tiny
 

@@ -1,5 +1,5 @@
-"""InternVL test support: the tiny checkpoint (built once per session) and the transformers
-oracle (float32, the PIL image processor).  Not a test module.
+"""InternVL test support: the transformers oracle (float32, the PIL image processor). Not a
+test module.
 
 transformers' ``InternVLProcessor`` wants a video processor, and ``InternVLVideoProcessor``
 imports torchvision (not installed, and vlmd must not need it); the oracle builds the
@@ -14,23 +14,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from oracle import _greedy, _key
-
-_BUILT: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def tiny_internvl_dir(tmp_path_factory) -> Path:
-    """The tiny InternVL3 (112-px tiles, at most 6 + thumbnail, 16 tokens per tile); built
-    once however many modules ask for it."""
-    if "tiny" not in _BUILT:
-        from vlmd.testing.tiny import build_tiny
-
-        _BUILT["tiny"] = build_tiny("internvl", tmp_path_factory.mktemp("tiny-internvl"), seed=0, size="tiny")
-    return _BUILT["tiny"]
-
 
 class PilFramesVideoProcessor:
     """Stand-in for ``InternVLVideoProcessor``: every frame through transformers' own

@@ -1,28 +1,12 @@
-"""Llama 3.2 Vision test support: the tiny checkpoint (built once per session) and the
-transformers oracle (float32, the PIL image processor).  Not a test module."""
+"""Llama 3.2 Vision test support: the transformers oracle (float32, the PIL image
+processor). Not a test module."""
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 from oracle import _greedy, _key
-
-_BUILT: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def tiny_mllama_dir(tmp_path_factory) -> Path:
-    """The tiny Llama 3.2 Vision (56-px tiles, at most 2 an image, 17 vectors a tile); built
-    once however many modules ask for it."""
-    if "tiny" not in _BUILT:
-        from vlmd.testing.tiny import build_tiny
-
-        _BUILT["tiny"] = build_tiny("mllama", tmp_path_factory.mktemp("tiny-mllama"), seed=0, size="tiny")
-    return _BUILT["tiny"]
 
 
 @functools.lru_cache(maxsize=2)

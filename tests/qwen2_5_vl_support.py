@@ -1,15 +1,11 @@
-"""What both Qwen2.5-VL test modules share: the tiny checkpoint (built once per session
-without a conftest fixture) and the test video with the metadata transformers is given.
-Not a test module."""
+"""What both Qwen2.5-VL test modules share: the test video with the metadata transformers
+is given (the tiny checkpoint is conftest's ``tiny_qwen2_5_vl_dir``). Not a test module."""
 
 from __future__ import annotations
 
-import functools
 import io
-from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from conftest import make_video
@@ -20,18 +16,6 @@ from conftest import make_video
 VIDEO_FRAMES, VIDEO_FPS, SAMPLE_FPS, NUM_FRAMES, KEPT_FRAMES = 16, 8, 2, 8, 4
 MEDIA_IO = {"video": {"num_frames": NUM_FRAMES, "fps": SAMPLE_FPS, "max_duration_s": 5, "max_frames": 20,
                       "max_bytes": 2**20}}
-
-
-@functools.lru_cache(maxsize=1)
-def _build(root: str) -> Path:
-    from vlmd.testing.tiny import build_tiny
-
-    return build_tiny("qwen2_5_vl", Path(root) / "tiny-qwen2-5-vl", seed=0, size="tiny")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
-    return _build(str(tmp_path_factory.getbasetemp()))
 
 
 def video_bytes() -> bytes:

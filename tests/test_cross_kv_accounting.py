@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from conftest import Server, image_data_url, random_image
-from mllama_oracle import tiny_mllama_dir  # noqa: F401  (a fixture)
 from vlmd.engine.memory_plan import GIB, MemoryPlan, cross_kv_bytes_per_request, items_per_request, kv_budget_bytes
 
 
@@ -78,7 +77,7 @@ def test_whisper_declares_the_cross_state_a_request_builds(tiny_whisper_dir):
     assert cross_kv_bytes_per_request(info, counts, 4) == measured
 
 
-def test_mllama_declares_the_cross_state_of_two_images(tiny_mllama_dir):  # noqa: F811
+def test_mllama_declares_the_cross_state_of_two_images(tiny_mllama_dir):
     info, measured = _prefill_cross_state(tiny_mllama_dir, "image", 2)
     assert measured > 0
     assert 2 * info.cross_kv_bytes_per_item("image", 4) == measured
@@ -99,7 +98,7 @@ def test_the_budget_pays_for_the_running_requests_cross_kv():
     assert fields["planned_bytes"] == 100 + 10 + 5 + 21 + 1000 * 8192
 
 
-def test_cost_shows_cross_kv(tiny_whisper_dir, tiny_mllama_dir):  # noqa: F811
+def test_cost_shows_cross_kv(tiny_whisper_dir, tiny_mllama_dir):
     from vlmd.cost import CostOptions, audio_clip, compute_cost, format_table, parse_image
 
     whisper = compute_cost(str(tiny_whisper_dir), [audio_clip(10)], CostOptions(max_num_seqs=3))
@@ -133,7 +132,7 @@ def test_the_start_up_plan_logs_the_reservation(whisper_server):
     assert float(metric.split()[-1]) == int(fields["cross_kv_bytes"])
 
 
-def test_a_text_only_mllama_server_starts_and_serves_text(tiny_mllama_dir, tmp_path_factory):  # noqa: F811
+def test_a_text_only_mllama_server_starts_and_serves_text(tiny_mllama_dir, tmp_path_factory):
     """--limit-mm-per-prompt image=0: text requests skip cross-attention, so the server starts
     (it refused to), holds no cross K/V, serves text and refuses an image with a 4xx."""
     server = Server(tiny_mllama_dir, "--limit-mm-per-prompt", "image=0", "--max-model-len", "256",

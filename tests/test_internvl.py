@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from conftest import Server, assert_refused_then_served, image_data_url, make_video, png_header_only, random_image, video_data_url
-from internvl_support import hf_internvl_generate, tiny_internvl_dir  # noqa: F401  (a fixture)
+from internvl_support import hf_internvl_generate
 from oracle import assert_chat_parity
 from test_qwen2_vl import reference_frames
 
@@ -70,12 +70,12 @@ def _reference(model_dir, name: str, max_tokens: int, server_kwargs: dict | None
 
 
 @pytest.fixture(scope="module")
-def references(tiny_internvl_dir):  # noqa: F811
+def references(tiny_internvl_dir):
     return {name: _reference(tiny_internvl_dir, name, _max_tokens(index)) for index, name in enumerate(CASE_NAMES)}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_internvl_dir, tmp_path_factory):  # noqa: F811
+def server(tiny_internvl_dir, tmp_path_factory):
     # A token budget of 32: every image's placeholders are split across steps (of one rank).
     server = Server(tiny_internvl_dir, "--limit-mm-per-prompt", "image=2,video=1", "--max-model-len", "2048",
                     "--max-num-batched-tokens", "32", "--media-io-kwargs",
@@ -129,7 +129,7 @@ def test_parity_all_concurrently(server, references):
         assert_chat_parity(body, references[name])
 
 
-def test_second_turn_finds_the_first_cached(server, references, tiny_internvl_dir):  # noqa: F811
+def test_second_turn_finds_the_first_cached(server, references, tiny_internvl_dir):
     name = "two_images"
     first = references[name]
     _, text, _, _ = CASES[name]
@@ -149,7 +149,7 @@ def test_second_turn_finds_the_first_cached(server, references, tiny_internvl_di
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first["prompt_token_ids"]) // 16 * 16
 
 
-def test_parity_tp2_split_across_steps_and_preempted(tiny_internvl_dir, tmp_path):  # noqa: F811
+def test_parity_tp2_split_across_steps_and_preempted(tiny_internvl_dir, tmp_path):
     """One start covers the hard regimes, as the other families' TP tests do (rank processes
     cost seconds to start): two ranks, a token budget that splits images across steps, a KV
     cache that preempts, server-wide ``max_patches`` under the checkpoint's."""
@@ -184,7 +184,7 @@ def _image_request(url: str, count: int = 1, **extra) -> dict:
             "max_tokens": 2, **extra}
 
 
-def test_video_parity(server, tiny_internvl_dir):  # noqa: F811
+def test_video_parity(server, tiny_internvl_dir):
     """A video alone and beside an image, concurrently: one tile per kept frame, each under
     its "FrameN:" label, as transformers' processor writes them."""
     data = make_video(8, seed=3)

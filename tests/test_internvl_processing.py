@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, GotOcr2ImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
 from conftest import random_image
-from internvl_support import load_hf_internvl, tiny_internvl_dir  # noqa: F401  (a fixture)
+from internvl_support import load_hf_internvl
 from vlmd.cost import CostOptions, compute_cost, format_table, parse_image
 from vlmd.errors import BadRequestError
 from vlmd.media.image import to_rgb
@@ -66,7 +66,7 @@ def test_published_settings_token_counts():
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"max_patches": 2}, {"min_patches": 3}, {"max_dynamic_patch": 4}, {"max_patches": 1}])
-def test_item_tokens_equal_the_processors_count(tiny_internvl_dir, kwargs):  # noqa: F811
+def test_item_tokens_equal_the_processors_count(tiny_internvl_dir, kwargs):
     info = _processor(tiny_internvl_dir).info
     _, hf = load_hf_internvl(tiny_internvl_dir)
     hf_kwargs = {{"max_dynamic_patch": "max_patches"}.get(k, k): v for k, v in kwargs.items()}
@@ -95,7 +95,7 @@ def _normalised(processor: InternVLProcessor, tiles: np.ndarray) -> torch.Tensor
     return (torch.from_numpy(tiles).to(torch.float32) / 255.0 - mean) / std
 
 
-def test_tiles_equal_transformers_bit_for_bit(tiny_internvl_dir):  # noqa: F811
+def test_tiles_equal_transformers_bit_for_bit(tiny_internvl_dir):
     _, hf = load_hf_internvl(tiny_internvl_dir)
     processor = _processor(tiny_internvl_dir)
     for index, image in enumerate(_images()):
@@ -106,7 +106,7 @@ def test_tiles_equal_transformers_bit_for_bit(tiny_internvl_dir):  # noqa: F811
         assert torch.equal(ours, reference["pixel_values"]), (index, (ours - reference["pixel_values"]).abs().max())
 
 
-def test_prompt_expansion_equals_transformers(tiny_internvl_dir):  # noqa: F811
+def test_prompt_expansion_equals_transformers(tiny_internvl_dir):
     images = [random_image(3, 640, 430), random_image(4, 96, 300)]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
                                              {"type": "text", "text": "What changed?"}]}]
@@ -122,7 +122,7 @@ def test_prompt_expansion_equals_transformers(tiny_internvl_dir):  # noqa: F811
         assert run[0] == processor.info.start_token_id and run[-1] == processor.info.end_token_id
 
 
-def test_tower_shuffle_and_projector_equal_transformers(tiny_internvl_dir):  # noqa: F811
+def test_tower_shuffle_and_projector_equal_transformers(tiny_internvl_dir):
     from transformers import AutoConfig as Config
 
     from vlmd_internvl.model import InternVLModel
@@ -140,7 +140,7 @@ def test_tower_shuffle_and_projector_equal_transformers(tiny_internvl_dir):  # n
     assert torch.allclose(torch.cat(features), reference.reshape(-1, 64), atol=1e-5)
 
 
-def test_vlmd_cost_shows_the_tiles_and_equals_the_processor(tiny_internvl_dir):  # noqa: F811
+def test_vlmd_cost_shows_the_tiles_and_equals_the_processor(tiny_internvl_dir):
     _, hf = load_hf_internvl(tiny_internvl_dir)
     items = [parse_image("640x430"), parse_image("100x90"), parse_image("57x1900")]
     report = compute_cost(str(tiny_internvl_dir), items, CostOptions(prompt="Compare them."))
@@ -160,7 +160,7 @@ def test_vlmd_cost_shows_the_tiles_and_equals_the_processor(tiny_internvl_dir): 
     assert capped["items"][0]["layout"]["grid"] == "2x1" and capped["items"][0]["prompt_tokens"] == 3 * 16 + 2
 
 
-def test_processor_kwargs_rules(tiny_internvl_dir):  # noqa: F811
+def test_processor_kwargs_rules(tiny_internvl_dir):
     processor = _processor(tiny_internvl_dir)
     image = random_image(5, 800, 400)
     assert len(processor.process_item("image", image, {}).encoder_inputs["tiles"]) == 3  # 2x1 + thumbnail
@@ -184,14 +184,14 @@ def test_processor_kwargs_rules(tiny_internvl_dir):  # noqa: F811
     assert raised.identifier("image", image, {"max_patches": 12}) != processor.identifier("image", image, {})
 
 
-def test_dummy_item_is_the_largest(tiny_internvl_dir):  # noqa: F811
+def test_dummy_item_is_the_largest(tiny_internvl_dir):
     for server_kwargs, tiles in [({}, 7), ({"max_patches": 3}, 4), ({"max_patches": 1}, 1)]:
         processor = _processor(tiny_internvl_dir, **server_kwargs)
         dummy = InternVLDummyInputsBuilder(processor.info).dummy_item("image")
         assert len(processor.process_item("image", dummy, server_kwargs).encoder_inputs["tiles"]) == tiles
 
 
-def test_tiny_checkpoint_loads_offline_with_every_weight(tiny_internvl_dir):  # noqa: F811
+def test_tiny_checkpoint_loads_offline_with_every_weight(tiny_internvl_dir):
     from safetensors import safe_open
     from transformers import InternVLForConditionalGeneration
 
@@ -205,7 +205,7 @@ def test_tiny_checkpoint_loads_offline_with_every_weight(tiny_internvl_dir):  # 
 
 
 @pytest.mark.parametrize("num_frames", [1, 2, 5, 8])
-def test_video_expansion_and_counts_equal_transformers(tiny_internvl_dir, num_frames):  # noqa: F811
+def test_video_expansion_and_counts_equal_transformers(tiny_internvl_dir, num_frames):
     """A video's "FrameN:" labels and one tile per frame, as InternVLProcessor expands them
     (frames through the stand-in video processor: transformers' PIL image processor)."""
     video = np.stack([np.asarray(random_image(seed, 112, 84)) for seed in range(num_frames)])
@@ -229,7 +229,7 @@ def test_video_expansion_and_counts_equal_transformers(tiny_internvl_dir, num_fr
     assert torch.equal(frames, reference["pixel_values"])
 
 
-def test_vlmd_cost_counts_a_video(tiny_internvl_dir):  # noqa: F811
+def test_vlmd_cost_counts_a_video(tiny_internvl_dir):
     from vlmd.cost import parse_video
 
     report = compute_cost(str(tiny_internvl_dir), [parse_video("16x112x84", 30.0)],
@@ -240,7 +240,7 @@ def test_vlmd_cost_counts_a_video(tiny_internvl_dir):  # noqa: F811
     assert row["prompt_tokens"] == processor.info.item_tokens("video", ItemSize(112, 84, 4), {}).replacement
 
 
-def test_frames_of_another_size_leave_an_images_only_checkpoint(tiny_internvl_dir, tmp_path):  # noqa: F811
+def test_frames_of_another_size_leave_an_images_only_checkpoint(tiny_internvl_dir, tmp_path):
     """The reference gives a frame one tile's placeholders whatever its size: a video
     processor resizing to another size could not be encoded, so video is off (images stay)."""
     import shutil
@@ -257,7 +257,7 @@ def test_frames_of_another_size_leave_an_images_only_checkpoint(tiny_internvl_di
     assert len(processor.process_item("image", random_image(1, 640, 430), {}).encoder_inputs["tiles"]) == 7
 
 
-def test_tiled_even_where_the_image_processor_says_crop_to_patches_false(tiny_internvl_dir, tmp_path):  # noqa: F811
+def test_tiled_even_where_the_image_processor_says_crop_to_patches_false(tiny_internvl_dir, tmp_path):
     """Published InternVL3 configs say ``crop_to_patches: false``; InternVLProcessor's own
     default turns it on, so their images are tiled all the same."""
     import shutil
@@ -275,7 +275,7 @@ def test_tiled_even_where_the_image_processor_says_crop_to_patches_false(tiny_in
         len(reference["pixel_values"]) == 7
 
 
-def test_both_checkpoint_layouts_load_the_same_weights(tiny_internvl_dir, tmp_path):  # noqa: F811
+def test_both_checkpoint_layouts_load_the_same_weights(tiny_internvl_dir, tmp_path):
     """transformers 5 saves this checkpoint in the 4.x layout the published -hf checkpoints use
     (``vision_tower.``, ``language_model.model.``, ``language_model.lm_head.``); its own module
     names (``model.vision_tower.``, ``model.language_model.``, ``lm_head.``) load alike."""

@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from conftest import Server, image_data_url, random_image
-from mllama_oracle import hf_mllama_generate, tiny_mllama_dir  # noqa: F401  (a fixture)
+from mllama_oracle import hf_mllama_generate
 from oracle import assert_chat_parity
 
 TOKEN_BUDGET = 16
@@ -59,13 +59,13 @@ def _reference_messages(name: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_mllama_dir):  # noqa: F811
+def references(tiny_mllama_dir):
     return {name: hf_mllama_generate(tiny_mllama_dir, _reference_messages(name), _images(name), CASES[name][1])
             for name in CASE_NAMES}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_mllama_dir, tmp_path_factory):  # noqa: F811
+def server(tiny_mllama_dir, tmp_path_factory):
     # Two images' tower outputs (2 x 34 vectors) must fit one step's encoder budget: a
     # request's images are all encoded with its first chunk.
     server = Server(tiny_mllama_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "1024",
@@ -113,7 +113,7 @@ def test_parity_all_concurrently(server, references):
         assert_chat_parity(body, references[name])
 
 
-def test_second_turn(server, references, tiny_mllama_dir):  # noqa: F811
+def test_second_turn(server, references, tiny_mllama_dir):
     name = "two_images"
     answer = server.chat(_body(name))[1]["choices"][0]["message"]["content"]
     first = _body(name)["messages"][0]
@@ -130,7 +130,7 @@ def test_second_turn(server, references, tiny_mllama_dir):  # noqa: F811
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_prompt // 16 * 16 > 0
 
 
-def test_same_text_other_image_shares_no_blocks(server, references, tiny_mllama_dir):  # noqa: F811
+def test_same_text_other_image_shares_no_blocks(server, references, tiny_mllama_dir):
     """Block hashes name the images: the same text after another image is computed anew (a
     token before the image attends to it too) and equals transformers' answer."""
     name = "text_before_image"
@@ -182,7 +182,7 @@ def test_bad_input_is_a_4xx_then_a_good_request_is_answered(server, references):
     assert_chat_parity(body, references["two_images"])
 
 
-def test_parity_tp2_split_across_steps_and_preempted(tiny_mllama_dir, references, tmp_path):  # noqa: F811
+def test_parity_tp2_split_across_steps_and_preempted(tiny_mllama_dir, references, tmp_path):
     """One start covers the hard regimes, as the other families' TP tests do (rank processes
     cost seconds to start): two ranks (the cross-attention heads split, the tower on both), a
     token budget that splits prompts across steps and a KV cache that preempts requests whose

@@ -20,7 +20,7 @@ from transformers.models.mllama.image_processing_pil_mllama import (
 )
 
 from conftest import random_image
-from mllama_oracle import hf_mllama_inputs, load_hf_mllama, tiny_mllama_dir  # noqa: F401  (a fixture)
+from mllama_oracle import hf_mllama_inputs, load_hf_mllama
 from vlmd.cost import CostOptions, compute_cost, format_table, parse_image
 from vlmd.errors import BadRequestError
 from vlmd.processing.base import ItemSize, ProcessingContext
@@ -76,7 +76,7 @@ LAYOUTS = {  # parts of one user message: text, or (seed, width, height) of an i
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_processor_equals_transformers(tiny_mllama_dir, name):  # noqa: F811
+def test_processor_equals_transformers(tiny_mllama_dir, name):
     parts = LAYOUTS[name]
     images = [random_image(*part) for part in parts if not isinstance(part, str)]
     messages = [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
@@ -111,7 +111,7 @@ def test_processor_equals_transformers(tiny_mllama_dir, name):  # noqa: F811
     assert torch.equal(allowed[len(ids):], allowed[len(ids) - 1].expand(2, -1))
 
 
-def test_tower_and_projector_equal_transformers(tiny_mllama_dir):  # noqa: F811
+def test_tower_and_projector_equal_transformers(tiny_mllama_dir):
     parts = LAYOUTS["strips"]
     images = [random_image(*part) for part in parts if not isinstance(part, str)]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "x"}]}]
@@ -130,7 +130,7 @@ def test_tower_and_projector_equal_transformers(tiny_mllama_dir):  # noqa: F811
         assert torch.allclose(mine, reference, atol=1e-5)
 
 
-def test_cost_and_item_tokens(tiny_mllama_dir):  # noqa: F811
+def test_cost_and_item_tokens(tiny_mllama_dir):
     report = compute_cost(str(tiny_mllama_dir), [parse_image("300x40"), parse_image("50x40")],
                           CostOptions(prompt="Compare them."))
     assert [row["layout"] for row in report["items"]] == [
@@ -144,7 +144,7 @@ def test_cost_and_item_tokens(tiny_mllama_dir):  # noqa: F811
     assert "image 300x40 (grid 2x1, tiles 2, padding_tiles 0, tokens_per_tile 17)" in format_table(report)
 
 
-def test_kwargs_are_refused_and_the_dummy_fills_every_tile(tiny_mllama_dir):  # noqa: F811
+def test_kwargs_are_refused_and_the_dummy_fills_every_tile(tiny_mllama_dir):
     processor = _processor(tiny_mllama_dir)
     with pytest.raises(BadRequestError, match="max_image_tiles"):
         processor.process_item("image", random_image(1, 80, 80), {"max_image_tiles": 1})
@@ -152,7 +152,7 @@ def test_kwargs_are_refused_and_the_dummy_fills_every_tile(tiny_mllama_dir):  # 
     assert processor.process_item("image", dummy, {}).encoder_inputs["tiles"].shape[0] == processor.info.max_tiles
 
 
-def test_block_hashes_name_the_images(tiny_mllama_dir):  # noqa: F811
+def test_block_hashes_name_the_images(tiny_mllama_dir):
     """Items at offset 0 without placeholders key the first block, hence every later one."""
     from vlmd.sched.block_hash import extend_block_hashes
 
@@ -185,7 +185,7 @@ def test_images_needed_together_must_fit_the_encoder_budget_together():
     assert out.scheduled_encoder_inputs == {"one": [0]}
 
 
-def test_both_checkpoint_layouts_load_the_same_weights(tiny_mllama_dir, tmp_path):  # noqa: F811
+def test_both_checkpoint_layouts_load_the_same_weights(tiny_mllama_dir, tmp_path):
     """transformers 5 saves the published layout (``language_model.model.``,
     ``language_model.lm_head.``, ``vision_model.``); its module names (``model.language_model.``,
     ``lm_head.``, ``model.vision_model.``) load alike, and a missing weight is a clear error."""

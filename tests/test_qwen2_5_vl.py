@@ -23,7 +23,7 @@ import pytest
 from conftest import Server, assert_refused_then_served, image_data_url, make_video, png_header_only, random_image, video_data_url
 from oracle import assert_chat_parity
 from oracle_qwen2_5_vl import hf_qwen2_5_vl_generate
-from qwen2_5_vl_support import MEDIA_IO, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
+from qwen2_5_vl_support import MEDIA_IO, sampled_video, video_bytes
 
 SERVER_MAX_PIXELS = 64 * 28 * 28  # the second server's --mm-processor-kwargs
 FIRST_ANSWER = "It is a picture of noise."

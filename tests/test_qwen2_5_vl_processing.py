@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from conftest import random_image
 from oracle_qwen2_5_vl import hf_qwen2_5_vl_generate, load_hf_qwen2_5_vl
-from qwen2_5_vl_support import KEPT_FRAMES, sampled_video, tiny_qwen2_5_vl_dir, video_bytes  # noqa: F401
+from qwen2_5_vl_support import KEPT_FRAMES, sampled_video, video_bytes
 from vlmd.cost import CostOptions, compute_cost, parse_image, parse_video
 from vlmd.errors import BadRequestError
 from vlmd.media.image import to_rgb
