@@ -50,35 +50,38 @@ def answer_texts(status: int, raw: bytes, stream: bool) -> tuple | None:
     return tuple("".join(texts[index]) for index in sorted(texts))
 
 
-def stall(port: int, path: str, body: bytes, timeout: float) -> int:
-    """Promise 1000 bytes more than the body, send the body, and wait: the status the server
-    answers at its read deadline (0 if it closes without one)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body) + 1000}\r\n\r\n").encode()
-        sock.sendall(head + body)
-        data = b""
-        while b"\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
-
-
-def disconnect(port: int, body: bytes, path: str = "/v1/chat/completions") -> int:
-    """Send a streaming request, read until the first event, then reset the connection."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+def _post(port: int, path: str, body: bytes, timeout: float, extra_length: int = 0) -> socket.socket:
+    """A socket that has sent ``POST path`` with ``body``, its Content-Length ``extra_length``
+    bytes more than the body."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+            f"Content-Length: {len(body) + extra_length}\r\n\r\n").encode()
     sock.sendall(head + body)
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes) -> int:
+    """Read until ``marker`` arrives (or the server closes): the response's status, 0 if none."""
     data = b""
-    while b"data: " not in data:
+    while marker not in data:
         chunk = sock.recv(65536)
         if not chunk:
             break
         data += chunk
-    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+
+
+def stall(port: int, path: str, body: bytes, timeout: float) -> int:
+    """Promise 1000 bytes more than the body, send the body, and wait: the status the server
+    answers at its read deadline (0 if it closes without one)."""
+    with _post(port, path, body, timeout, extra_length=1000) as sock:
+        return _read_until(sock, b"\r\n")
+
+
+def disconnect(port: int, body: bytes, path: str = "/v1/chat/completions") -> int:
+    """Send a streaming request, read until the first event, then reset the connection."""
+    sock = _post(port, path, body, timeout=30)
+    status = _read_until(sock, b"data: ")
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
     return status
