@@ -113,8 +113,10 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
             else:
                 choices = _DECISIONS[key]
         # A native step's product needs the packed weight even where its own timing chose
-        # F.linear (kept beside it: these weights fit in the cache, so the copy is small).
-        wanted = any(c.packed for c in choices) or (id(layer) in step_ids and packing_available(weight))
+        # F.linear: kept beside it only where the weights fit in the cache (the copy is small);
+        # a streamed model's step runs only where every product chose the packed weight.
+        wanted = any(c.packed for c in choices) or (id(layer) in step_ids and not streamed
+                                                    and packing_available(weight))
         packed = pack_weight(weight) if wanted else None
         # Verified now, while the plain weight is here to compare against.
         panels = PackedPanels.of(weight, packed) if packed is not None and mode in ("auto", "native") else None
