@@ -46,7 +46,7 @@ def test_a_template_that_escapes_or_rewrites_what_it_renders_passes():
     conversation = _history('{"temp": "21 C",\n "sky": "clear"}')
     rendered = TOOL_AS_JSON.render(messages=conversation)
     assert '{"temp": "21 C",\n "sky": "clear"}' not in rendered and "get_weather" not in rendered
-    check_rendered(conversation, lambda conv: TOOL_AS_JSON.render(messages=conv).lower())
+    check_rendered(conversation, _renderer(TOOL_AS_JSON))
 
 
 def test_a_template_that_drops_tool_results_is_a_400_naming_the_message():
@@ -63,7 +63,7 @@ def test_text_parts_of_a_tool_result_are_each_checked_and_the_conversation_is_no
     conversation = _history([{"type": "image"}, {"type": "text", "text": "a chart"}])
     before = repr(conversation)
     seen = []
-    check_rendered(conversation, lambda conv: seen.append(conv) or TOOL_AS_JSON.render(messages=conv).lower())
+    check_rendered(conversation, lambda conv: seen.append(conv) or TOOL_AS_JSON.render(messages=conv))
     assert repr(conversation) == before  # the probes went into a copy
     assert len(seen) == 1 and "vlmdprobe2t1x" in repr(seen[0])
 

@@ -116,10 +116,10 @@ def check_rendered(conversation: list[dict], render: Callable[[list[dict]], str]
     found by the processor, which counts the markers.)
 
     The template renders a copy of the conversation whose tool-call names and tool-result
-    texts are replaced by plain probe words (each ends in x, so none is
-    a prefix of another), and each probe must appear: a template that
-    trims, escapes or JSON-encodes what it renders still passes, where a search for the
-    client's own text in the prompt would refuse it."""
+    texts are replaced by plain probe words (each ends in x, so none is a prefix of another),
+    and each probe must appear, in any case: a template that trims, escapes, JSON-encodes or
+    upper-cases what it renders still passes, where a search for the client's own text in the
+    prompt would refuse it."""
     probed = copy.deepcopy(conversation)
     wanted: list[tuple[str, str]] = []  # (probe word, the message's complaint)
     for index, message in enumerate(probed):
@@ -140,7 +140,7 @@ def check_rendered(conversation: list[dict], render: Callable[[list[dict]], str]
                 wanted.append((probe, complaint))
     if not wanted:
         return
-    rendered = render(probed)
+    rendered = render(probed).lower()  # probes are lower case; a template may change case
     for probe, complaint in wanted:
         if probe not in rendered:
             raise BadRequestError(complaint, param="messages")
