@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
-from vlmd.engine.worker import AbortRequests, AddRequest, AlignTokens, EncodeItems, EngineWorker
+from vlmd.engine.worker import AbortRequests, AddRequest, BetweenSteps, EngineWorker, align_tokens, encode_to_wire
 from vlmd.types import EngineRequest, MultiModalItem, RequestDelta
 
 
@@ -62,7 +62,7 @@ class AsyncEngine:
         """The encoder outputs of ``items`` by identifier (``WireTensor``s), computed on the
         engine thread between steps; a client that leaves first cancels work not yet begun."""
         done: Future = Future()
-        self.worker.submit(EncodeItems(items, done))
+        self.worker.submit(BetweenSteps(lambda executor: encode_to_wire(executor, items), done))
         return await asyncio.wrap_future(done)
 
     async def align(self, query):
@@ -70,5 +70,5 @@ class AsyncEngine:
         (``vlmd.processing.speech.AlignmentQuery``; word timestamps), on the engine thread
         between steps; a client that leaves first cancels work not yet begun."""
         done: Future = Future()
-        self.worker.submit(AlignTokens(query, done))
+        self.worker.submit(BetweenSteps(lambda executor: align_tokens(executor, query), done))
         return await asyncio.wrap_future(done)

@@ -36,51 +36,41 @@ class Shutdown:
 
 
 @dataclass
-class EncodeItems:
-    """An encoder-only server's work (``--encoder-only``): the encoder outputs of ``items``,
-    computed on the engine thread (its one OpenMP team) between steps; ``done`` gets
-    ``{identifier: WireTensor}`` (vlmd/encoder_wire.py) or the exception."""
+class BetweenSteps:
+    """Work for the engine thread between two steps, outside any request: ``work(executor)``'s
+    result (or its exception) goes to ``done``. An encoder-only server's encoder outputs and
+    word timestamps' alignment run this way: on the thread that owns the model and its one
+    OpenMP team, never beside a step."""
 
-    items: list[MultiModalItem]
+    work: Callable[[Any], Any]
     done: Future
 
 
-def _encode(executor, message: EncodeItems) -> None:
+def _run_between_steps(executor, message: BetweenSteps) -> None:
     if not message.done.set_running_or_notify_cancel():
         return  # its client left before the engine reached it
+    try:
+        message.done.set_result(message.work(executor))
+    except Exception as exc:  # the client's to hear about; the engine goes on
+        message.done.set_exception(exc)
+
+
+def encode_to_wire(executor, items: list[MultiModalItem]) -> dict:
+    """``{identifier: WireTensor}`` (vlmd/encoder_wire.py): the encoder outputs of ``items``."""
     from vlmd.processing.encoder_tensors import to_wire  # torch: the engine thread's, never the loop's
 
-    try:
-        encode = getattr(executor, "encode_items", None)
-        if encode is None:
-            raise RuntimeError("this executor does not serve encoder outputs (one rank only)")
-        outputs = encode(message.items)
-        message.done.set_result({item.identifier: to_wire(item.modality, output)
-                                 for item, output in zip(message.items, outputs)})
-    except Exception as exc:  # the client's to hear about; the engine goes on
-        message.done.set_exception(exc)
+    encode = getattr(executor, "encode_items", None)
+    if encode is None:
+        raise RuntimeError("this executor does not serve encoder outputs (one rank only)")
+    return {item.identifier: to_wire(item.modality, output) for item, output in zip(items, encode(items))}
 
 
-@dataclass
-class AlignTokens:
-    """Word timestamps' alignment (``vlmd.processing.speech.AlignmentQuery``), computed by the
-    model on the engine thread between steps; ``done`` gets its matrix or the exception."""
-
-    query: Any
-    done: Future
-
-
-def _align(executor, message: AlignTokens) -> None:
-    if not message.done.set_running_or_notify_cancel():
-        return  # its client left before the engine reached it
-    try:
-        align = getattr(executor, "align_tokens", None)
-        if align is None:
-            raise RuntimeError("this executor does not align tokens (one rank only)")
-        query = message.query
-        message.done.set_result(align(query.item, query.token_ids, query.first_row, query.num_frames))
-    except Exception as exc:  # the client's to hear about; the engine goes on
-        message.done.set_exception(exc)
+def align_tokens(executor, query) -> Any:
+    """The model's alignment for ``query`` (``vlmd.processing.speech.AlignmentQuery``)."""
+    align = getattr(executor, "align_tokens", None)
+    if align is None:
+        raise RuntimeError("this executor does not align tokens (one rank only)")
+    return align(query.item, query.token_ids, query.first_row, query.num_frames)
 
 
 class EngineWorker:
@@ -164,11 +154,8 @@ class EngineWorker:
             return []
         if isinstance(message, AbortRequests):
             return self.core.abort(message.request_ids)
-        if isinstance(message, EncodeItems):
-            _encode(self.core.executor, message)
-            return []
-        if isinstance(message, AlignTokens):
-            _align(self.core.executor, message)
+        if isinstance(message, BetweenSteps):
+            _run_between_steps(self.core.executor, message)
             return []
         if isinstance(message, Shutdown):
             self._stopping = True
