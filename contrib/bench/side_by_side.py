@@ -11,10 +11,12 @@ vlmd is better. A human table goes to stderr.
 vLLM runs from ``--vllm-venv`` (recipe: /work/shared/peer/README.md); it is skipped, not
 faked, when that venv is missing (or with ``--no-vllm``). llama.cpp runs when ``--llama-cpp``
 names its built tree (``llama_cpp_peer.py``: conversion to GGUF, ``llama-server``). Each
-server is stopped by its process group. ``--family qwen2_vl`` measures the Qwen2-VL
-checkpoint instead of LLaVA-1.5 (llama.cpp's converter takes Qwen2-VL; LLaVA-1.5 only
-through its legacy scripts). Each server's ``prompt_tokens`` for the same image request is
-reported: the same processor should give the same count.
+server is stopped by its process group. ``--family`` measures another family's checkpoint
+instead of LLaVA-1.5 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, Gemma 3; llama.cpp's converter
+takes Qwen2-VL, LLaVA-1.5 only through its legacy scripts; Llama 3.2 Vision, which vLLM no
+longer serves, is compared with transformers in ``bench_vs_transformers.py``). Each server's
+``prompt_tokens`` for the same image request is reported: the same processor should give the
+same count.
 
 ``--interleave N``: every server up at once, each workload run against each in turn (the
 order reversed every round) N times, with fresh images each round that every server gets;
@@ -50,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chat import make_jpeg, run_level  # noqa: E402
 import llama_cpp_peer  # noqa: E402
 
+# Families whose chat takes one image a request, as every workload here sends.
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "gemma3")
 WORKLOADS = (("c1_new", 1, False), ("c1_repeated", 1, True), ("c8_new", 8, False), ("c8_repeated", 8, True))
 
 
@@ -252,7 +256,8 @@ def measure(name, command, env, port, args, seed) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="llava", choices=["llava", "qwen2_vl"])
+    parser.add_argument("--family", default="llava", choices=sorted(IMAGE_FAMILIES),
+                        help="the tiny builder's family (llama.cpp: qwen2_vl only)")
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--model-dir")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
