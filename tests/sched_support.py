@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 
+from vlmd.sched.kv_groups import FREED, first_visible_block
 from vlmd.sched.kv_manager import blocks_needed
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
@@ -65,6 +66,7 @@ class _State:
         self.num_prompt = data.num_prompt_tokens
         self.computed = data.num_computed_tokens
         self.blocks = list(data.block_ids)
+        self.windows = {window: list(table) for window, table in data.window_block_ids.items()}
         self.items = list(data.mm_items)
 
 
@@ -122,6 +124,8 @@ class FakeRunner:
             state = self.states[data.request_id]
             assert data.num_computed_tokens == state.computed
             state.blocks.extend(data.new_block_ids)
+            for window, new in data.new_window_block_ids.items():
+                state.windows[window].extend(new)
         sent = {d.request_id for d in out.new_requests} | {d.request_id for d in out.cached_requests}
         assert sent == set(out.num_scheduled_tokens)
 
@@ -150,6 +154,7 @@ class FakeRunner:
                 if not config.enable_prefix_caching:  # with it, full prefix blocks are shared
                     assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
                 owners[block] = request_id
+            self._check_window_tables(request_id, state, start, end)
             for item in state.items:
                 if item.offset < end and item.end > start:
                     assert item.identifier in self.encoder_outputs, (
@@ -169,6 +174,20 @@ class FakeRunner:
                 self.outputs.append(request_id)
         return result
 
+    def _check_window_tables(self, request_id: str, state: _State, start: int, end: int) -> None:
+        """Each window table covers the chunk, and every block the chunk's queries can read
+        (from its first query's window on) is held, the same in the runner and the scheduler."""
+        size = self.config.block_size
+        held = self.sched.kv.window_block_ids(request_id)
+        assert set(state.windows) == {group.window for group in self.config.window_groups}
+        for group in self.config.window_groups:
+            table, ours = state.windows[group.window], held[group.window]
+            assert len(table) == len(ours) == blocks_needed(end, size)
+            first = first_visible_block(start, group.window, size)
+            assert all(block != FREED and 0 <= block < group.num_blocks for block in table[first:])
+            assert table[first:] == ours[first:]
+            assert all(block == FREED for block in ours[:first])  # dead for the window: given back
+
     def check_accounting(self) -> None:
         kv = self.sched.kv
         live = [r.request_id for r in self.sched.running] + [r.request_id for r in self.sched.waiting]
@@ -177,6 +196,10 @@ class FakeRunner:
             assert len(set(table)) == len(table)  # a request never holds a block twice
         held = {block for table in tables for block in table}  # shared prefix blocks count once
         assert kv.num_free_blocks + len(held) == self.config.num_kv_blocks
+        for group, stats in zip(self.config.window_groups, kv.window_stats()):
+            tables = [kv.window_block_ids(request_id)[group.window] for request_id in live]
+            held = {block for table in tables for block in table if block != FREED}
+            assert stats["used_blocks"] == len(held) <= group.num_blocks
         # The scheduler's resident set is what the runner holds; every slot is free or used by one.
         cache = self.sched.encoder_cache
         for identifier in self.encoder_outputs:

@@ -21,6 +21,9 @@ class NewRequestData:
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]  # eos + stop ids, masked out until min_tokens
     family_state: Any = None  # the family's per-request object, for the model
+    # Window -> the request's table in that window group (kv_groups.FREED where no block is
+    # held: before its window); empty for a model without window groups.
+    window_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -30,6 +33,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Window -> block ids appended to the request's table in that window group. Blocks the
+    # window left behind are not sent: the runner never reads them (masked.py reads a window).
+    new_window_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vlmd.sched.encoder_cache import EncoderCacheManager
+from vlmd.sched.kv_groups import WindowGroup
 from vlmd.sched.kv_manager import KVCacheManager
 from vlmd.sched.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from vlmd.sched.request import Request, RequestStatus
@@ -30,6 +31,8 @@ class SchedulerConfig:
     encoder_cache_size: int
     disable_chunked_mm_input: bool = False
     enable_prefix_caching: bool = True
+    # The sliding-window layers' KV groups (kv_groups.py); empty: one table for every layer.
+    window_groups: tuple[WindowGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -47,7 +50,8 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.window_groups)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -110,7 +114,7 @@ class Scheduler:
         (their KV may be unwritten). A request that adopted such a block in the same step
         (same prefix, admitted behind the culprit) is preempted to recompute from scratch;
         their ids are returned."""
-        suspect: set[int] = set()
+        suspect: set[tuple[int | None, int]] = set()
         for request_id in messages:
             request = self.requests.get(request_id)
             if request is None:
@@ -124,7 +128,7 @@ class Scheduler:
             self._finish(request, FinishReason.ERROR)
         tainted = [
             request for request in self.running
-            if request.request_id in num_scheduled and suspect.intersection(self.kv.block_ids(request.request_id))
+            if request.request_id in num_scheduled and suspect.intersection(self.kv.held_blocks(request.request_id))
         ]
         for request in tainted:
             self.running.remove(request)
@@ -153,6 +157,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
         preempted = False
+        # Window blocks that no running request's next query can see go back first: they
+        # are what this step's allocations may take (kv_groups.py).
+        for request in self.running:
+            self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
 
         index = 0
         while index < len(self.running) and budget.tokens > 0:
@@ -165,9 +173,10 @@ class Scheduler:
             preempted = preempted or preempted_any
             if new_blocks is None:  # the request preempted itself
                 break
-            out.cached_requests.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-            )
+            out.cached_requests.append(CachedRequestData(
+                request.request_id, new_blocks, request.num_computed_tokens,
+                self.kv.new_window_blocks(request.request_id),
+            ))
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
             index += 1
 
@@ -179,7 +188,7 @@ class Scheduler:
         ):
             request = self.waiting[0]
             computed = self.kv.computed_blocks(request)
-            request.num_computed_tokens = len(computed) * self.config.block_size
+            request.num_computed_tokens = computed.num_blocks * self.config.block_size
             num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget, admitting=True)
             if (
                 num_new == 0
@@ -295,6 +304,7 @@ class Scheduler:
             mm_items=request.mm_items,
             sampling=request.sampling,
             block_ids=list(self.kv.block_ids(request.request_id)),
+            window_block_ids=self.kv.window_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids=stop_ids + tuple(request.sampling.stop_token_ids),
             family_state=request.family_state,
