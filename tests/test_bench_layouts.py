@@ -19,8 +19,8 @@ from bench_layouts import (  # noqa: E402
 
 def test_defaults_keep_the_run_small():
     args = parse_args([])
-    assert (args.images_per_request, args.requests_images, args.requests_1img) == (4, 12, 16)
-    assert args.output_tokens == 32 and args.rounds == 1 and args.cores is None and args.only is None
+    assert (args.images_per_request, args.requests_images, args.requests_1img) == (4, 16, 32)
+    assert args.output_tokens == 32 and args.rounds == 2 and args.cores is None and args.only is None
 
 
 @pytest.mark.parametrize("argv", [
@@ -39,7 +39,7 @@ def test_arguments_are_read():
 
 
 def test_every_measurement_gets_its_own_images():
-    count = 4 * (12 + 2)
+    count = 4 * (16 + 2)
     seen: set[int] = set()
     for round_index in range(3):
         for layout in LAYOUT_ORDER:

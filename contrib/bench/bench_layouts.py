@@ -100,16 +100,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--qwen-dir", help="the tiny Qwen2-VL (default: built once under vlmd's cache)")
     parser.add_argument("--images-per-request", type=int, default=4, help="images a request in the *_images_* "
                                                                           "workloads")
-    parser.add_argument("--requests-images", type=int, default=12, help="requests per *_images_* workload")
-    parser.add_argument("--requests-1img", type=int, default=16, help="requests per single-image workload")
+    parser.add_argument("--requests-images", type=int, default=16, help="requests per *_images_* workload")
+    parser.add_argument("--requests-1img", type=int, default=32, help="requests per single-image workload")
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--cores", default=None, help="the two cores, e.g. 0,1 (default: the first two this "
                                                       "process may use)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="every layout measured ROUNDS times, the layout order reversed each round; "
-                             "figures are medians over the rounds")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="every layout measured ROUNDS times, the layout order reversed each round, "
+                             "since this host's speed drifts within minutes; figures are medians over the "
+                             "rounds, each round's req/s is kept")
     parser.add_argument("--only", nargs="+", choices=[w.name for w in WORKLOADS], help="these workloads only")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000, help="image seed base")
     parser.add_argument("--port", type=int, default=8420, help="the front port; a layout's others follow it")
