@@ -125,3 +125,51 @@ def test_a_window_below_one_token_is_refused():
     sequences = Sequences([8], 4, seed=1)
     with pytest.raises(ValueError, match="window"):
         sequences.step(backend, [(0, 0, 8)], {}, 0)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("window", [3, 11])
+def test_a_window_group_reads_and_writes_its_own_table_and_cache(kernels, window):
+    """A windowed layer whose sequences have tables of their own (vlmd/sched/kv_groups.py):
+    K/V go to its own small cache through those tables; blocks the window left behind are
+    FREED and handed to other sequences at once (so a read of one would see other keys),
+    and every row still equals the reference. The main tables' cache is never touched."""
+    from vlmd.sched.kv_groups import FREED, first_visible_block
+
+    block_size = 4
+    backend = CPUPagedBackend(block_size, kernels)
+    lengths = [40, 33, 26]
+    sequences = Sequences(lengths, block_size, seed=window)
+    free = list(range(3 * (-(-(window + 20) // block_size) + 2)))
+    own = (torch.zeros(len(free) * block_size, KV_HEADS, DIM), torch.zeros(len(free) * block_size, KV_HEADS, DIM))
+    tables: list[list[int]] = [[] for _ in lengths]
+    spans = {0: [(5, 14), (20, 27)], 1: [(0, 9)]}
+
+    def step(pieces):
+        for seq, start, _ in pieces:  # the scheduler's order: give back, then allocate
+            for index in range(min(first_visible_block(start, window, block_size), len(tables[seq]))):
+                if tables[seq][index] != FREED:
+                    free.append(tables[seq][index])
+                    tables[seq][index] = FREED
+        for seq, start, count in pieces:
+            while len(tables[seq]) * block_size < start + count:
+                tables[seq].append(free.pop(0))
+        chunks = [SequenceChunk(sequences.tables[seq], start, count, tuple(spans.get(seq, ())),
+                                {window: list(tables[seq])}) for seq, start, count in pieces]
+        meta = backend.prepare_metadata(chunks, sum(1 for _, start, count in pieces if count == 1 and start > 0))
+        q, k, v = ([torch.cat([part[seq][start:start + count] for seq, start, count in pieces])
+                    for part in (sequences.queries, sequences.keys, sequences.values)])
+        out = paged_attention(q, k, v, own, meta, DIM ** -0.5, window)
+        row = 0
+        for seq, start, count in pieces:
+            expected = _reference(sequences.queries[seq][start:start + count], sequences.keys[seq][:start + count],
+                                  sequences.values[seq][:start + count], list(range(start, start + count)),
+                                  spans.get(seq, ()), window)
+            torch.testing.assert_close(out[row:row + count].double(), expected, atol=1e-4, rtol=1e-4)
+            row += count
+
+    step([(0, 0, 14), (1, 0, 12), (2, 0, 7)])
+    step([(0, 14, 20), (1, 12, 18), (2, 7, 13)])
+    for position in range(6):
+        step([(seq, start + position, 1) for seq, start in enumerate([34, 30, 20]) if start + position < lengths[seq]])
+    assert FREED in tables[0] and not sequences.cache[0].any()

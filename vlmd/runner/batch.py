@@ -74,7 +74,7 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
         if attention_spans is not None and state.mm_items and start < state.num_prompt_tokens:
             end = start + count  # only the spans this chunk's queries reach
             spans = tuple(span for span in attention_spans(state.mm_items) if span[0] < end and span[1] > start)
-        chunks.append(SequenceChunk(state.block_ids, start, count, spans))
+        chunks.append(SequenceChunk(state.block_ids, start, count, spans, state.window_block_ids or None))
         row += count
     meta = attention.prepare_metadata(chunks, num_decodes=len(decodes))
     sampled = [(piece, chunk) for piece, chunk in zip(slices, chunks) if piece.samples]

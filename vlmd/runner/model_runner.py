@@ -25,10 +25,13 @@ class ModelRunner:
     def __init__(
         self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
         device: torch.device | None = None, samples: bool = True, attention_kernels: str = "auto",
+        window_blocks: dict[int, int] | None = None,
     ):
         """``samples=False``: a tensor-parallel rank other than 0, which runs the forward
         (its collectives) but neither computes logits nor samples; it learns the tokens
-        rank 0 sampled through :meth:`append_sampled` before the next step."""
+        rank 0 sampled through :meth:`append_sampled` before the next step.
+        ``window_blocks``: window -> blocks of that window group's pool (the scheduler's
+        ``window_groups``), whose layers get KV tensors of that size."""
         self.model = model
         self.samples = samples
         # The one device of this runner: weights, KV cache, encoder outputs, sampler state
@@ -37,7 +40,9 @@ class ModelRunner:
         self.block_size = block_size
         # The backend for the runner's device reads the paged cache in place.
         self.attention = attention_backend_for(self.device.type, block_size, attention_kernels)
-        self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device)
+        self.window_blocks = dict(window_blocks or {})
+        self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device,
+                                            self.window_blocks)
         self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -141,6 +146,8 @@ class ModelRunner:
         for data in out.cached_requests:
             state = self.requests[data.request_id]
             state.block_ids.extend(data.new_block_ids)
+            for window, new_blocks in data.new_window_block_ids.items():
+                state.window_block_ids[window].extend(new_blocks)
             state.num_computed_tokens = data.num_computed_tokens
 
     def _run_encoders(self, out: SchedulerOutput, request_ids: list[str]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,9 @@ class RunnerRequestState:
     token_counts: TokenCounts | None = None
     # Structured output: the matcher, in the state this request's generated tokens lead to.
     grammar: GrammarState | None = None
+    # Window -> the request's table in that window group (sched/kv_groups.py). Entries the
+    # window has left behind may name blocks given to others since: attention never reads them.
+    window_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -44,6 +47,7 @@ class RunnerRequestState:
             num_computed_tokens=data.num_computed_tokens,
             stop_token_ids=data.stop_token_ids,
             family_state=data.family_state,
+            window_block_ids={window: list(table) for window, table in data.window_block_ids.items()},
             # Rebuilt from scratch on every (re)admission: after a preemption the request
             # brings back the tokens it generated, and the matcher replays them.
             grammar=GrammarState(data.sampling.grammar, data.token_ids[data.num_prompt_tokens :])

@@ -13,6 +13,7 @@ slot = block_id * block_size + offset.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,16 @@ class SequenceChunk:
     # directions (an image's tokens in some VLMs), the rest causally. A span that reaches this
     # chunk's queries must end inside it: its later keys are not in the cache otherwise.
     spans: tuple[tuple[int, int], ...] = ()
+    # Window -> the sequence's table in that window group (its layers' own KV tensors:
+    # vlmd/sched/kv_groups.py); entries before the window are FREED and never read. A layer
+    # whose window has no table here uses ``block_ids`` (no group of its own).
+    window_block_ids: Mapping[int, list[int]] | None = None
+
+    def table_for(self, window: int | None) -> list[int]:
+        """The block table that layers of ``window`` (None: full attention) read and write."""
+        if window is None or not self.window_block_ids:
+            return self.block_ids
+        return self.window_block_ids.get(window, self.block_ids)
 
 
 @dataclass
@@ -116,7 +127,8 @@ class AttentionBackend:
         rows = torch.tensor([row for row, _ in used], dtype=torch.long)
         if not used:
             return OutputRows(rows, None)
-        as_decodes = [SequenceChunk(chunk.block_ids, chunk.start + chunk.count - 1, 1) for _, chunk in used]
+        as_decodes = [SequenceChunk(chunk.block_ids, chunk.start + chunk.count - 1, 1,
+                                    window_block_ids=chunk.window_block_ids) for _, chunk in used]
         return OutputRows(rows, self.prepare_metadata(as_decodes, num_decodes=len(as_decodes)))
 
     def slot_mapping(self, chunks: list[SequenceChunk]) -> torch.Tensor:

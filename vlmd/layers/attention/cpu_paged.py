@@ -43,7 +43,7 @@ the first implementation's gather did for every decode in every layer (47 ms aga
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,7 @@ class CPUPagedMetadata(AttentionMetadata):
     decode_chunks: list[SequenceChunk]
     prefill_chunks: list[SequenceChunk]
     _window_plans: dict[int, WindowPlan] | None = None
+    _window_slots: dict[int, torch.Tensor] | None = None
     _decode_plan: DecodePlan | None = None
     _shares: bool | None = None
     _decode_batch: DecodeBatch | None = None
@@ -194,6 +195,21 @@ class CPUPagedMetadata(AttentionMetadata):
             return False
         plan = self.decode_plan
         return len(plan.views) == 1 and not plan.gathers and not plan.leftover_rows and not plan.shared
+
+    def window_slot_mapping(self, window: int) -> torch.Tensor:
+        """Where layers of ``window`` write this step's K/V: their own KV tensors' slots
+        where the sequences have a table in that window group, else ``slot_mapping``.
+        Built on first use, then shared by those layers."""
+        if self._window_slots is None:
+            self._window_slots = {}
+        if window not in self._window_slots:
+            chunks = self.decode_chunks + self.prefill_chunks
+            slots = self.slot_mapping
+            if any(chunk.window_block_ids and window in chunk.window_block_ids for chunk in chunks):
+                tables = [replace(chunk, block_ids=chunk.table_for(window)) for chunk in chunks]
+                slots = self.backend.slot_mapping(tables).to(self.slot_mapping.device)
+            self._window_slots[window] = slots
+        return self._window_slots[window]
 
     def window_plan(self, window: int) -> WindowPlan:
         """The reads of layers with this window: built on first use, then shared by them."""
@@ -268,12 +284,13 @@ class CPUPagedBackend(AttentionBackend):
         return self.fused_steps.run(structure, embeds, cos, sin, meta.slot_mapping, meta.decode_tables, kv_caches)
 
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache
         if window is not None:  # no native kernel takes a window: masked.py, in torch
             if window < 1:
                 raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+            write_kv(kv_cache, k, v, meta.window_slot_mapping(window))
             return attend_windowed(q, k_cache, v_cache, meta.window_plan(window), meta.num_decodes, scale)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         heads, kv_heads = q.shape[1], k.shape[1]
         out = torch.empty_like(q)
         decodes = meta.num_decodes
