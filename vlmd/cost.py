@@ -3,7 +3,9 @@
 Counts come from the family's own ``item_tokens`` (the processor takes its counts from the
 same method) and the prompt from the server's own chat-template step, so the prompt tokens
 printed here are the ``usage.prompt_tokens`` the server reports for the same request. KV
-bytes come from the config's decoder shape, rounded up to whole blocks.
+bytes come from the config's decoder shape, rounded up to whole blocks; sliding-window
+layers count the blocks their window holds (their own KV group, docs/decisions.md D91), and
+the cache is split between the groups as the server's memory plan splits it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 
 from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, media_policy_fields, serve_setting, setting_default
 from vlmd.engine.memory_plan import (
-    GIB, blocks_for_bytes, blocks_for_tokens, cross_kv_bytes_per_request, items_per_request, kv_budget_bytes,
+    GIB, blocks_for_tokens, cross_kv_bytes_per_request, items_per_request, kv_budget_bytes, kv_group_sizes,
+    split_kv_blocks, window_blocks_for,
 )
 from vlmd.processing.base import ItemSize, ProcessingContext
+from vlmd.sched.kv_groups import window_blocks_held
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
 # Serve's settings that mean the same here: their flags, defaults, help and choices are
@@ -163,14 +167,21 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
 
     spec = info.kv_spec()
     per_token = spec.bytes_per_token(_DTYPE_BYTES[options.dtype])
-    per_block = per_token * options.block_size
+    # The main group's block (every layer without a window group) and the window groups'.
+    per_block, windows = kv_group_sizes(spec, _DTYPE_BYTES[options.dtype], options.block_size, options.max_num_seqs,
+                                        options.max_num_batched_tokens, max_model_len)
     for request in requests:
         kv_tokens = request["prompt_tokens"] + options.max_tokens
         blocks = blocks_for_tokens(kv_tokens, options.block_size)
-        request.update(kv_tokens=kv_tokens, kv_blocks=blocks, kv_bytes=blocks * per_block,
+        window_kv = [{"window": group.window, "blocks": window_blocks_held(kv_tokens, group.window, options.block_size),
+                      "block_bytes": group.bytes_per_block} for group in windows]
+        request.update(kv_tokens=kv_tokens, kv_blocks=blocks,
+                       kv_bytes=blocks * per_block + sum(w["blocks"] * w["block_bytes"] for w in window_kv),
                        fits_max_model_len=request["prompt_tokens"] < max_model_len and kv_tokens <= max_model_len)
+        if window_kv:
+            request["window_kv"] = window_kv
     cross_kv = _cross_kv(options, info, items, max_model_len)
-    cache = _cache(options, info, rows, per_block, hf_config, cross_kv["bytes"])
+    cache = _cache(options, info, rows, per_block, hf_config, cross_kv["bytes"], windows)
     most_blocks = max(request["kv_blocks"] for request in requests)
     cache["requests_held"] = cache["num_kv_blocks"] // most_blocks if most_blocks else 0
     cache["full_length_requests"] = cache["num_kv_blocks"] // blocks_for_tokens(max_model_len, options.block_size)
@@ -232,16 +243,25 @@ def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> 
     return requests
 
 
-def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config, cross_kv_bytes: int) -> dict:
+def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config, cross_kv_bytes: int,
+           windows=()) -> dict:
     """The cache's blocks in the server's order (engine/sizing.py:plan_kv_cache): --num-kv-blocks,
-    --kv-cache-gb, the memory plan (here --memory-gb), else a CPU server's default size."""
+    --kv-cache-gb, the memory plan (here --memory-gb), else a CPU server's default size;
+    ``num_kv_blocks`` of the main group, beside ``window_groups`` where the model has them."""
+    def sized(source: str, blocks: int, window_blocks: tuple[int, ...], **plan) -> dict:
+        groups = [{"window": group.window, "num_blocks": count, "kv_bytes": count * group.bytes_per_block}
+                  for group, count in zip(windows, window_blocks)]
+        cache = {"source": source, **plan, "num_kv_blocks": blocks,
+                 "kv_bytes": blocks * per_block + sum(group["kv_bytes"] for group in groups)}
+        if groups:
+            cache["window_groups"] = groups
+        return cache
+
     if options.num_kv_blocks is not None:
-        return {"source": "num-kv-blocks", "num_kv_blocks": options.num_kv_blocks,
-                "kv_bytes": options.num_kv_blocks * per_block}
+        return sized("num-kv-blocks", options.num_kv_blocks, window_blocks_for(options.num_kv_blocks, windows))
     if options.kv_cache_gb is not None or options.memory_gb is None:
         kv_cache_gb = DEFAULT_CPU_KV_CACHE_GB if options.kv_cache_gb is None else options.kv_cache_gb
-        blocks = blocks_for_bytes(kv_cache_gb * GIB, per_block)
-        return {"source": "kv-cache-gb", "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
+        return sized("kv-cache-gb", *split_kv_blocks(kv_cache_gb * GIB, per_block, windows))
     weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype, options.quantization)
     largest = max((row["encoder_tokens"] for row in rows), default=0)
     encoder_tokens = max(options.encoder_cache_size or options.max_num_batched_tokens, largest)
@@ -249,12 +269,9 @@ def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_conf
     activations = int(options.activation_gb * GIB)
     budget = kv_budget_bytes(int(options.memory_gb * GIB), options.memory_utilization, weights, activations,
                              encoder_bytes, cross_kv_bytes)
-    blocks = blocks_for_bytes(budget, per_block)
-    return {"source": "utilization", "memory_bytes": int(options.memory_gb * GIB),
-            "utilization": options.memory_utilization, "weight_bytes": weights, "activation_bytes": activations,
-            "encoder_cache_tokens": encoder_tokens, "encoder_cache_bytes": encoder_bytes,
-            "cross_kv_bytes": cross_kv_bytes,
-            "num_kv_blocks": blocks, "kv_bytes": blocks * per_block}
+    return sized("utilization", *split_kv_blocks(budget, per_block, windows), memory_bytes=int(options.memory_gb * GIB),
+                 utilization=options.memory_utilization, weight_bytes=weights, activation_bytes=activations,
+                 encoder_cache_tokens=encoder_tokens, encoder_cache_bytes=encoder_bytes, cross_kv_bytes=cross_kv_bytes)
 
 
 def weight_bytes(model_dir: str, hf_config, dtype: str, quantization: str = "none") -> int:
@@ -324,8 +341,11 @@ def format_table(report: dict[str, Any]) -> str:
             most = request.get("windows_max", request["windows"])
             windows = f" x {request['windows']}" + (f"-{most}" if most != request["windows"] else "") + " windows"
         fits = "" if request["fits_max_model_len"] else "  (does NOT fit max_model_len)"
+        held = "".join(f" + {w['blocks']} blocks in the {w['window']}-token window's layers"
+                       for w in request.get("window_kv", ()))
         lines.append(f"{request['request']}{windows}: {request['prompt_tokens']} prompt tokens, KV for "
-                     f"{request['kv_tokens']} tokens = {request['kv_blocks']} blocks = {_size(request['kv_bytes'])}{fits}")
+                     f"{request['kv_tokens']} tokens = {request['kv_blocks']} blocks{held} = "
+                     f"{_size(request['kv_bytes'])}{fits}")
     cross = report["cross_kv"]
     if cross["max_request_bytes"]:
         held = ", ".join(f"{count} {modality}" for modality, count in cross["items_per_request"].items())
@@ -333,7 +353,9 @@ def format_table(report: dict[str, Any]) -> str:
                      f"for these items; at most {_size(cross['max_request_bytes'])} a request ({held}), "
                      f"{_size(cross['bytes'])} for --max-num-seqs {cross['max_num_seqs']}")
     cache = report["cache"]
-    lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks = {_size(cache['kv_bytes'])}; "
+    groups = "".join(f" + {group['num_blocks']} blocks of the {group['window']}-token window's layers"
+                     for group in cache.get("window_groups", ()))
+    lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks{groups} = {_size(cache['kv_bytes'])}; "
                  f"holds {cache['requests_held']} such requests, {cache['full_length_requests']} of max_model_len")
     if cache["source"] == "utilization":
         lines.append(f"  plan: {_size(cache['memory_bytes'])} x {cache['utilization']} - weights {_size(cache['weight_bytes'])}"

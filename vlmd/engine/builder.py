@@ -28,13 +28,13 @@ from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.processing.speech import SpeechToTextProcessor
 from vlmd.processing.transcription import TranscriptionPreprocessor
-from vlmd.engine.memory_plan import MemoryPlan, cross_kv_bytes_per_request, items_per_request
+from vlmd.engine.memory_plan import MemoryPlan, cross_kv_bytes_per_request, items_per_request, kv_group_sizes
 from vlmd.engine.profile import profile_peak, unprofiled, worst_case_runs
 from vlmd.host import last_level_cache_bytes
 from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
 from vlmd.runner.device import make_current_on_this_thread, resolve_device
-from vlmd.runner.kv_cache import bytes_per_block
 from vlmd.runner.model_runner import ModelRunner
+from vlmd.sched.kv_groups import WindowGroup
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.structured.compiler import GrammarCompiler
 
@@ -224,12 +224,17 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     cross_kv = cross_kv_bytes_per_request(
         info, items_per_request({m: supported[m] for m in modalities}, config.limit_mm_per_prompt, max_model_len),
         dtype.itemsize) // config.tensor_parallel_size
-    plan = plan_kv_cache(config, device, profile, weight_bytes, bytes_per_block(model.kv_spec, config.block_size, dtype),
-                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross_kv)
+    # Sliding-window layers get KV groups of their own, at their worst case (D91).
+    main_bytes_per_block, windows = kv_group_sizes(model.kv_spec, dtype.itemsize, config.block_size,
+                                                   config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    plan = plan_kv_cache(config, device, profile, weight_bytes, main_bytes_per_block,
+                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross_kv, windows)
     num_blocks = plan.num_kv_blocks
-    scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks)
+    window_blocks = {window: blocks for window, blocks, _ in plan.window_groups}
+    scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks, window_groups=tuple(
+        WindowGroup(window, blocks) for window, blocks in window_blocks.items()))
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device,
-                         attention_kernels=config.attention_kernels)
+                         attention_kernels=config.attention_kernels, window_blocks=window_blocks)
     if tensor_parallel is None:
         executor, torch_threads = InProcessExecutor(runner), config.torch_threads
         if torch_threads is None:

@@ -38,6 +38,9 @@ class EngineStats:
     num_requests_failed: int = 0  # requests a failed step was traced to
     num_prompt_tokens: int = 0  # prompt tokens of every request added (placeholders included)
     decode_steps: dict[str, int] = field(default_factory=dict)  # steps of decodes alone, by path
+    # Per sliding-window KV group: window, num_blocks, used_blocks, peak_request_blocks
+    # (KVCacheManager.window_stats); the num_kv_blocks / kv_usage above are the main group's.
+    kv_window_groups: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -168,4 +171,5 @@ class EngineCore:
             num_failed_steps=self.num_failed_steps,
             num_requests_failed=self.num_requests_failed,
             num_prompt_tokens=self.num_prompt_tokens,
+            kv_window_groups=kv.window_stats(),
         )

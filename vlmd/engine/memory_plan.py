@@ -8,6 +8,11 @@ output and held for the request's life) are per-request tensors, not paged block
 ``--max-num-seqs`` running requests may hold as many as its family declares
 (``BaseProcessingInfo.cross_kv_bytes_per_item`` x the items a prompt may carry).
 
+The KV cache is per KV group (``vlmd/sched/kv_groups.py``): a model with sliding-window
+layers gives each window's layers a pool sized to its worst case (what the running requests'
+windows and one step's tokens can hold), and the rest of the budget to the full-attention
+layers' blocks, which ``num_kv_blocks`` counts (``split_kv_blocks``).
+
 The activation peak is measured at start-up by a forward at the worst case the server
 accepts (``vlmd/engine/profile.py``); ``vlmd cost`` uses the same arithmetic with figures it
 is given. Torch-free: plain numbers in, a ``MemoryPlan`` out.
@@ -15,9 +20,54 @@ is given. Torch-free: plain numbers in, a ``MemoryPlan`` out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from vlmd.sched.kv_groups import separate_windows, window_pool_blocks
+from vlmd.types import KVSpec
+
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class WindowLayers:
+    """The layers of one sliding window that get a KV group of their own."""
+
+    window: int
+    bytes_per_block: int  # a block in these layers
+    worst_blocks: int  # the most blocks the group can ever hold (kv_groups.window_pool_blocks)
+
+
+def kv_group_sizes(spec: KVSpec, dtype_bytes: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                   max_model_len: int) -> tuple[int, tuple[WindowLayers, ...]]:
+    """Bytes of a main-group block (every layer without a group of its own) and each window
+    group's layers; a model without windows is one group, every layer in it."""
+    windows = tuple(
+        WindowLayers(window, spec.layer_bytes_per_token(dtype_bytes, window) * block_size,
+                     window_pool_blocks(window, block_size, max_num_seqs, max_num_batched_tokens))
+        for window in separate_windows(spec.layer_windows, max_model_len)
+    )
+    main = spec.bytes_per_token(dtype_bytes) * block_size - sum(group.bytes_per_block for group in windows)
+    return main, windows
+
+
+def split_kv_blocks(budget_bytes: float, main_bytes_per_block: int,
+                    windows: Sequence[WindowLayers]) -> tuple[int, tuple[int, ...]]:
+    """The main group's blocks and each window group's from one byte budget: the window
+    groups at their worst case, the rest main. Where that leaves the main group fewer blocks
+    than a window group's worst case, every group gets the same count instead (a request
+    holds a subset of its main blocks' positions in a window group)."""
+    reserved = sum(group.bytes_per_block * group.worst_blocks for group in windows)
+    main = int((budget_bytes - reserved) // main_bytes_per_block) if budget_bytes > reserved else 0
+    if all(main >= group.worst_blocks for group in windows):
+        return main, tuple(group.worst_blocks for group in windows)
+    main = int(budget_bytes // (main_bytes_per_block + sum(group.bytes_per_block for group in windows)))
+    return main, tuple(min(group.worst_blocks, main) for group in windows)
+
+
+def window_blocks_for(main_blocks: int, windows: Sequence[WindowLayers]) -> tuple[int, ...]:
+    """Each window group's blocks beside a main group of a given size (--num-kv-blocks)."""
+    return tuple(min(group.worst_blocks, main_blocks) for group in windows)
 
 
 @dataclass(frozen=True)
@@ -37,10 +87,17 @@ class MemoryPlan:
     max_model_len: int
     cross_kv_bytes_per_request: int = 0  # the most cross-attention K/V one request holds (0: none)
     max_num_seqs: int = 0  # requests that may hold them at once
+    # Sliding-window layers' KV groups: (window, blocks, bytes a block) each; the fields above
+    # (num_kv_blocks, kv_bytes_per_block) are then the full-attention layers' group.
+    window_groups: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def window_kv_bytes(self) -> int:
+        return sum(blocks * per_block for _, blocks, per_block in self.window_groups)
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_kv_blocks * self.kv_bytes_per_block
+        return self.num_kv_blocks * self.kv_bytes_per_block + self.window_kv_bytes
 
     @property
     def cross_kv_bytes(self) -> int:
@@ -59,7 +116,8 @@ class MemoryPlan:
 
     def fields(self) -> dict:
         """Everything, for the start-up log and /metrics."""
-        return {**asdict(self), "kv_bytes": self.kv_bytes, "cross_kv_bytes": self.cross_kv_bytes,
+        return {**asdict(self), "kv_bytes": self.kv_bytes, "window_kv_bytes": self.window_kv_bytes,
+                "cross_kv_bytes": self.cross_kv_bytes,
                 "planned_bytes": self.planned_bytes, "max_full_length_requests": self.max_full_length_requests}
 
 

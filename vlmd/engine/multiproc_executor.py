@@ -60,6 +60,7 @@ class StartupPlan:
     block_size: int
     kv_spec: tuple[int, int, int]  # (layers, kv heads per rank, head dim): checked by each rank
     seed: int
+    window_blocks: dict[int, int] = field(default_factory=dict)  # window -> its KV group's blocks
 
 
 def is_collective_error(exc: BaseException) -> bool:

@@ -11,9 +11,11 @@ from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, ServeConfig
 from vlmd.engine.memory_plan import (
     GIB,
     MemoryPlan,
-    blocks_for_bytes,
+    WindowLayers,
     check_holds_one_sequence,
     kv_budget_bytes,
+    split_kv_blocks,
+    window_blocks_for,
 )
 from vlmd.engine.profile import ProfileResult
 from vlmd.runner.device import DeviceMemory
@@ -79,16 +81,22 @@ def weight_bytes_of(model: torch.nn.Module) -> int:
 def plan_kv_cache(
     config: ServeConfig, device: torch.device, profile: ProfileResult, weight_bytes: int, kv_bytes_per_block: int,
     encoder_cache_bytes: int, max_model_len: int, cross_kv_bytes_per_request: int = 0,
+    windows: tuple[WindowLayers, ...] = (),
 ) -> MemoryPlan:
     """KV blocks from, in order: --num-kv-blocks, --kv-cache-gb, the utilisation of the
     device's memory (CUDA: --gpu-memory-utilization; CPU: --memory-utilization), else 4 GiB.
-    The utilisation also pays for the cross-attention K/V of --max-num-seqs requests."""
+    The utilisation also pays for the cross-attention K/V of --max-num-seqs requests.
+    ``kv_bytes_per_block``: a block of the main group; ``windows``: the sliding-window layers
+    with groups of their own, which a byte budget pays for first (--num-kv-blocks counts
+    the main group's blocks: memory_plan.split_kv_blocks)."""
     memory = DeviceMemory(device)
     total, utilization, base = 0, 0.0, profile.base_bytes
     if config.num_kv_blocks is not None:
         source, blocks = "num-kv-blocks", config.num_kv_blocks
+        window_blocks = window_blocks_for(blocks, windows)
     elif config.kv_cache_gb is not None:
-        source, blocks = "kv-cache-gb", blocks_for_bytes(config.kv_cache_gb * GIB, kv_bytes_per_block)
+        source = "kv-cache-gb"
+        blocks, window_blocks = split_kv_blocks(config.kv_cache_gb * GIB, kv_bytes_per_block, windows)
     elif device.type == "cuda" or config.memory_utilization is not None:
         source = "utilization"
         total = memory.total_bytes()
@@ -102,9 +110,10 @@ def plan_kv_cache(
             base += int(config.mm_processor_cache_gb * GIB)
         budget = kv_budget_bytes(total, utilization, base, profile.activation_bytes, encoder_cache_bytes,
                                  cross_kv_bytes_per_request * config.max_num_seqs)
-        blocks = blocks_for_bytes(budget, kv_bytes_per_block)
+        blocks, window_blocks = split_kv_blocks(budget, kv_bytes_per_block, windows)
     else:
-        source, blocks = "kv-cache-gb", blocks_for_bytes(DEFAULT_CPU_KV_CACHE_GB * GIB, kv_bytes_per_block)
+        source = "kv-cache-gb"
+        blocks, window_blocks = split_kv_blocks(DEFAULT_CPU_KV_CACHE_GB * GIB, kv_bytes_per_block, windows)
     check_holds_one_sequence(blocks, config.block_size, max_model_len, source)
     return MemoryPlan(
         device=str(device), source=source, total_bytes=total, utilization=utilization, weight_bytes=weight_bytes,
@@ -112,4 +121,5 @@ def plan_kv_cache(
         encoder_cache_bytes=encoder_cache_bytes, cross_kv_bytes_per_request=cross_kv_bytes_per_request,
         max_num_seqs=config.max_num_seqs, kv_bytes_per_block=kv_bytes_per_block,
         block_size=config.block_size, num_kv_blocks=blocks, max_model_len=max_model_len,
+        window_groups=tuple((group.window, count, group.bytes_per_block) for group, count in zip(windows, window_blocks)),
     )

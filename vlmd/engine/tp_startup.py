@@ -57,7 +57,8 @@ class TensorParallelStart:
         world = init_world(self.world, 0)
         channel = StepChannel(world.control, 0)
         spec = runner.model.kv_spec
-        channel.send(Kind.STARTUP, StartupPlan(num_blocks, block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim), seed))
+        channel.send(Kind.STARTUP, StartupPlan(num_blocks, block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim),
+                                               seed, dict(runner.window_blocks)))
         failed = channel.ack()
         if failed:
             raise ValueError(f"{failed} tensor-parallel rank(s) refused the start-up plan (see their log lines)")

@@ -24,6 +24,7 @@ _PLAN_BYTES = {
     "encoder_peak_bytes": "encoder_peak",
     "encoder_cache_bytes": "encoder_cache",
     "kv_bytes": "kv_cache",
+    "window_kv_bytes": "window_kv_cache",  # of which the sliding-window layers' KV groups (D91)
     "cross_kv_bytes": "cross_kv",  # an encoder-decoder's cross-attention K/V, reserved for --max-num-seqs requests
     "planned_bytes": "planned",
     "total_bytes": "total",
@@ -115,6 +116,7 @@ class _EngineCollector:
             counters["vlmd_preprocess_timeouts"] = ("Requests past --preprocess-timeout", admission.num_timeouts)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _window_group_metrics(stats.kv_window_groups)
         paths = CounterMetricFamily(
             "vlmd_decode_steps", "Steps of decodes alone, by path: fused (every layer in one native call, "
             "layers/cpu/fused_step.py) or modules (the model's layers one by one)", labels=["path"])
@@ -123,6 +125,23 @@ class _EngineCollector:
         yield paths
         if self.memory_plan is not None:
             yield from self._plan_metrics()
+
+
+def _window_group_metrics(groups: list[dict]):
+    """Per sliding-window KV group (label ``window``, in tokens): its blocks, those held now,
+    and the most one request has held (bounded by the window, whatever the context)."""
+    if not groups:
+        return
+    for name, key, doc in (
+        ("vlmd_kv_cache_window_total_blocks", "num_blocks", "KV blocks of a sliding-window layers' group"),
+        ("vlmd_kv_cache_window_blocks", "used_blocks", "KV blocks that sliding-window layers hold now"),
+        ("vlmd_kv_cache_window_peak_request_blocks", "peak_request_blocks",
+         "The most KV blocks one request has held at once in a sliding-window group"),
+    ):
+        family = GaugeMetricFamily(name, doc, labels=["window"])
+        for group in groups:
+            family.add_metric([str(group["window"])], group[key])
+        yield family
 
 
 class Metrics:

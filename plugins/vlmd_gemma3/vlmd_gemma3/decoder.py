@@ -34,8 +34,8 @@ from vlmd.layers.linear import (
 )
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary
 from vlmd.models.base import KVSpec
+from vlmd_gemma3.layer_kinds import SLIDING, layer_windows
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class GemmaRMSNorm(nn.Module):
@@ -138,7 +138,7 @@ class Gemma3TextModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.kv_spec = KVSpec(num_layers=config.num_hidden_layers, num_kv_heads=self.layers[0].self_attn.num_kv_heads,
-                              head_dim=config.head_dim)
+                              head_dim=config.head_dim, layer_windows=layer_windows(config))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)

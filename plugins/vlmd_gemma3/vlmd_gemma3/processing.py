@@ -26,6 +26,8 @@ from vlmd.processing.base import (
     ItemTokens,
     ProcessedItem,
 )
+from vlmd.types import KVSpec
+from vlmd_gemma3.layer_kinds import layer_windows
 from vlmd_gemma3.settings import ImageSettings, crop_boxes, read_settings
 
 
@@ -47,6 +49,12 @@ class Gemma3ProcessingInfo(BaseProcessingInfo):
 
     def attends_within_items(self) -> bool:
         return True  # an image's tokens attend to each other both ways
+
+    def kv_spec(self) -> KVSpec:
+        """The text config's shape, with each layer's sliding window (the windowed layers'
+        blocks are counted as they are held: `vlmd cost`, the memory plan)."""
+        spec = super().kv_spec()
+        return KVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, layer_windows(self.ctx.hf_config.text_config))
 
     def server_settings(self) -> ImageSettings:
         return self.settings.with_kwargs(self.ctx.mm_processor_kwargs)
