@@ -10,7 +10,9 @@ parallelism over 2 ranks, a token budget of 24 (each image's 16 tokens kept whol
 step while text chunks around it) and a KV cache small enough to preempt, runs the cases
 its settings allow, concurrently. A first divergence is accepted only where transformers'
 own top-1/top-2 log-prob gap is < 1e-3, and the greedy tokens' log-probs must agree
-within 1e-3 up to it.
+within 1e-3 up to it. A third server computes the long prompt in chunks of 40 tokens: its
+sliding-window layers' KV group (docs/decisions.md D91) holds only what the window and a
+chunk need, and `vlmd cost` sizes the same cache.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import pytest
 from conftest import Server, image_data_url, random_image
 from gemma3_oracle import hf_gemma3_generate
 from oracle import assert_chat_parity
+from vlmd.cost import CostOptions, compute_cost, parse_image
+from vlmd.sched.kv_groups import window_pool_blocks
 
 LONG_TEXT = " ".join(["Describe what is here and what the image shows in some detail"] * 12)
 PAN_AND_SCAN = orjson.dumps({"do_pan_and_scan": True}).decode()
@@ -167,3 +171,62 @@ def test_small_budget_small_cache_tensor_parallel(tiny_gemma3_dir, tmp_path):
         assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
     finally:
         server.stop()
+
+
+def test_a_long_prompt_holds_only_its_window(tiny_gemma3_dir, tmp_path):
+    """The long case (an image, then several windows of text) in chunks of at most 40
+    tokens: tokens equal transformers'; the full-attention layers hold a block per 16 tokens
+    while the 24-token window's layers never held more for it than the window and one chunk
+    can reach; every block goes back at the end. Sent again, the prompt hits the prefix cache
+    whole; after another prompt reused the window group's blocks, the hit falls back to what
+    every group still has, with the same tokens. `vlmd cost` with the same settings counts
+    the same prompt, the same blocks in each group and the same KV bytes as the server's plan."""
+    images, text, kwargs, max_tokens = CASES["long_after_image"]
+    reference = _reference(tiny_gemma3_dir, images, text, kwargs, max_tokens, pan_and_scan=False)
+    server = Server(tiny_gemma3_dir, "--max-num-batched-tokens", "40", "--max-model-len", "1024",
+                    "--max-num-seqs", "4", log_dir=tmp_path)
+    try:
+        status, body = server.chat(_body(images, text, kwargs, max_tokens))
+        assert status == 200, body
+        assert_chat_parity(body, reference)
+        metrics = server.metrics()
+        # Sent again at once: every group still has its blocks cached, so the whole prompt hits.
+        whole_hit = (len(reference["prompt_token_ids"]) - 1) // 16 * 16
+        status, again = server.chat(_body(images, text, kwargs, max_tokens))
+        assert status == 200, again
+        assert_chat_parity(again, reference)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == whole_hit
+        # Another long prompt cycles the window group's 15 blocks (its cached ones are reused):
+        # the full layers' blocks are still cached, the window before the hit's end is not, so
+        # the hit falls back to a shorter one (or none) and the tokens are still transformers'.
+        status, other = server.chat(_body([], "Other words entirely, " * 40, {}, 2))
+        assert status == 200, other
+        status, third = server.chat(_body(images, text, kwargs, max_tokens))
+        assert status == 200, third
+        assert_chat_parity(third, reference)
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] < whole_hit
+    finally:
+        server.stop()
+    label = '{window="24"}'
+    tokens = len(reference["prompt_token_ids"]) + max_tokens
+    peak = metrics["vlmd_kv_cache_window_peak_request_blocks" + label]
+    # A chunk of n tokens at s reads [s - 23, s + n): at most (40 + 24 + 2 * 16 - 3) // 16 blocks.
+    assert 0 < peak <= (40 + 24 + 2 * 16 - 3) // 16 == 5 < -(-tokens // 16)
+    assert metrics["vlmd_kv_cache_window_blocks" + label] == 0  # the finished request gave all back
+    total = metrics["vlmd_kv_cache_window_total_blocks" + label]
+    assert total == window_pool_blocks(24, 16, 4, 40) == (40 + 4 * (24 + 2 * 16 - 3)) // 16
+
+    report = compute_cost(str(tiny_gemma3_dir), [parse_image("90x90")],
+                          CostOptions(prompt=text, max_num_batched_tokens=40, max_model_len=1024, max_num_seqs=4,
+                                      kv_cache_gb=0.25))
+    assert report["prompt_tokens"] == body["usage"]["prompt_tokens"] == len(reference["prompt_token_ids"])
+    cache = report["cache"]
+    assert cache["num_kv_blocks"] == metrics["vlmd_memory_plan_kv_blocks"]
+    assert [group["num_blocks"] for group in cache["window_groups"]] == [total]
+    plan_kv = [value for key, value in metrics.items() if key.startswith("vlmd_memory_plan_bytes{")
+               and 'part="kv_cache"' in key]
+    assert plan_kv == [cache["kv_bytes"]]
+    # The request's KV figure counts the window's blocks, not one per 16 tokens in every layer.
+    request = report["requests"][0]
+    assert request["window_kv"][0]["blocks"] < request["kv_blocks"]
+    assert request["kv_bytes"] < request["kv_blocks"] * 16 * report["kv_bytes_per_token"]
