@@ -20,7 +20,6 @@ from vlmd.sched.kv_groups import (
     first_visible_block,
     separate_windows,
     window_blocks_held,
-    window_groups_for,
     window_hit_lengths,
     window_pool_blocks,
 )
@@ -54,9 +53,6 @@ def test_the_arithmetic():
     assert separate_windows([None, 10, None, 10], 64) == (10,)
     assert separate_windows([None, 10, 99], 64) == (10,)  # a window past max_model_len frees nothing
     assert separate_windows([10, 10], 64) == ()  # no full layer: one group, as before
-    groups = window_groups_for([None, 10], SIZE, max_num_seqs=8, max_num_batched_tokens=64,
-                               max_model_len=64, main_blocks=20)
-    assert groups == (WindowGroup(10, 20),)  # never larger than the main group
     with pytest.raises(ValueError):
         WindowGroup(0, 4)
 

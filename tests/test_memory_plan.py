@@ -9,7 +9,16 @@ import sys
 import pytest
 
 from conftest import Server, free_port, image_message, random_image, server_device_flags
-from vlmd.engine.memory_plan import GIB, MemoryPlan, kv_budget_bytes
+from vlmd.engine.memory_plan import (
+    GIB,
+    MemoryPlan,
+    WindowLayers,
+    kv_budget_bytes,
+    kv_group_sizes,
+    split_kv_blocks,
+    window_blocks_for,
+)
+from vlmd.types import KVSpec
 
 
 def test_budget_arithmetic_and_its_error():
@@ -21,6 +30,24 @@ def test_budget_arithmetic_and_its_error():
     plan = MemoryPlan("cpu", "kv-cache-gb", 0, 0.0, 1, 1, 1, 0, 0, 8192, 16, 1000, 2048)
     assert plan.max_full_length_requests == 1000 // 128
     assert plan.kv_bytes == 1000 * 8192
+
+
+def test_window_groups_are_paid_for_first_at_their_worst_case():
+    """Sliding-window layers' groups (D91): their worst case first, the rest to the main group;
+    where the worst case does not fit, every group the same count (never more than needed)."""
+    spec = KVSpec(4, 2, 16, (24, None, 24, None))
+    main, (group,) = kv_group_sizes(spec, 4, 16, max_num_seqs=4, max_num_batched_tokens=40, max_model_len=1024)
+    assert main == group.bytes_per_block == 2 * 2 * 2 * 16 * 4 * 16  # 2 layers each
+    assert (group.window, group.worst_blocks) == (24, (40 + 4 * (24 + 32 - 3)) // 16)
+    assert kv_group_sizes(spec, 4, 16, 4, 40, max_model_len=24)[1] == ()  # a window as long as the context
+    assert kv_group_sizes(KVSpec(4, 2, 16), 4, 16, 4, 40, 1024) == (KVSpec(4, 2, 16).bytes_per_token(4) * 16, ())
+    windows = (WindowLayers(24, 100, 10),)
+    assert split_kv_blocks(100 * 10 + 100 * 50, 100, windows) == (50, (10,))
+    assert split_kv_blocks(100 * 10 + 100 * 5, 100, windows) == (7, (7,))  # 1500 // 200
+    assert split_kv_blocks(5000, 100, ()) == (50, ())
+    assert window_blocks_for(50, windows) == (10,) and window_blocks_for(4, windows) == (4,)
+    plan = MemoryPlan("cpu", "kv-cache-gb", 0, 0.0, 1, 1, 1, 0, 0, 100, 16, 50, 2048, window_groups=((24, 10, 100),))
+    assert (plan.kv_bytes, plan.window_kv_bytes) == (50 * 100 + 10 * 100, 1000)
 
 
 def _plan(server) -> dict[str, float]:

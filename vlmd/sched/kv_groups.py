@@ -65,17 +65,6 @@ def separate_windows(layer_windows: Sequence[int | None], max_model_len: int) ->
     return tuple(sorted({w for w in layer_windows if w is not None and w < max_model_len}))
 
 
-def window_groups_for(layer_windows: Sequence[int | None], block_size: int, max_num_seqs: int,
-                      max_num_batched_tokens: int, max_model_len: int, main_blocks: int) -> tuple[WindowGroup, ...]:
-    """Each separate window's group, its pool at its worst case but never larger than the
-    main group's (a request holds a subset of its main blocks' positions there)."""
-    return tuple(
-        WindowGroup(window, min(main_blocks, window_pool_blocks(window, block_size, max_num_seqs,
-                                                                 max_num_batched_tokens)))
-        for window in separate_windows(layer_windows, max_model_len)
-    )
-
-
 def window_hit_lengths(cached: Sequence[bool], window: int, block_size: int) -> list[bool]:
     """For each prefix hit of ``k`` blocks (0 to ``len(cached)``), whether a window group can
     serve it: ``cached[i]``: block ``i`` is findable in the group's pool; a hit of ``k`` blocks
