@@ -99,15 +99,19 @@ def test_metrics_are_summed_over_labels():
     assert parse_metrics("") == {"step_s": 0.0, "encoder_s": 0.0, "preprocess_s": 0.0, "encodes": 0.0}
 
 
-def line(workload, layout, req_per_s, ttft, tpot):
-    return {"workload": workload, "layout": layout, "req_per_s": req_per_s, "ttft_p50_s": ttft, "tpot_p50_s": tpot}
+def line(workload, layout, req_per_s, ttft, tpot, rounds=()):
+    return {"workload": workload, "layout": layout, "req_per_s": req_per_s, "ttft_p50_s": ttft, "tpot_p50_s": tpot,
+            "req_per_s_rounds": list(rounds)}
 
 
 def test_summary_ratios_say_better_above_one():
-    lines = [line("w", "single", 2.0, 0.5, 0.02), line("w", "dp2", 3.0, 1.0, 0.04), line("w", "tp2", 1.0, 0.25, 0.01)]
+    lines = [line("w", "single", 2.0, 0.5, 0.02, (1.0, 3.0)), line("w", "dp2", 3.0, 1.0, 0.04, (3.0, 3.0)),
+             line("w", "tp2", 1.0, 0.25, 0.01, (0.5, 1.5))]
     summary = summarize(lines)["w"]
-    assert summary["dp2_vs_single"] == {"req_per_s": 1.5, "ttft_p50": 0.5, "tpot_p50": 0.5}
-    assert summary["tp2_vs_single"] == {"req_per_s": 0.5, "ttft_p50": 2.0, "tpot_p50": 2.0}
+    assert summary["dp2_vs_single"] == {"req_per_s": 1.5, "ttft_p50": 0.5, "tpot_p50": 0.5,
+                                        "req_per_s_rounds": [3.0, 1.0]}  # round by round
+    assert summary["tp2_vs_single"] == {"req_per_s": 0.5, "ttft_p50": 2.0, "tpot_p50": 2.0,
+                                        "req_per_s_rounds": [0.5, 0.5]}
     assert summary["best"] == {"req_per_s": "dp2", "ttft_p50": "tp2", "tpot_p50": "tp2"}
     assert "single_vs_single" not in summary
 
@@ -123,4 +127,5 @@ def test_rounds_give_medians():
              "startup_s": 9.0, "busy": {}} for r, t in ((1.0, 0.3), (3.0, 0.1), (2.0, 0.2))]
     figures = median_figures(runs)
     assert figures["req_per_s"] == 2.0 and figures["ttft_p50_s"] == 0.2
-    assert figures["req_per_s_rounds"] == [1.0, 3.0, 2.0] and figures["prompt_tokens"] == 600
+    assert figures["req_per_s_rounds"] == [1.0, 3.0, 2.0] and figures["ttft_p50_s_rounds"] == [0.3, 0.1, 0.2]
+    assert figures["prompt_tokens"] == 600

@@ -1,4 +1,5 @@
-"""Serving layouts on one host, in one run: which to choose for which workload (docs/deploy.md).
+"""Serving layouts on one host, in one run: which to choose for which workload (docs/deploy.md,
+"Which layout").
 
 Layouts (each started, waited for at /health, measured, stopped by its process group):
 
@@ -295,7 +296,8 @@ def median_figures(runs: list[dict]) -> dict:
     figures["prompt_tokens"] = runs[0]["prompt_tokens"]
     figures["startup_s"] = runs[0]["startup_s"]
     figures["busy"] = runs[0]["busy"] if len(runs) == 1 else [run["busy"] for run in runs]
-    figures["req_per_s_rounds"] = [run["req_per_s"] for run in runs]
+    for key in ("req_per_s", "ttft_p50_s", "tpot_p50_s"):  # each round's too: the host drifts between them
+        figures[f"{key}_rounds"] = [run[key] for run in runs]
     return figures
 
 
@@ -316,6 +318,9 @@ def summarize(lines: list[dict]) -> dict:
                 "req_per_s": ratio(line["req_per_s"], base["req_per_s"]),
                 "ttft_p50": ratio(base["ttft_p50_s"], line["ttft_p50_s"]),
                 "tpot_p50": ratio(base["tpot_p50_s"], line["tpot_p50_s"]),
+                # Round i of both ran minutes apart at most: the ratio least moved by the drift.
+                "req_per_s_rounds": [ratio(ours, theirs) for ours, theirs in
+                                     zip(line.get("req_per_s_rounds", []), base.get("req_per_s_rounds", []))],
             }
         entry["best"] = {
             "req_per_s": max(layouts, key=lambda name: layouts[name]["req_per_s"]),
