@@ -1,7 +1,8 @@
 """The step channel: rank 0 broadcasts each step's plain data to every other rank.
 
-A message is a kind and a pickled payload (dataclasses of ints, lists, strings and numpy
-arrays: the SchedulerOutput, never tensors of the model). It travels in one gloo broadcast
+A message is a kind and a payload of plain data (dataclasses of ints, lists, strings and
+arrays: the SchedulerOutput, never tensors of the model), written by ``step_codec`` (typed,
+allow-listed; never pickle: D92). It travels in one gloo broadcast
 of a fixed ``SMALL`` byte frame whose first 16 bytes are ``(kind, payload length)``: a
 decode step's message fits, so it costs one collective; a larger payload (new requests with
 their media) follows in a second broadcast of exactly its size. ``broadcast_object_list``
@@ -15,7 +16,6 @@ timeout (``--distributed-timeout-s``).
 
 from __future__ import annotations
 
-import pickle
 import struct
 import time
 from dataclasses import dataclass
@@ -23,6 +23,8 @@ from enum import IntEnum
 
 import torch
 import torch.distributed as dist
+
+from vlmd.distributed import step_codec
 
 SMALL = 4096
 _HEADER = struct.Struct("<qq")
@@ -53,7 +55,7 @@ class StepChannel:
     def send(self, kind: Kind, payload=None) -> None:
         """Rank 0 only."""
         started = time.perf_counter()
-        data = b"" if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        data = b"" if payload is None else step_codec.encode(payload)
         frame = self._frame.numpy()
         frame[: _HEADER.size] = memoryview(_HEADER.pack(int(kind), len(data))).cast("B")
         inline = len(data) <= SMALL - _HEADER.size
@@ -78,7 +80,7 @@ class StepChannel:
             buffer = torch.empty(length, dtype=torch.uint8)
             dist.broadcast(buffer, 0, group=self.group)
             data = buffer.numpy().tobytes()
-        return Kind(kind), (pickle.loads(data) if data else None)
+        return Kind(kind), (step_codec.decode(data) if data else None)
 
     def ack(self, failed: bool = False) -> int:
         """Every rank: returns how many ranks reported a failure."""

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -50,6 +50,17 @@ class StepMessage:
     # A re-run only: rank 0's computed-token counts of these requests (its failed run did
     # not advance them; another rank's may have, if only rank 0's sampling raised).
     num_computed_tokens: dict[str, int] | None = None
+
+
+def for_other_ranks(message: StepMessage) -> StepMessage:
+    """The message without what only rank 0 uses: a request's compiled grammar (only rank 0
+    samples; the library's matcher is no plain data and stays off the wire, D92)."""
+    out = message.out
+    if out is None or not any(data.sampling.grammar is not None for data in out.new_requests):
+        return message
+    new_requests = [replace(data, sampling=replace(data.sampling, grammar=None)) if data.sampling.grammar is not None
+                    else data for data in out.new_requests]
+    return replace(message, out=replace(out, new_requests=new_requests))
 
 
 @dataclass
@@ -139,7 +150,7 @@ class MultiprocExecutor:
         message.sampled, self._sampled = self._sampled, {}
         self._pending = None
         try:
-            self.channel.send(Kind.STEP, message)
+            self.channel.send(Kind.STEP, for_other_ranks(message))
         except Exception as exc:
             raise RankFailure(self._fail_from(exc)) from None
         finally:
