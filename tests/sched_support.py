@@ -68,6 +68,7 @@ class _State:
         self.blocks = list(data.block_ids)
         self.windows = {window: list(table) for window, table in data.window_block_ids.items()}
         self.items = list(data.mm_items)
+        self.cross = list(data.cross_block_ids)
 
 
 class FakeRunner:
@@ -155,6 +156,7 @@ class FakeRunner:
                     assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
                 owners[block] = request_id
             self._check_window_tables(request_id, state, start, end)
+            self._check_cross_table(request_id, state)
             for item in state.items:
                 if item.offset < end and item.end > start:
                     assert item.identifier in self.encoder_outputs, (
@@ -188,6 +190,14 @@ class FakeRunner:
             assert table[first:] == ours[first:]
             assert all(block == FREED for block in ours[:first])  # dead for the window: given back
 
+    def _check_cross_table(self, request_id: str, state: _State) -> None:
+        """A scheduled request holds its whole cross table from its first chunk on, unchanged."""
+        kv = self.sched.kv
+        assert state.cross == kv.cross_block_ids(request_id)
+        if kv.cross is not None:
+            assert len(state.cross) == kv.cross_blocks_needed(self.sched.requests[request_id])
+            assert all(0 <= block < self.config.cross_kv_blocks for block in state.cross)
+
     def check_accounting(self) -> None:
         kv = self.sched.kv
         live = [r.request_id for r in self.sched.running] + [r.request_id for r in self.sched.waiting]
@@ -200,6 +210,13 @@ class FakeRunner:
             tables = [kv.window_block_ids(request_id)[group.window] for request_id in live]
             held = {block for table in tables for block in table if block != FREED}
             assert stats["used_blocks"] == len(held) <= group.num_blocks
+        if kv.cross is not None:
+            # Running requests hold whole cross tables, never shared; waiting ones hold none.
+            tables = [kv.cross_block_ids(request.request_id) for request in self.sched.running]
+            held = [block for table in tables for block in table]
+            assert len(set(held)) == len(held)
+            assert all(not kv.cross_block_ids(request.request_id) for request in self.sched.waiting)
+            assert kv.cross_stats()["used_blocks"] == len(held) == self.config.cross_kv_blocks - kv.cross.num_free_blocks
         # The scheduler's resident set is what the runner holds; every slot is free or used by one.
         cache = self.sched.encoder_cache
         for identifier in self.encoder_outputs:

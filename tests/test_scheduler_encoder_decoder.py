@@ -42,7 +42,9 @@ class EncoderDecoderRunner(FakeRunner):
         for request_id, num_new in out.num_scheduled_tokens.items():
             start, end = starts[request_id], starts[request_id] + num_new
             for item in self.states[request_id].items:
-                if item.length == 0 and start <= item.offset < end:
+                # As the runner does: at the chunk covering its offset, or at the first chunk
+                # after a prefix hit past it (the request has no cross state yet).
+                if item.length == 0 and item.offset < end and (start <= item.offset or request_id not in self.cross_state):
                     assert item.identifier in self.encoder_outputs, f"{request_id}: no output for {item.identifier}"
                     self.cross_state[request_id] = item.identifier
                     self.derivations += 1

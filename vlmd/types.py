@@ -97,8 +97,14 @@ class KVSpec:
     # full. The KV manager gives windowed layers their own block tables and KV tensors
     # (docs/decisions.md D91); the family's layers pass the same window to the attention.
     layer_windows: tuple[int | None, ...] = ()
+    # Cross-attention layers (an encoder-decoder's): their K/V, of the same kv_heads x head_dim,
+    # are computed once per request from its encoder output and held in the cross pool's
+    # blocks (docs/decisions.md D93); not among ``num_layers``.
+    num_cross_layers: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_cross_layers < 0:
+            raise ValueError(f"num_cross_layers must be >= 0, got {self.num_cross_layers}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if any(window is not None and window < 1 for window in self.layer_windows):
@@ -122,6 +128,10 @@ class KVSpec:
     def layer_bytes_per_token(self, dtype_bytes: int, window: int | None) -> int:
         """K and V of one token in the layers with ``window`` (None: the full-attention ones)."""
         return 2 * self.layers_with(window) * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def cross_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one encoder token in every cross-attention layer."""
+        return 2 * self.num_cross_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 @dataclass

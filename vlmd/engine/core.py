@@ -41,6 +41,9 @@ class EngineStats:
     # Per sliding-window KV group: window, num_blocks, used_blocks, peak_request_blocks
     # (KVCacheManager.window_stats); the num_kv_blocks / kv_usage above are the main group's.
     kv_window_groups: list[dict] = field(default_factory=list)
+    # The cross-attention pool (an encoder-decoder's): num_blocks, used_blocks,
+    # peak_request_blocks (KVCacheManager.cross_stats); None without cross-attention.
+    kv_cross: dict | None = None
 
 
 @dataclass
@@ -172,4 +175,5 @@ class EngineCore:
             num_requests_failed=self.num_requests_failed,
             num_prompt_tokens=self.num_prompt_tokens,
             kv_window_groups=kv.window_stats(),
+            kv_cross=kv.cross_stats(),
         )

@@ -3,7 +3,9 @@
 The main group (the full-attention layers, or every layer of a model without windows) is
 the table every request has always had. A window group (``kv_groups.py``) has its own pool
 and tables; its blocks that the request's window has left behind are given back as the
-request advances (``release_out_of_window``), their entries kept as ``FREED``.
+request advances (``release_out_of_window``), their entries kept as ``FREED``. An
+encoder-decoder's cross-attention layers have a pool of their own (``cross_kv.py``): a
+request's cross table is taken whole with its first allocation and freed with the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from vlmd.sched.block_hash import extend_block_hashes
 from vlmd.sched.block_pool import BlockPool
+from vlmd.sched.cross_kv import CrossPool, cross_blocks_for
 from vlmd.sched.kv_groups import FREED, WindowGroup, first_visible_block, window_hit_lengths
 from vlmd.sched.request import Request
 
@@ -55,7 +58,8 @@ class KVCacheManager:
     """Maps requests to block ids and grows their tables as they get longer."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window_groups: Sequence[WindowGroup] = ()):
+                 window_groups: Sequence[WindowGroup] = (), cross_blocks: int = 0):
+        """``cross_blocks``: the cross-attention pool's size (0: the model has no cross-attention)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._main = _Group(None, num_blocks, enable_prefix_caching)
@@ -64,6 +68,7 @@ class KVCacheManager:
             raise ValueError(f"two KV groups with one window: {list(window_groups)}")
         self._groups = [self._main, *self._windows]
         self.pool = self._main.pool
+        self.cross = CrossPool(cross_blocks) if cross_blocks else None
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -91,6 +96,21 @@ class KVCacheManager:
         return [{"window": group.window, "num_blocks": group.pool.num_blocks,
                  "used_blocks": group.pool.num_blocks - group.pool.num_free_blocks,
                  "peak_request_blocks": group.peak_request_blocks} for group in self._windows]
+
+    def cross_block_ids(self, request_id: str) -> list[int]:
+        """The request's cross-attention table (empty: none, or no cross pool), copied."""
+        return list(self.cross.tables.get(request_id, [])) if self.cross is not None else []
+
+    def cross_blocks_needed(self, request: Request) -> int:
+        """Cross-attention blocks the request's items need (0 without a cross pool)."""
+        return cross_blocks_for(request.num_cross_tokens, self.block_size) if self.cross is not None else 0
+
+    def cross_stats(self) -> dict | None:
+        """The cross pool: its size, the blocks requests hold now, the most one request held."""
+        if self.cross is None:
+            return None
+        return {"num_blocks": self.cross.num_blocks, "used_blocks": self.cross.num_used_blocks,
+                "peak_request_blocks": self.cross.peak_request_blocks}
 
     def computed_blocks(self, request: Request) -> PrefixHit:
         """The longest run of cached blocks that starts the request's tokens and that every
@@ -131,6 +151,8 @@ class KVCacheManager:
         """Grow the request's tables to hold ``num_total_tokens``; None if blocks run out in
         any group (then nothing is taken).
 
+        A request without a cross table yet (first scheduled, or resumed after preemption)
+        takes its whole table in the cross pool too, or waits with nothing taken.
         ``computed``: a prefix hit to adopt first (a request being admitted). Window blocks
         the request's next query (``request.num_computed_tokens``) cannot see are given back
         first. Returns only the main group's newly added block ids (the runner appends them;
@@ -150,6 +172,13 @@ class KVCacheManager:
             if missing > group.pool.num_free_blocks - group.pool.count_unreferenced(live_hits):
                 return None
             plans.append((group, adopted, live_hits, missing))
+        cross_missing = 0
+        if self.cross is not None and request_id not in self.cross.tables:
+            cross_missing = self.cross_blocks_needed(request)
+            if not self.cross.can_allocate(cross_missing):
+                return None
+        if cross_missing:
+            self.cross.allocate(request_id, cross_missing)
         for group, adopted, live_hits, missing in plans:
             group.pool.touch(live_hits)
             new_blocks = adopted + group.pool.allocate(max(missing, 0))
@@ -213,6 +242,8 @@ class KVCacheManager:
         return {(group.window, block_id) for group in self._groups for block_id in group.live(request_id)}
 
     def free(self, request_id: str) -> None:
+        if self.cross is not None:
+            self.cross.free(request_id)
         for group in self._groups:
             live = group.live(request_id)
             for mapping in (group.tables, group.num_cached, group.first_live, group.last_new):

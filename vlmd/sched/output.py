@@ -24,6 +24,9 @@ class NewRequestData:
     # Window -> the request's table in that window group (kv_groups.FREED where no block is
     # held: before its window); empty for a model without window groups.
     window_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    # The request's whole table in the cross-attention pool (sched/cross_kv.py), unchanged for
+    # its life (no deltas follow); empty without cross-attention items.
+    cross_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

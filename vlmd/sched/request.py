@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from vlmd.sched.cross_kv import cross_tokens_of
 from vlmd.types import EngineRequest, FinishReason, MultiModalItem, SamplingParams
 
 
@@ -27,6 +28,8 @@ class Request:
         self.sampling: SamplingParams = engine_request.sampling
         self.eos_token_ids = frozenset(engine_request.eos_token_ids)
         self.mm_items: list[MultiModalItem] = sorted(engine_request.mm_items, key=lambda it: it.offset)
+        # Encoder tokens its decoder cross-attends to (an encoder-decoder's): its cross table's size.
+        self.num_cross_tokens = cross_tokens_of(self.mm_items)
         self.num_prompt_tokens = len(engine_request.prompt_token_ids)
         self.all_token_ids: list[int] = list(engine_request.prompt_token_ids)
         self.arrival_time = engine_request.arrival_time

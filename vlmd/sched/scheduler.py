@@ -3,7 +3,9 @@
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting
 requests in arrival order while budget, sequence slots and KV blocks last. When blocks
 run out for a running request, the most recently admitted request is preempted: its
-blocks are freed and it later recomputes from scratch. No torch here.
+blocks are freed (its cross-attention blocks too) and it later recomputes from scratch. A
+request whose cross-attention table does not fit the cross pool now waits like one whose
+blocks do not fit the main pool. No torch here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # The sliding-window layers' KV groups (kv_groups.py); empty: one table for every layer.
     window_groups: tuple[WindowGroup, ...] = ()
+    # Blocks of the cross-attention pool (sched/cross_kv.py); 0: the model has no cross-attention.
+    cross_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -51,7 +55,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.window_groups)
+                                 config.window_groups, config.cross_kv_blocks)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -90,6 +94,15 @@ class Scheduler:
             raise RequestRejected(
                 f"a media item of {largest_run} tokens does not fit one step: each item is scheduled in one "
                 f"step, and --max-num-batched-tokens is {self.config.max_num_batched_tokens}"
+            )
+        cross_blocks = self.kv.cross_blocks_needed(request)
+        if cross_blocks > self.config.cross_kv_blocks:
+            # It could never be scheduled: it would wait at the head of the queue forever.
+            raise RequestRejected(
+                f"the media items of this request need {request.num_cross_tokens} cross-attention tokens "
+                f"({cross_blocks} blocks), more than the server's whole cross-attention pool of "
+                f"{self.config.cross_kv_blocks} blocks: send fewer items, or start the server with a higher "
+                "--limit-mm-per-prompt (the pool holds --max-num-seqs requests of that many items)"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -305,6 +318,7 @@ class Scheduler:
             sampling=request.sampling,
             block_ids=list(self.kv.block_ids(request.request_id)),
             window_block_ids=self.kv.window_block_ids(request.request_id),
+            cross_block_ids=self.kv.cross_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids=stop_ids + tuple(request.sampling.stop_token_ids),
             family_state=request.family_state,

@@ -117,6 +117,7 @@ class _EngineCollector:
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield from _window_group_metrics(stats.kv_window_groups)
+        yield from _cross_pool_metrics(stats.kv_cross)
         paths = CounterMetricFamily(
             "vlmd_decode_steps", "Steps of decodes alone, by path: fused (every layer in one native call, "
             "layers/cpu/fused_step.py) or modules (the model's layers one by one)", labels=["path"])
@@ -142,6 +143,19 @@ def _window_group_metrics(groups: list[dict]):
         for group in groups:
             family.add_metric([str(group["window"])], group[key])
         yield family
+
+
+def _cross_pool_metrics(cross: dict | None):
+    """The cross-attention pool (an encoder-decoder's encoder-side K/V, sched/cross_kv.py)."""
+    if cross is None:
+        return
+    for name, key, doc in (
+        ("vlmd_kv_cache_cross_total_blocks", "num_blocks", "Blocks of the cross-attention K/V pool"),
+        ("vlmd_kv_cache_cross_blocks", "used_blocks", "Cross-attention K/V blocks that requests hold now"),
+        ("vlmd_kv_cache_cross_peak_request_blocks", "peak_request_blocks",
+         "The most cross-attention K/V blocks one request has held"),
+    ):
+        yield GaugeMetricFamily(name, doc, value=cross[key])
 
 
 class Metrics:
