@@ -133,7 +133,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
         if spec.modality not in served:
             raise ValueError(f"this model takes no {spec.modality} (it takes: "
                              f"{', '.join(sorted(served)) or 'text only'})")
-    rows = []
+    rows, item_tokens = [], []
     for spec in items:
         size = spec.size
         if spec.modality == "video":  # the frames the decoder keeps, and their times
@@ -144,6 +144,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
         if spec.modality == "audio" and isinstance(processor, SpeechToTextProcessor):
             size, label = ItemSize(seconds=min(size.seconds, processor.window_seconds)), label + " (per window)"
         tokens = info.item_tokens(spec.modality, size, ctx.mm_processor_kwargs)
+        item_tokens.append(tokens)
         row = {"item": label, "modality": spec.modality, "prompt_tokens": tokens.replacement,
                "placeholder_tokens": tokens.placeholders, "encoder_tokens": tokens.encoder_tokens}
         if spec.modality == "video":
@@ -162,7 +163,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
         preprocessor = InputPreprocessor(processor, policy, {}, max_model_len)
         parts = [{"type": f"{spec.modality}_url", f"{spec.modality}_url": {"url": "cost:"}} for spec in items]
         prompt_ids, _ = preprocessor.chat_prompt_ids([{"role": "user", "content": [*parts, {"type": "text", "text": options.prompt}]}])
-        prompt = len(prompt_ids) - len(items) + sum(row["prompt_tokens"] for row in rows)
+        prompt = info.prompt_tokens(prompt_ids, item_tokens)
         requests = [{"request": "chat completion", "prompt_tokens": prompt}]
 
     spec = info.kv_spec()

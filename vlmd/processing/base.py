@@ -104,6 +104,13 @@ class BaseProcessingInfo(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement item_tokens")
 
+    def prompt_tokens(self, prompt_token_ids: list[int], items: list[ItemTokens]) -> int:
+        """The prompt's length once each item's marker in ``prompt_token_ids`` is replaced
+        (``vlmd cost``; ``items`` in marker order): the markers' replacements added up, unless
+        the family's processor also rewrites tokens beside a replacement (Gemma 3 joins
+        newlines across its edges), when the family counts what its ``apply`` gives."""
+        return len(prompt_token_ids) - len(items) + sum(item.replacement for item in items)
+
     def video_frame_indices(self, total: int, source_fps: float | None, policy) -> list[int]:
         """Which of a video's ``total`` frames the decoder keeps (``vlmd cost`` asks too): the
         media policy's count spread from the first frame (``vlmd.media.video``), unless the

@@ -4,9 +4,13 @@ The chat template leaves ``<start_of_image>`` per image; transformers' processor
 it with ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` x ``<image_soft_token>`` +
 ``<end_of_image>\\n\\n``, and with pan-and-scan crops with "Here is the original image
 {that} and here are some crops to help you see better {that} {that} ...". The replacement
-here is that text tokenized by the checkpoint's tokenizer (special tokens split it), so the
-prompt ids equal transformers' wherever its tokenizer does not merge these newlines with
-the text around the marker. Rescale and normalisation happen on the device (``model.py``).
+here is that text tokenized by the checkpoint's tokenizer (special tokens split it).
+Gemma's tokenizer writes a run of up to four newlines as one token, and transformers
+tokenizes the expanded text whole, so the "\n" the chat template writes before the marker
+and the sequence's "\n\n" are one "\n\n\n" token there (two images in a row: "\n\n\n\n");
+the expanded prompt's newline tokens are joined as vLLM's Gemma 3 processor joins them
+(``join_newlines``), which gives transformers' ids. Rescale and normalisation happen on the
+device (``model.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,36 @@ from vlmd.processing.base import (
     ItemSize,
     ItemTokens,
     ProcessedItem,
+    ProcessorOutput,
 )
 from vlmd.types import KVSpec
 from vlmd_gemma3.layer_kinds import layer_windows
 from vlmd_gemma3.settings import ImageSettings, crop_boxes, read_settings
+
+
+NEWLINE_RUNS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+
+def join_newlines(token_ids: list[int], newline_ids: tuple[int, int, int, int]) -> tuple[list[int], list[int]]:
+    """``token_ids`` with adjacent newline tokens joined as the tokenizer would have written
+    them, and where each old position went: "\n" "\n\n" and "\n\n" "\n" become "\n\n\n",
+    "\n\n" "\n\n" becomes "\n\n\n\n", in vLLM's order (three passes, left to right), so both
+    servers give the same prompt."""
+    one, two, three, four = newline_ids
+    ids, where = list(token_ids), list(range(len(token_ids)))
+    for pair, joined in (((one, two), three), ((two, one), three), ((two, two), four)):
+        out, moved, index = [], [0] * len(ids), 0
+        while index < len(ids):
+            if index + 1 < len(ids) and (ids[index], ids[index + 1]) == pair:
+                moved[index] = moved[index + 1] = len(out)
+                out.append(joined)
+                index += 2
+            else:
+                moved[index] = len(out)
+                out.append(ids[index])
+                index += 1
+        ids, where = out, [moved[position] for position in where]
+    return ids, where
 
 
 class Gemma3ProcessingInfo(BaseProcessingInfo):
@@ -40,6 +70,11 @@ class Gemma3ProcessingInfo(BaseProcessingInfo):
         self.image_token_id = int(config.image_token_index)
         self.boi_token_id = int(config.boi_token_index)
         self.eoi_token_id = int(config.eoi_token_index)
+        # Gemma's newline-run tokens, when the tokenizer has all four (a tokenizer without
+        # them never writes a run as one token, so there is nothing to join).
+        vocab = ctx.tokenizer.get_vocab() if ctx.tokenizer is not None else {}
+        self.newline_ids = (tuple(vocab[run] for run in NEWLINE_RUNS)
+                            if all(run in vocab for run in NEWLINE_RUNS) else None)
 
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {"image": None}
@@ -86,10 +121,45 @@ class Gemma3ProcessingInfo(BaseProcessingInfo):
         """An image and its crops: one image sequence each, text between them."""
         crops = len(crop_boxes(size.width, size.height, self.settings.with_kwargs(kwargs)))
         ids, first, last, _ = self.replacement(crops)
-        return ItemTokens(replacement=len(ids), placeholders=last - first, encoder_tokens=last - first)
+        return ItemTokens(replacement=len(ids), placeholders=last - first, encoder_tokens=last - first,
+                          layout={"crops": crops} if crops else {})
+
+    def prompt_tokens(self, prompt_token_ids: list[int], items: list[ItemTokens]) -> int:
+        """The expanded prompt's length after its newlines are joined (``join_newlines``): one
+        fewer for each image right after the chat template's "\n" or after another image."""
+        if self.newline_ids is None:
+            return super().prompt_tokens(prompt_token_ids, items)
+        expanded, markers = [], iter(items)
+        for token in prompt_token_ids:
+            if token != self.boi_token_id:
+                expanded.append(token)
+                continue
+            item = next(markers, None)
+            if item is None:
+                raise ValueError("more image markers in the prompt than items")
+            expanded.extend(self.replacement(int(item.layout.get("crops", 0)))[0])
+        if next(markers, None) is not None:
+            raise ValueError("more items than image markers in the prompt")
+        return len(join_newlines(expanded, self.newline_ids)[0]) if items else len(expanded)
 
 
 class Gemma3Processor(BaseMultiModalProcessor):
+    def apply(self, prompt_token_ids: list[int], media: dict[str, list[Any]],
+              kwargs: dict[str, Any] | None = None) -> ProcessorOutput:
+        """The base expansion, then the newlines around the images joined (module docstring);
+        a text-only prompt is left as tokenized, as vLLM leaves it."""
+        output = super().apply(prompt_token_ids, media, kwargs)
+        info: Gemma3ProcessingInfo = self.info
+        if info.newline_ids is None or not output.items:
+            return output
+        ids, where = join_newlines(output.prompt_token_ids, info.newline_ids)
+        if len(ids) == len(output.prompt_token_ids):
+            return output
+        for item in output.items:
+            # An item's run is image tokens, which are never joined: its start only moves left.
+            item.offset = where[item.offset]
+        return ProcessorOutput(ids, output.items, self.family_state(ids, output.items))
+
     def process_item(self, modality: str, media: Any, kwargs: dict[str, Any]) -> ProcessedItem:
         info: Gemma3ProcessingInfo = self.info
         settings = info.settings.with_kwargs(kwargs)

@@ -1,8 +1,10 @@
 """Deterministic random Gemma 3 checkpoints for tests (``Gemma3ForConditionalGeneration``).
 
 Written from transformers' own config classes, loadable offline by transformers and vlmd:
-``config.json``, ``model.safetensors`` (float32), the tokenizer with Gemma 3's chat template
-and special tokens, ``preprocessor_config.json`` / ``processor_config.json`` (PIL image
+``config.json``, ``model.safetensors`` (float32), a Gemma-style tokenizer (``tokenizer.py``:
+SentencePiece-style BPE with byte fallback, single-token newline runs, Gemma's special
+tokens and ids, so vLLM's Gemma 3 processor loads it too) with Gemma 3's chat template,
+``preprocessor_config.json`` / ``processor_config.json`` (PIL image
 processor, pan-and-scan settings) and ``vlmd_tiny.json``.
 
 The tiny decoder keeps what makes Gemma 3 different, at sizes that make tests exercise it:
@@ -19,11 +21,11 @@ from pathlib import Path
 
 from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
+from vlmd_gemma3.tokenizer import LEADING_SPECIAL_TOKENS, TRAILING_SPECIAL_TOKENS, build_gemma_tokenizer
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "SIZES", "build_tiny_gemma3", "gemma3_config"]
 
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                  "<end_of_image>", "<image_soft_token>")
+SPECIAL_TOKENS = (*LEADING_SPECIAL_TOKENS, *TRAILING_SPECIAL_TOKENS)
 IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 SIZES: dict[str, dict] = {
@@ -74,12 +76,10 @@ _EXTRA_WORDS = ("user", "model", "What", "Describe", "image", "Here", "is", "the
 
 
 def _build_tokenizer(seed: int, vocab_size: int):
-    from vlmd.tiny.tokenizer_builder import build_bpe_tokenizer
-
-    return build_bpe_tokenizer(
-        seed=seed, vocab_size=vocab_size, trailing_special_tokens=SPECIAL_TOKENS, extra_words=_EXTRA_WORDS,
+    return build_gemma_tokenizer(
+        seed=seed, vocab_size=vocab_size, extra_words=_EXTRA_WORDS,
         tokenizer_kwargs=dict(
-            bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+            bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
             extra_special_tokens=IMAGE_TOKENS,
             model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
             chat_template=GEMMA3_CHAT_TEMPLATE,
