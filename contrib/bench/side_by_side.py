@@ -57,9 +57,14 @@ IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "ge
 WORKLOADS = (("c1_new", 1, False), ("c1_repeated", 1, True), ("c8_new", 8, False), ("c8_repeated", 8, True))
 
 
+# Families whose tiny checkpoint vLLM loads only from the published layout (``published_layout``).
+PUBLISHED_LAYOUT_FAMILIES = ("llava", "gemma3")
+
+
 def published_layout(model_dir: str) -> str:
-    """The checkpoint with its CLIP tower under ``vision_tower.vision_model.`` (LLaVA-1.5's
-    published layout), written beside it once.
+    """The checkpoint with its vision tower (LLaVA-1.5's CLIP, Gemma 3's SigLIP) under
+    ``vision_tower.vision_model.`` (the published layout), written beside it, again whenever
+    the checkpoint is newer than the copy (a rebuilt tokenizer or weights must reach both).
 
     The tiny builder saves transformers 5's layout (``vision_tower.embeddings...``), which
     vLLM 0.32's loader rejects; vlmd reads either. Both servers then load this same copy.
@@ -69,11 +74,12 @@ def published_layout(model_dir: str) -> str:
 
     source = Path(model_dir)
     target = source.parent / (source.name + "-published")
-    if (target / "model.safetensors").exists():
-        return str(target)
     files = sorted(source.glob("*.safetensors"))
     if len(files) != 1:
         raise ValueError(f"expected one .safetensors file in {source}, found {len(files)}")
+    newest_source = max(item.stat().st_mtime for item in source.iterdir() if item.is_file())
+    if (target / "model.safetensors").exists() and (target / "model.safetensors").stat().st_mtime >= newest_source:
+        return str(target)
     target.mkdir(exist_ok=True)
     for item in source.iterdir():
         if item.suffix != ".safetensors" and item.is_file():
@@ -291,7 +297,7 @@ def main() -> None:
         if not (target / "config.json").exists():
             build_tiny(args.family, target, seed=0, size=args.size)
         model_dir = str(target)
-    if args.family == "llava":
+    if args.family in PUBLISHED_LAYOUT_FAMILIES:
         model_dir = published_layout(model_dir)
 
     servers: dict = {}
