@@ -204,5 +204,9 @@ def test_parity_tp2_split_across_steps_and_preempted(tiny_mllama_dir, references
             if metrics["vlmd_num_preemptions_total"] > 0:
                 break
         assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+        # The cross-attention pool holds --max-num-seqs requests of two images; every request's
+        # blocks, the preempted ones' included, came back when it finished (D93).
+        assert metrics["vlmd_kv_cache_cross_peak_request_blocks"] > 0
+        assert metrics["vlmd_kv_cache_cross_blocks"] == 0
     finally:
         server.stop()

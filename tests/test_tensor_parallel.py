@@ -182,7 +182,13 @@ def test_whisper_tp2_concurrent_chunked_preempted(tiny_whisper_dir, tmp_path):
                                             task="transcribe")
             expected = processor.tokenizer.decode(reference["output_token_ids"], skip_special_tokens=True).strip()
             assert orjson.loads(body)["text"] == expected
-        assert server.metrics()["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+        metrics = server.metrics()
+        assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+        # Every window's cross-attention blocks (1,500 frames: 94 blocks of 16) came back to
+        # the pool, the preempted ones' included (D93).
+        assert metrics["vlmd_kv_cache_cross_total_blocks"] == 8 * 94
+        assert metrics["vlmd_kv_cache_cross_peak_request_blocks"] == 94
+        assert metrics["vlmd_kv_cache_cross_blocks"] == 0
     finally:
         server.stop()
 

@@ -100,6 +100,11 @@ def test_tiny_whisper_matches_transformers(tiny_whisper_dir, regime):
         assert_greedy_match(outputs[request_id], reference)
     if "num_kv_blocks" in regime:
         assert built.core.scheduler.num_preemptions > 0
+    # Each window held its whole cross-attention table (1,500 frames: 94 blocks of 16), and
+    # every request's blocks, a preempted one's included, are back in the pool (D93).
+    cross = built.core.stats().kv_cross
+    assert cross["peak_request_blocks"] == 94 and cross["used_blocks"] == 0
+    assert cross["num_blocks"] == 94 * built.scheduler_config.max_num_seqs
 
 
 def test_language_detection_matches_transformers(tiny_whisper_dir):

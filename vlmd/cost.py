@@ -5,7 +5,8 @@ same method) and the prompt from the server's own chat-template step, so the pro
 printed here are the ``usage.prompt_tokens`` the server reports for the same request. KV
 bytes come from the config's decoder shape, rounded up to whole blocks; sliding-window
 layers count the blocks their window holds (their own KV group, docs/decisions.md D91), and
-the cache is split between the groups as the server's memory plan splits it.
+the cache is split between the groups as the server's memory plan splits it; an
+encoder-decoder's cross-attention pool is sized as the server sizes it (D93).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any
 
 from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, media_policy_fields, serve_setting, setting_default
 from vlmd.engine.memory_plan import (
-    GIB, blocks_for_tokens, cross_kv_bytes_per_request, items_per_request, kv_budget_bytes, kv_group_sizes,
-    split_kv_blocks, window_blocks_for,
+    GIB, blocks_for_tokens, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_budget_bytes,
+    kv_group_sizes, split_kv_blocks, window_blocks_for,
 )
 from vlmd.processing.base import ItemSize, ProcessingContext
+from vlmd.sched.cross_kv import cross_blocks_for
 from vlmd.sched.kv_groups import window_blocks_held
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
@@ -181,7 +183,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
                        fits_max_model_len=request["prompt_tokens"] < max_model_len and kv_tokens <= max_model_len)
         if window_kv:
             request["window_kv"] = window_kv
-    cross_kv = _cross_kv(options, info, items, max_model_len)
+    cross_kv = _cross_kv(options, info, items)
     cache = _cache(options, info, rows, per_block, hf_config, cross_kv["bytes"], windows)
     most_blocks = max(request["kv_blocks"] for request in requests)
     cache["requests_held"] = cache["num_kv_blocks"] // most_blocks if most_blocks else 0
@@ -196,17 +198,21 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     }
 
 
-def _cross_kv(options: CostOptions, info, items: list[ItemSpec], max_model_len: int) -> dict:
-    """Cross-attention K/V (held per running request, outside the KV cache, as the server's
-    memory plan counts them): of these items, of a request's most, and of --max-num-seqs."""
-    dtype_bytes = _DTYPE_BYTES[options.dtype]
+def _cross_kv(options: CostOptions, info, items: list[ItemSpec]) -> dict:
+    """The cross-attention pool as the server's memory plan sizes it (an encoder-decoder's,
+    D93): these items' cross table, a request's most, and the pool for --max-num-seqs of them."""
+    block = options.block_size
+    block_bytes = info.kv_spec().cross_bytes_per_token(_DTYPE_BYTES[options.dtype]) * block
     limits = {m: count for m, count in options.limit_mm_per_prompt.items() if count != 0}
     supported = {m: limit for m, limit in info.supported_mm_limits().items() if options.limit_mm_per_prompt.get(m) != 0}
-    counts = items_per_request(supported, limits, max_model_len)
-    most = cross_kv_bytes_per_request(info, counts, dtype_bytes)
-    return {"request_bytes": sum(info.cross_kv_bytes_per_item(spec.modality, dtype_bytes) for spec in items),
-            "items_per_request": counts, "max_request_bytes": most, "max_num_seqs": options.max_num_seqs,
-            "bytes": most * options.max_num_seqs}
+    counts = cross_items_per_request(supported, limits)
+    most = cross_tokens_per_request(info, counts)
+    tokens = sum(info.cross_kv_tokens_per_item(spec.modality) for spec in items)
+    blocks = cross_pool_blocks(most, block, options.max_num_seqs)
+    return {"request_tokens": tokens, "request_blocks": cross_blocks_for(tokens, block),
+            "request_bytes": cross_blocks_for(tokens, block) * block_bytes, "items_per_request": counts,
+            "max_request_bytes": cross_blocks_for(most, block) * block_bytes, "max_num_seqs": options.max_num_seqs,
+            "num_blocks": blocks, "block_bytes": block_bytes, "bytes": blocks * block_bytes}
 
 
 def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> list[dict]:
@@ -350,9 +356,9 @@ def format_table(report: dict[str, Any]) -> str:
     cross = report["cross_kv"]
     if cross["max_request_bytes"]:
         held = ", ".join(f"{count} {modality}" for modality, count in cross["items_per_request"].items())
-        lines.append(f"cross-attention K/V (held per request, outside the KV cache): {_size(cross['request_bytes'])} "
-                     f"for these items; at most {_size(cross['max_request_bytes'])} a request ({held}), "
-                     f"{_size(cross['bytes'])} for --max-num-seqs {cross['max_num_seqs']}")
+        lines.append(f"cross-attention K/V (a pool of their own, held for a request's life): {cross['request_blocks']} "
+                     f"blocks = {_size(cross['request_bytes'])} for these items; the pool holds --max-num-seqs "
+                     f"{cross['max_num_seqs']} requests of {held}: {cross['num_blocks']} blocks = {_size(cross['bytes'])}")
     cache = report["cache"]
     groups = "".join(f" + {group['num_blocks']} blocks of the {group['window']}-token window's layers"
                      for group in cache.get("window_groups", ()))
@@ -362,7 +368,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  plan: {_size(cache['memory_bytes'])} x {cache['utilization']} - weights {_size(cache['weight_bytes'])}"
                      f" - activations {_size(cache['activation_bytes'])} - encoder cache {_size(cache['encoder_cache_bytes'])}"
                      f" ({cache['encoder_cache_tokens']} tokens)"
-                     f" - cross-attention K/V {_size(cache['cross_kv_bytes'])}")
+                     f" - cross-attention pool {_size(cache['cross_kv_bytes'])}")
     return "\n".join(lines)
 
 

@@ -28,7 +28,9 @@ from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.processing.speech import SpeechToTextProcessor
 from vlmd.processing.transcription import TranscriptionPreprocessor
-from vlmd.engine.memory_plan import MemoryPlan, cross_kv_bytes_per_request, items_per_request, kv_group_sizes
+from vlmd.engine.memory_plan import (
+    MemoryPlan, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_group_sizes,
+)
 from vlmd.engine.profile import profile_peak, unprofiled, worst_case_runs
 from vlmd.host import last_level_cache_bytes
 from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
@@ -219,22 +221,24 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         profile = unprofiled()
     width = processor.info.encoder_output_width()  # values in one cached encoder vector
     weight_bytes = weight_bytes_of(model)
-    # Cross-attention K/V a request holds for its life (per-request tensors, not blocks); a
-    # tensor-parallel rank holds its share of the heads.
-    cross_kv = cross_kv_bytes_per_request(
-        info, items_per_request({m: supported[m] for m in modalities}, config.limit_mm_per_prompt, max_model_len),
-        dtype.itemsize) // config.tensor_parallel_size
+    # The cross-attention pool: --max-num-seqs requests of the items a prompt may carry (D93); a
+    # tensor-parallel rank's blocks hold its shard of the heads (the model's spec is the shard's).
+    cross_tokens = cross_tokens_per_request(
+        info, cross_items_per_request({m: supported[m] for m in modalities}, config.limit_mm_per_prompt))
+    cross = (cross_pool_blocks(cross_tokens, config.block_size, config.max_num_seqs),
+             model.kv_spec.cross_bytes_per_token(dtype.itemsize) * config.block_size)
     # Sliding-window layers get KV groups of their own, at their worst case (D91).
     main_bytes_per_block, windows = kv_group_sizes(model.kv_spec, dtype.itemsize, config.block_size,
                                                    config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     plan = plan_kv_cache(config, device, profile, weight_bytes, main_bytes_per_block,
-                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross_kv, windows)
+                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross, windows)
     num_blocks = plan.num_kv_blocks
     window_blocks = {window: blocks for window, blocks, _ in plan.window_groups}
     scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks, window_groups=tuple(
-        WindowGroup(window, blocks) for window, blocks in window_blocks.items()))
+        WindowGroup(window, blocks) for window, blocks in window_blocks.items()), cross_kv_blocks=plan.cross_kv_blocks)
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device,
-                         attention_kernels=config.attention_kernels, window_blocks=window_blocks)
+                         attention_kernels=config.attention_kernels, window_blocks=window_blocks,
+                         cross_blocks=plan.cross_kv_blocks)
     if tensor_parallel is None:
         executor, torch_threads = InProcessExecutor(runner), config.torch_threads
         if torch_threads is None:

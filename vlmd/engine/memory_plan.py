@@ -1,12 +1,14 @@
 """The memory plan: what is left for the KV cache after weights, activations and the encoder.
 
     KV budget = memory x utilisation - (weights + the rest of the process) - activation peak
-                - encoder cache - cross-attention K/V x --max-num-seqs
+                - encoder cache - the cross-attention pool
 
 Cross-attention K/V (an encoder-decoder's, computed once per request from its items' encoder
-output and held for the request's life) are per-request tensors, not paged blocks: each of
-``--max-num-seqs`` running requests may hold as many as its family declares
-(``BaseProcessingInfo.cross_kv_bytes_per_item`` x the items a prompt may carry).
+output and held for the request's life) live in a pool of blocks of their own
+(``vlmd/sched/cross_kv.py``), sized to hold ``--max-num-seqs`` requests of the items a prompt
+may carry (a modality without any limit counts one item: more wait for room, docs/decisions.md
+D93): ``cross_pool_blocks``. The utilisation pays for it before the KV cache gets the rest;
+--kv-cache-gb and --num-kv-blocks size the self-attention cache, the cross pool beside it.
 
 The KV cache is per KV group (``vlmd/sched/kv_groups.py``): a model with sliding-window
 layers gives each window's layers a pool sized to its worst case (what the running requests'
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from vlmd.sched.cross_kv import cross_blocks_for
 from vlmd.sched.kv_groups import separate_windows, window_pool_blocks
 from vlmd.types import KVSpec
 
@@ -85,8 +88,11 @@ class MemoryPlan:
     block_size: int
     num_kv_blocks: int
     max_model_len: int
-    cross_kv_bytes_per_request: int = 0  # the most cross-attention K/V one request holds (0: none)
-    max_num_seqs: int = 0  # requests that may hold them at once
+    # The cross-attention pool (an encoder-decoder's, sched/cross_kv.py): its blocks and the
+    # bytes of a block in every cross-attention layer (0: no cross-attention).
+    cross_kv_blocks: int = 0
+    cross_kv_bytes_per_block: int = 0
+    max_num_seqs: int = 0  # the requests the cross pool is sized for
     # Sliding-window layers' KV groups: (window, blocks, bytes a block) each; the fields above
     # (num_kv_blocks, kv_bytes_per_block) are then the full-attention layers' group.
     window_groups: tuple[tuple[int, int, int], ...] = ()
@@ -101,7 +107,7 @@ class MemoryPlan:
 
     @property
     def cross_kv_bytes(self) -> int:
-        return self.cross_kv_bytes_per_request * self.max_num_seqs
+        return self.cross_kv_blocks * self.cross_kv_bytes_per_block
 
     @property
     def planned_bytes(self) -> int:
@@ -133,8 +139,8 @@ def kv_budget_bytes(
     if used >= allowed:
         cross = ""
         if cross_kv_bytes:
-            cross = (f", the cross-attention K/V of the running requests {cross_kv_bytes / GIB:.2f} GiB (lower "
-                     "--max-num-seqs or --limit-mm-per-prompt)")
+            cross = (f", the cross-attention pool {cross_kv_bytes / GIB:.2f} GiB (lower --max-num-seqs or "
+                     "--limit-mm-per-prompt)")
         raise ValueError(
             f"{utilization:.0%} of {total_bytes / GIB:.2f} GiB is {allowed / GIB:.2f} GiB, but weights and the rest "
             f"of the process take {base_bytes / GIB:.2f} GiB, activations {activation_bytes / GIB:.2f} GiB, the "
@@ -144,24 +150,26 @@ def kv_budget_bytes(
     return allowed - used
 
 
-def items_per_request(
-    supported: dict[str, int | None], flag_limits: dict[str, int], max_model_len: int
-) -> dict[str, int]:
-    """The most items of each modality one request carries: the family's own limit narrowed by
-    --limit-mm-per-prompt; where neither sets one, the prompt does (an item without its own
-    limit takes at least one prompt token, so fewer than max_model_len fit)."""
+def cross_items_per_request(supported: dict[str, int | None], flag_limits: dict[str, int]) -> dict[str, int]:
+    """The items of each modality the cross pool provisions per running request: the family's
+    own limit narrowed by --limit-mm-per-prompt; where neither sets one, one item (a request
+    with more waits for room, and one larger than the whole pool is refused)."""
     counts = {}
     for modality, limit in supported.items():
-        flag = flag_limits.get(modality)
-        bounds = [value for value in (limit, flag) if value is not None]
-        counts[modality] = min(bounds) if bounds else max_model_len - 1
+        bounds = [value for value in (limit, flag_limits.get(modality)) if value is not None]
+        counts[modality] = min(bounds) if bounds else 1
     return counts
 
 
-def cross_kv_bytes_per_request(info, counts: dict[str, int], dtype_bytes: int) -> int:
-    """The most cross-attention K/V bytes one request holds: the family's bytes per item x the
-    items it may carry (0 for a family without cross-attention)."""
-    return sum(info.cross_kv_bytes_per_item(modality, dtype_bytes) * count for modality, count in counts.items())
+def cross_tokens_per_request(info, counts: dict[str, int]) -> int:
+    """Cross-attention tokens of ``counts`` items (0 for a family without cross-attention)."""
+    return sum(info.cross_kv_tokens_per_item(modality) * count for modality, count in counts.items())
+
+
+def cross_pool_blocks(tokens_per_request: int, block_size: int, max_num_seqs: int) -> int:
+    """The cross pool: ``max_num_seqs`` requests of ``tokens_per_request`` cross tokens, each
+    table whole blocks (0: no cross-attention)."""
+    return max_num_seqs * cross_blocks_for(tokens_per_request, block_size)
 
 
 def blocks_for_bytes(budget_bytes: float, kv_bytes_per_block: int) -> int:

@@ -72,6 +72,7 @@ class StartupPlan:
     kv_spec: tuple[int, int, int]  # (layers, kv heads per rank, head dim): checked by each rank
     seed: int
     window_blocks: dict[int, int] = field(default_factory=dict)  # window -> its KV group's blocks
+    cross_blocks: int = 0  # the cross-attention pool's blocks (sched/cross_kv.py)
 
 
 def is_collective_error(exc: BaseException) -> bool:

@@ -80,12 +80,13 @@ def weight_bytes_of(model: torch.nn.Module) -> int:
 
 def plan_kv_cache(
     config: ServeConfig, device: torch.device, profile: ProfileResult, weight_bytes: int, kv_bytes_per_block: int,
-    encoder_cache_bytes: int, max_model_len: int, cross_kv_bytes_per_request: int = 0,
+    encoder_cache_bytes: int, max_model_len: int, cross: tuple[int, int] = (0, 0),
     windows: tuple[WindowLayers, ...] = (),
 ) -> MemoryPlan:
     """KV blocks from, in order: --num-kv-blocks, --kv-cache-gb, the utilisation of the
     device's memory (CUDA: --gpu-memory-utilization; CPU: --memory-utilization), else 4 GiB.
-    The utilisation also pays for the cross-attention K/V of --max-num-seqs requests.
+    ``cross``: the cross-attention pool's (blocks, bytes a block), which the utilisation pays
+    for first (memory_plan.cross_pool_blocks; the other sources size the self-attention cache).
     ``kv_bytes_per_block``: a block of the main group; ``windows``: the sliding-window layers
     with groups of their own, which a byte budget pays for first (--num-kv-blocks counts
     the main group's blocks: memory_plan.split_kv_blocks)."""
@@ -109,7 +110,7 @@ def plan_kv_cache(
             # The processed-media cache shares the host's memory with the KV cache.
             base += int(config.mm_processor_cache_gb * GIB)
         budget = kv_budget_bytes(total, utilization, base, profile.activation_bytes, encoder_cache_bytes,
-                                 cross_kv_bytes_per_request * config.max_num_seqs)
+                                 cross[0] * cross[1])
         blocks, window_blocks = split_kv_blocks(budget, kv_bytes_per_block, windows)
     else:
         source = "kv-cache-gb"
@@ -118,7 +119,7 @@ def plan_kv_cache(
     return MemoryPlan(
         device=str(device), source=source, total_bytes=total, utilization=utilization, weight_bytes=weight_bytes,
         base_bytes=base, activation_bytes=profile.activation_bytes, encoder_peak_bytes=profile.encoder_peak_bytes,
-        encoder_cache_bytes=encoder_cache_bytes, cross_kv_bytes_per_request=cross_kv_bytes_per_request,
+        encoder_cache_bytes=encoder_cache_bytes, cross_kv_blocks=cross[0], cross_kv_bytes_per_block=cross[1],
         max_num_seqs=config.max_num_seqs, kv_bytes_per_block=kv_bytes_per_block,
         block_size=config.block_size, num_kv_blocks=blocks, max_model_len=max_model_len,
         window_groups=tuple((group.window, count, group.bytes_per_block) for group, count in zip(windows, window_blocks)),

@@ -58,7 +58,8 @@ class TensorParallelStart:
         channel = StepChannel(world.control, 0)
         spec = runner.model.kv_spec
         channel.send(Kind.STARTUP, StartupPlan(num_blocks, block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim),
-                                               seed, dict(runner.window_blocks)))
+                                               seed, dict(runner.window_blocks),
+                                               runner.cross_cache.num_blocks if runner.cross_cache is not None else 0))
         failed = channel.ack()
         if failed:
             raise ValueError(f"{failed} tensor-parallel rank(s) refused the start-up plan (see their log lines)")

@@ -26,12 +26,18 @@ class MultimodalModel(Protocol):
 
     Optional, for encoder-decoder models (Whisper), whose items have no placeholders:
     - ``is_encoder_decoder = True``;
-    - ``prepare_cross_attention(encoder_output) -> state``: computed once per request (e.g.
-      cross-attention K/V of every layer); the runner keeps it for the request's life, and
-      its bytes per item are what the family's processing info declares
-      (``cross_kv_bytes_per_item``: the memory plan reserves them for --max-num-seqs requests);
-    - ``forward(..., cross_states=[(first row, end row, state), ...])``, one per request in
-      batch order.
+    - ``kv_spec.num_cross_layers``: its cross-attention layers, whose K/V (the spec's heads
+      and head size) live in the cross pool's blocks (docs/decisions.md D93);
+    - ``prepare_cross_attention(encoder_output) -> [(K, V), ...]``: every cross-attention
+      layer's K and V ``[kv_heads, tokens, head_dim]``, computed once per request; the runner
+      writes them into the request's cross blocks (``runner/cross_cache.py``) and lets go of
+      them; their tokens per item are what the family's processing info declares
+      (``cross_kv_tokens_per_item``, the item's ``num_encoder_tokens``: the plan sizes the pool);
+      ``prepare_request_cross_attention(outputs, family_state)`` instead where several items
+      of a request are attended to together (Llama 3.2 Vision);
+    - ``forward(..., cross_states=[(first row, end row, CrossKV or None), ...])``, one per
+      request in batch order: its K/V read through its table (``CrossKV.kv``, per layer) and
+      its family state; None for a request without cross-attention items.
     - ``align_tokens(encoder_output, token_ids, first_row, num_frames) -> [rows, frames]``
       (numpy): how the output tokens fed after a prompt of ``first_row`` tokens attend to the
       audio's frames (word timestamps); the runner calls it on the engine thread between steps.

@@ -138,12 +138,17 @@ class BaseProcessingInfo(ABC):
         config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config
         return int(config.hidden_size)
 
-    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
-        """Bytes of cross-attention K/V one item of ``modality`` adds to its request (the
-        state ``prepare_cross_attention`` / ``prepare_request_cross_attention`` builds and the
-        runner keeps for the request's life), from the config alone. 0: the family has no
-        cross-attention. The memory plan reserves it for every running request."""
+    def cross_kv_tokens_per_item(self, modality: str) -> int:
+        """Encoder tokens one item of ``modality`` adds to its request's cross-attention K/V
+        (what ``prepare_cross_attention`` / ``prepare_request_cross_attention`` builds, held in
+        the request's blocks of the cross pool), from the config alone; 0: the family has no
+        cross-attention (``kv_spec().num_cross_layers`` is 0). It must equal the item's
+        ``num_encoder_tokens``: the scheduler sizes a request's cross table from those."""
         return 0
+
+    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
+        """Bytes of cross-attention K/V one item of ``modality`` adds to its request."""
+        return self.cross_kv_tokens_per_item(modality) * self.kv_spec().cross_bytes_per_token(dtype_bytes)
 
     def kv_spec(self) -> KVSpec:
         """The decoder's paged-cache shape, from the checkpoint config alone (no weights).

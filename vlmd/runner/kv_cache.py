@@ -51,6 +51,20 @@ def allocate_kv_caches(
     return caches
 
 
+def allocate_cross_caches(
+    spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per cross-attention layer over the cross pool, each ``[kv_heads,
+    blocks * block_size, head_dim]``: heads first, so a request's consecutive blocks are one
+    strided view ``[kv_heads, tokens, head_dim]`` that attention reads as it is (no copy).
+    Zeroed like the paged cache, lazily on the CPU."""
+    shape = (spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
+    if device is not None and device.type != "cpu":
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(spec.num_cross_layers)]
+    return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(spec.num_cross_layers)]
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from typing import Any
 
 import torch
 
 from vlmd.layers.attention import attention_backend_for
 from vlmd.models.base import MultimodalModel
 from vlmd.runner.batch import StepBatch, build_batch
+from vlmd.runner.cross_cache import CrossCache, cross_states
 from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.host_staging import HostStaging
 from vlmd.runner.kv_cache import allocate_kv_caches
@@ -25,13 +25,15 @@ class ModelRunner:
     def __init__(
         self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
         device: torch.device | None = None, samples: bool = True, attention_kernels: str = "auto",
-        window_blocks: dict[int, int] | None = None,
+        window_blocks: dict[int, int] | None = None, cross_blocks: int = 0,
     ):
         """``samples=False``: a tensor-parallel rank other than 0, which runs the forward
         (its collectives) but neither computes logits nor samples; it learns the tokens
         rank 0 sampled through :meth:`append_sampled` before the next step.
         ``window_blocks``: window -> blocks of that window group's pool (the scheduler's
-        ``window_groups``), whose layers get KV tensors of that size."""
+        ``window_groups``), whose layers get KV tensors of that size.
+        ``cross_blocks``: the cross-attention pool's blocks (the scheduler's ``cross_kv_blocks``),
+        for a model with cross-attention layers (``KVSpec.num_cross_layers``)."""
         self.model = model
         self.samples = samples
         # The one device of this runner: weights, KV cache, encoder outputs, sampler state
@@ -43,6 +45,10 @@ class ModelRunner:
         self.window_blocks = dict(window_blocks or {})
         self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device,
                                             self.window_blocks)
+        # None where no request can bring cross-attention items (a text-only Llama 3.2 Vision).
+        self.cross_cache = None
+        if model.kv_spec.num_cross_layers and cross_blocks:
+            self.cross_cache = CrossCache(model.kv_spec, cross_blocks, block_size, dtype, self.device)
         self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -59,6 +65,9 @@ class ModelRunner:
         # An encoder-decoder whose cross state comes from several items and the family
         # state: optional (docs/adding-a-family.md, step 5).
         self.prepare_request_cross_attention = getattr(model, "prepare_request_cross_attention", None)
+        # Either way, (encoder outputs, family state) -> each cross layer's K/V (cross_cache.py).
+        self.prepare_cross = self.prepare_request_cross_attention or (
+            lambda outputs, _family_state: model.prepare_cross_attention(outputs[-1]))
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -98,7 +107,8 @@ class ModelRunner:
             for row, features in spans:
                 embeds[row : row + len(features)] = features
         if getattr(self.model, "is_encoder_decoder", False):
-            extra["cross_states"] = self._cross_states(batch)
+            extra["cross_states"] = cross_states(batch, self.cross_cache, self.encoder_outputs, self.prepare_cross,
+                                                 self.prepare_request_cross_attention is None)
         # Given the sampled rows, the model returns only theirs (its last layer runs them alone).
         hidden = self.model.forward(embeds, batch.positions, batch.meta, self.kv_caches, outputs=batch.outputs, **extra)
 
@@ -212,44 +222,6 @@ class ModelRunner:
         if output is None:
             output = self.encode_items([item])[0]
         return align(output, token_ids, first_row, num_frames)
-
-    def _cross_states(self, batch: StepBatch) -> list[tuple[int, int, Any]]:
-        """(first row, end row, cross state) per request, for an encoder-decoder model.
-
-        A request's cross state (e.g. cross-attention K/V of every layer) is derived once,
-        from the encoder output of its item without placeholders, in the chunk that covers
-        the item's offset; it lives in the request's state until the request is dropped
-        (finished, aborted or preempted), so the encoder output itself may be evicted.
-
-        A model with ``prepare_request_cross_attention(outputs, family_state)`` gets the
-        outputs of all the items the chunk reaches at once, in prompt order, with the
-        request's family state (a decoder attending to several inputs, laid out by where
-        their tokens sit); a request without any such item then has no cross state (None in
-        its span: the model skips cross-attention for its rows).
-        """
-        spans = []
-        for piece in batch.slices:
-            state = piece.state
-            # A request admitted past its items' offsets (a prefix hit) has no cross state yet:
-            # its first chunk derives it from every item before the chunk's end.
-            reached = [item for item in state.mm_items if item.length == 0 and item.offset < piece.end
-                       and (piece.start <= item.offset or state.cross_state is None)]
-            outputs = []
-            for item in reached:
-                output = self.encoder_outputs.get(item.identifier)
-                if output is None:
-                    raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
-                outputs.append(output)
-            if outputs and self.prepare_request_cross_attention is not None:
-                state.cross_state = self.prepare_request_cross_attention(outputs, state.family_state)
-            elif outputs:
-                state.cross_state = self.model.prepare_cross_attention(outputs[-1])
-            if state.cross_state is None and (self.prepare_request_cross_attention is None
-                                              or any(item.length == 0 for item in state.mm_items)):
-                raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
-            spans.append((piece.row, piece.row + piece.count, state.cross_state))
-        return spans
-
 
 def encoder_spans(batch: StepBatch, encoder_outputs) -> list[tuple[int, torch.Tensor]]:
     """(first batch row, features ``[n, width]``) for each run of this step's placeholders:

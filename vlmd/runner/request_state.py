@@ -9,6 +9,7 @@ import torch
 
 from vlmd.runner.token_counts import TokenCounts
 from vlmd.runner.grammar_mask import GrammarState
+from vlmd.sched.cross_kv import cross_tokens_of
 from vlmd.sched.output import NewRequestData
 from vlmd.types import MultiModalItem, SamplingParams
 
@@ -24,9 +25,12 @@ class RunnerRequestState:
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
     family_state: Any = None  # the family's per-request object (the model reads it)
-    # Encoder-decoder models: what the decoder attends to (e.g. Whisper's cross-attention
-    # K/V), derived once from the encoder output and kept for the request's life.
-    cross_state: Any = None
+    # Encoder-decoder models: the request's table in the cross pool (runner/cross_cache.py),
+    # its cross tokens, and whether its cross-attention K/V are written there yet (derived once
+    # from the encoder output, in the first chunk that reaches its items).
+    cross_block_ids: list[int] = field(default_factory=list)
+    num_cross_tokens: int = 0
+    cross_ready: bool = False
     # Penalized requests only: counts of the tokens seen, built at the first sample.
     token_counts: TokenCounts | None = None
     # Structured output: the matcher, in the state this request's generated tokens lead to.
@@ -48,6 +52,8 @@ class RunnerRequestState:
             stop_token_ids=data.stop_token_ids,
             family_state=data.family_state,
             window_block_ids={window: list(table) for window, table in data.window_block_ids.items()},
+            cross_block_ids=list(data.cross_block_ids),
+            num_cross_tokens=cross_tokens_of(data.mm_items),
             # Rebuilt from scratch on every (re)admission: after a preemption the request
             # brings back the tokens it generated, and the matcher replays them.
             grammar=GrammarState(data.sampling.grammar, data.token_ids[data.num_prompt_tokens :])

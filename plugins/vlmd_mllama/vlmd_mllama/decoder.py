@@ -6,10 +6,12 @@ with a per-head RMSNorm against the request's image K/V (keys per-head RMSNormed
 rotary), ``o_proj``, added through ``tanh(attn_gate)``; then RMSNorm, the Llama MLP, zeroed on
 rows no image covers, added through ``tanh(mlp_gate)``. Its K/V depend only on the images, so
 they are computed once per request (:meth:`MllamaTextDecoder.cross_attention_state`) and
-kept by the runner for the request's life; each step hands them back as ``cross_states``:
-``(first row, end row, state)`` per request in the flattened batch, ``state`` None for a
-request without images, whose rows skip these layers (as transformers skips them for a
-text-only prompt). Which vision tokens each row may attend to is ``layout.py``'s.
+written by the runner into the request's blocks of the cross pool
+(``vlmd/runner/cross_cache.py``); each step hands them back as ``cross_states``: ``(first row,
+end row, CrossKV)`` per request in the flattened batch (the K/V read through its table, its
+layout as the family state), None for a request without images, whose rows skip these layers
+(as transformers skips them for a text-only prompt). Which vision tokens each row may attend
+to is ``layout.py``'s.
 """
 
 from __future__ import annotations
@@ -33,20 +35,13 @@ from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, rope_parameters
 from vlmd.models.base import KVSpec
 from vlmd.models.llama import LlamaDecoderLayer, LlamaMLP
-from vlmd_mllama.layout import CrossLayout, row_masks
+from vlmd.runner.cross_cache import CrossKV
+from vlmd_mllama.layout import row_masks
 
 
-@dataclass
-class CrossState:
-    """One request's cross-attention memory: per cross-attention layer, K and V
-    ``[kv_heads, vision_tokens, head_dim]`` of all its images (image, tile, patch order)."""
-
-    layout: CrossLayout
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+# One request's cross-attention memory as prepared: per cross-attention layer, K and V
+# ``[kv_heads, vision_tokens, head_dim]`` of all its images (image, tile, patch order).
+CrossState = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -56,7 +51,7 @@ class CrossRows:
     image covers (``[m, 1]``, 0.0 or 1.0: the MLP's row mask)."""
 
     rows: torch.Tensor
-    pieces: list[tuple[int, int, CrossState, torch.Tensor]]
+    pieces: list[tuple[int, int, CrossKV, torch.Tensor]]
     covered: torch.Tensor
 
 
@@ -149,13 +144,20 @@ class MllamaTextDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         first_self = next(layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer))
+        cross_heads = {self.layers[index].cross_attn.num_kv_heads for index in self.cross_layers}
+        if cross_heads - {first_self.self_attn.num_kv_heads}:
+            # The cross pool's tensors have the KV spec's heads (this rank's shard of them).
+            raise ValueError(f"cross-attention key-value heads {sorted(cross_heads)} differ from the self-attention's "
+                             f"{first_self.self_attn.num_kv_heads} on this rank")
+        # The cross-attention layers' K/V (same heads and head size) are the cross pool's.
         self.kv_spec = KVSpec(num_layers=config.num_hidden_layers - len(self.cross_layers),
-                              num_kv_heads=first_self.self_attn.num_kv_heads, head_dim=head_dim)
+                              num_kv_heads=first_self.self_attn.num_kv_heads, head_dim=head_dim,
+                              num_cross_layers=len(self.cross_layers))
         self.tokens_per_tile = 0  # set by the model: the tower's vectors per tile
         self.max_tiles = 0
 
-    def cross_attention_state(self, vision: torch.Tensor, layout: CrossLayout) -> CrossState:
-        return CrossState(layout, [self.layers[index].cross_attn.memory(vision) for index in self.cross_layers])
+    def cross_attention_state(self, vision: torch.Tensor) -> CrossState:
+        return [self.layers[index].cross_attn.memory(vision) for index in self.cross_layers]
 
     def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, cross_states,
                 outputs: OutputRows | None = None) -> torch.Tensor:
@@ -190,7 +192,8 @@ class MllamaTextDecoder(nn.Module):
         for start, end, state in cross_states:
             if state is None or end == start:
                 continue
-            allowed, row_covered = row_masks(state.layout, positions[start:end], self.max_tiles, self.tokens_per_tile)
+            allowed, row_covered = row_masks(state.family_state, positions[start:end], self.max_tiles,
+                                             self.tokens_per_tile)
             rows.append(torch.arange(start, end, device=positions.device))
             pieces.append((used, used + end - start, state, allowed))
             covered.append(row_covered)

@@ -3,8 +3,9 @@
 The runner treats it as an encoder-decoder (``is_encoder_decoder``): each image is an item
 without placeholders (``processing.py``); the runner encodes all of a request's images with
 its first chunk and asks :meth:`MllamaModel.prepare_request_cross_attention` once for the
-request's cross-attention K/V, which it keeps until the request is dropped; every step then
-hands them back per request as ``cross_states``.
+request's cross-attention K/V, which it writes into the request's blocks of the cross pool
+(held until the request is dropped); every step then hands them back per request as
+``cross_states``, read through its table, with the request's layout.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class MllamaModel(nn.Module):
         images' tower outputs (in prompt order) and where their tokens sit."""
         if not isinstance(family_state, CrossLayout) or len(family_state.tiles) != len(encoder_outputs):
             raise RuntimeError(f"{len(encoder_outputs)} images reached the decoder without their layout")
-        return self.language_model.cross_attention_state(torch.cat(encoder_outputs), family_state)
+        return self.language_model.cross_attention_state(torch.cat(encoder_outputs))
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, cross_states, outputs=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, cross_states, outputs)

@@ -76,20 +76,17 @@ class MllamaProcessingInfo(BaseProcessingInfo):
                           layout=layout)
 
     def kv_spec(self) -> KVSpec:
-        """The paged cache holds the self-attention layers only; the cross-attention layers'
-        K/V come from the images (the runner keeps them per request)."""
+        """The paged cache holds the self-attention layers; the cross-attention layers' K/V
+        come from the images, into the cross pool's blocks (same heads and head size)."""
         text = self.ctx.hf_config.text_config
         heads = int(text.num_attention_heads)
         return KVSpec(num_layers=int(text.num_hidden_layers) - len(text.cross_attention_layers),
-                      num_kv_heads=int(text.num_key_value_heads), head_dim=int(text.hidden_size) // heads)
+                      num_kv_heads=int(text.num_key_value_heads), head_dim=int(text.hidden_size) // heads,
+                      num_cross_layers=len(text.cross_attention_layers))
 
-    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
-        """Each cross-attention layer's K and V (``[kv_heads, vision_tokens, head_dim]``,
-        ``decoder.py``) of every tile the tower embeds for one image, padding tiles too."""
-        text = self.ctx.hf_config.text_config
-        head_dim = int(text.hidden_size) // int(text.num_attention_heads)
-        per_token = len(text.cross_attention_layers) * 2 * int(text.num_key_value_heads) * head_dim
-        return per_token * self.max_tiles * self.tokens_per_tile * dtype_bytes
+    def cross_kv_tokens_per_item(self, modality: str) -> int:
+        """Every tile the tower embeds for one image, padding tiles too (``decoder.py``)."""
+        return self.max_tiles * self.tokens_per_tile
 
 
 class MllamaProcessor(BaseMultiModalProcessor):

@@ -64,14 +64,14 @@ def cross_attention_weights(decoder, encoder_output: torch.Tensor, token_ids: li
         cross = layer.encoder_attn
         queries = cross.q_proj(layer.encoder_attn_layer_norm(hidden))
         queries = queries.view(len(token_ids), cross.num_heads, cross.head_dim).transpose(0, 1)
-        keys, values = cross.memory(memory)  # each [1, heads, frames, head_dim]
-        scores = torch.matmul(queries.float(), keys[0].float().transpose(-1, -2)) * cross.scale
+        keys, values = cross.memory(memory)  # each [heads, frames, head_dim]
+        scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * cross.scale
         probs = scores.softmax(dim=-1)  # [heads, tokens, frames]
         for head in wanted.get(index, ()):
             found[(index, head)] = probs[head]
         if index == max(wanted):
             break
-        attended = torch.matmul(probs.to(values.dtype), values[0]).transpose(0, 1).reshape(len(token_ids), -1)
+        attended = torch.matmul(probs.to(values.dtype), values).transpose(0, 1).reshape(len(token_ids), -1)
         hidden = hidden + cross.out_proj(attended)
         hidden = hidden + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(hidden))))
     return torch.stack([found[pair] for pair in heads])

@@ -4,10 +4,12 @@ Pre-LayerNorm blocks (self-attention, cross-attention, GELU MLP), learned positi
 the token embeddings, a final LayerNorm and the output projection tied to the token
 embeddings. Self-attention K/V live in the paged cache like any decoder's. Cross-attention
 K/V depend only on the request's encoder output: :meth:`WhisperDecoder.cross_attention_state`
-computes them once per request (every layer), the runner keeps them for the request's life and
-hands them back each step as ``cross_states``: ``(first row, end row, state)`` per request in
-the flattened batch. Cross-attention then runs per request (every Whisper window has the same
-1,500 encoder frames, but requests differ in how many rows they bring).
+computes them once per request (every layer), the runner writes them into the request's blocks
+of the cross pool (``vlmd/runner/cross_cache.py``) and hands them back each step as
+``cross_states``: ``(first row, end row, CrossKV)`` per request in the flattened batch, K and V
+``[heads, frames, head_dim]`` per layer (a view of the pool where the request's blocks are one
+run). Cross-attention then runs per request (every Whisper window has the same 1,500 encoder
+frames, but requests differ in how many rows they bring).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from vlmd.layers.linear import (
 from vlmd.models.base import KVSpec
 from vlmd.models.loader import load_into
 
-CrossState = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [1, heads, frames, head_dim]
+CrossState = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [heads, frames, head_dim]
 
 
 class WhisperSelfAttention(nn.Module):
@@ -67,8 +69,8 @@ class WhisperCrossAttention(nn.Module):
         """K and V of one request's encoder output ``[frames, d_model]``."""
         frames = encoder_output.shape[0]
         kv = self.kv_proj(encoder_output).view(frames, 2, self.num_heads, self.head_dim)
-        k, v = kv.permute(1, 2, 0, 3).unsqueeze(1).unbind(0)  # each [1, heads, frames, head_dim]
-        return k.contiguous(), v.contiguous()
+        k, v = kv.permute(1, 2, 0, 3).unbind(0)  # each [heads, frames, head_dim]
+        return k, v
 
     def forward(self, hidden: torch.Tensor, spans: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -76,7 +78,8 @@ class WhisperCrossAttention(nn.Module):
         out = torch.empty_like(q)
         for start, end, (k, v) in spans:
             queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-            attended = F.scaled_dot_product_attention(queries, k, v, scale=self.scale)
+            # K, V: [heads, frames, head_dim] views of the cross pool (strided by its size).
+            attended = F.scaled_dot_product_attention(queries, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale)
             out[start:end] = attended[0].transpose(0, 1)
         return self.out_proj(out.reshape(tokens, -1))
 
@@ -126,8 +129,9 @@ class WhisperDecoder(nn.Module):
         self.proj_out = ReplicatedLinear(d_model, config.vocab_size, bias=False)
         if self.tied:
             self.proj_out.weight = self.embed_tokens.weight
+        # Every layer cross-attends, with the self-attention's heads: their K/V are the cross pool's.
         self.kv_spec = KVSpec(num_layers=config.decoder_layers, num_kv_heads=self.layers[0].self_attn.num_heads,
-                              head_dim=d_model // heads)
+                              head_dim=d_model // heads, num_cross_layers=config.decoder_layers)
 
     def cross_attention_state(self, encoder_output: torch.Tensor) -> CrossState:
         return [layer.encoder_attn.memory(encoder_output) for layer in self.layers]
@@ -139,7 +143,7 @@ class WhisperDecoder(nn.Module):
         the used rows (and its cross-attention spans with them) would save next to nothing."""
         hidden = inputs_embeds + self.embed_positions(positions)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            spans = [(start, end, state[index]) for start, end, state in cross_states]
+            spans = [(start, end, cross.kv[index]) for start, end, cross in cross_states]
             hidden = layer(hidden, kv_cache, meta, spans)
         if outputs is not None:
             hidden = hidden[outputs.rows]

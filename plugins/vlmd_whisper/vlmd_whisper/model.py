@@ -3,8 +3,8 @@
 The encoder (two convolutions, sinusoidal positions, pre-LN transformer) needs no KV cache,
 so transformers' own ``WhisperEncoder`` is built from the checkpoint config; it turns one
 30 s window of log-mel features into 1,500 vectors. The decoder is ours
-(``decoder.py``): self-attention over the paged cache, cross-attention to K/V the
-runner keeps per request.
+(``decoder.py``): self-attention over the paged cache, cross-attention to K/V held in the
+request's blocks of the cross pool (docs/decisions.md D93).
 """
 
 from __future__ import annotations

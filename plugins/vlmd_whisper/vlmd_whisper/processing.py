@@ -74,13 +74,12 @@ class WhisperProcessingInfo(BaseProcessingInfo):
     def kv_spec(self) -> KVSpec:
         config = self.ctx.hf_config  # the decoder's self-attention is what the paged cache holds
         heads = int(config.decoder_attention_heads)
-        return KVSpec(num_layers=int(config.decoder_layers), num_kv_heads=heads, head_dim=int(config.d_model) // heads)
+        return KVSpec(num_layers=int(config.decoder_layers), num_kv_heads=heads, head_dim=int(config.d_model) // heads,
+                      num_cross_layers=int(config.decoder_layers))
 
-    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
-        """Every decoder layer's K and V of the window's encoder frames (``decoder.py``:
-        ``[1, heads, frames, head_dim]`` each)."""
-        config = self.ctx.hf_config
-        return int(config.decoder_layers) * 2 * int(config.d_model) * self.num_encoder_tokens() * dtype_bytes
+    def cross_kv_tokens_per_item(self, modality: str) -> int:
+        """Every decoder layer cross-attends to the window's encoder frames (``decoder.py``)."""
+        return self.num_encoder_tokens()
 
 
 class WhisperAudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):

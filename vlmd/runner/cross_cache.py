@@ -1,0 +1,131 @@
+"""Cross-attention K/V in the cross pool's blocks: written once per request, read every step.
+
+An encoder-decoder's prepare step (``prepare_cross_attention`` /
+``prepare_request_cross_attention``) turns a request's encoder output into every
+cross-attention layer's K and V; the runner writes them into the request's cross table
+(``NewRequestData.cross_block_ids``, allocated whole by the scheduler: sched/cross_kv.py) and
+lets go of them. Each step the model gets them back as a :class:`CrossKV` read through the
+table: a view of the pool's tensors where the table is one run of blocks (the usual case: the
+pool hands out runs first), a gather otherwise (docs/decisions.md D93).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmd.models.base import KVSpec
+from vlmd.runner.kv_cache import allocate_cross_caches
+from vlmd.sched.cross_kv import cross_blocks_for, is_consecutive
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class CrossKV:
+    """One request's cross-attention memory as the model reads it in a step: per
+    cross-attention layer, K and V ``[kv_heads, tokens, head_dim]`` (views of the pool, or
+    gathered), and the request's family state (where its tokens sit: Llama 3.2 Vision's
+    layout)."""
+
+    kv: list[LayerKV]
+    family_state: Any = None
+
+
+class CrossCache:
+    """The cross pool's K/V tensors, one pair per cross-attention layer."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | None = None):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.layers = allocate_cross_caches(spec, num_blocks, block_size, dtype, device)
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+    def write(self, table: Sequence[int], num_tokens: int, layers: Sequence[LayerKV]) -> None:
+        """Store a request's K/V (per layer ``[kv_heads, num_tokens, head_dim]``) in its table."""
+        if len(layers) != len(self.layers):
+            raise RuntimeError(f"the model prepared {len(layers)} cross-attention layers, the cache has {len(self.layers)}")
+        self._check_table(table, num_tokens)
+        slots = None if is_consecutive(table) else self._slots(table, num_tokens)
+        for (k_cache, v_cache), (k, v) in zip(self.layers, layers):
+            if k.shape[1] != num_tokens or v.shape[1] != num_tokens:
+                raise RuntimeError(f"the model prepared cross-attention K/V of {k.shape[1]} tokens for a request "
+                                   f"of {num_tokens}")
+            if slots is None:
+                start = table[0] * self.block_size
+                k_cache[:, start:start + num_tokens].copy_(k)
+                v_cache[:, start:start + num_tokens].copy_(v)
+            else:
+                k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
+                v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
+
+    def read(self, table: Sequence[int], num_tokens: int, family_state: Any = None) -> CrossKV:
+        """The request's K/V of every layer: views where its table is one run, else gathered."""
+        self._check_table(table, num_tokens)
+        if is_consecutive(table):
+            start = table[0] * self.block_size
+            kv = [(k[:, start:start + num_tokens], v[:, start:start + num_tokens]) for k, v in self.layers]
+        else:
+            slots = self._slots(table, num_tokens)
+            kv = [(k.index_select(1, slots), v.index_select(1, slots)) for k, v in self.layers]
+        return CrossKV(kv, family_state)
+
+    def _check_table(self, table: Sequence[int], num_tokens: int) -> None:
+        if len(table) != cross_blocks_for(num_tokens, self.block_size) or not table:
+            raise RuntimeError(f"a cross-attention table of {len(table)} blocks for {num_tokens} tokens")
+
+    def _slots(self, table: Sequence[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(list(table), dtype=torch.long)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
+        return slots.to(self.layers[0][0].device)
+
+
+def cross_states(batch, cache: CrossCache | None, encoder_outputs: Mapping[str, torch.Tensor],
+                 prepare: Callable[[list[torch.Tensor], Any], Sequence[LayerKV]],
+                 every_request_attends: bool) -> list[tuple[int, int, CrossKV | None]]:
+    """(first row, end row, cross K/V) per request of a step (a ``runner/batch.py`` batch),
+    for an encoder-decoder model.
+
+    A request's cross-attention K/V (every cross layer's) are derived once, by ``prepare``
+    from the encoder outputs of its items without placeholders (all of them at once, in
+    prompt order, with the request's family state), in the chunk that covers the items'
+    offset, and written into its cross table, where they stay until the request is dropped
+    (finished, aborted or preempted: the scheduler frees the blocks), so the encoder output
+    itself may be evicted. Each step reads them back through the table. A request without
+    such items has no cross K/V (None: the model skips cross-attention for its rows), which
+    only a model that attends to several optional items allows (``every_request_attends``
+    False: Llama 3.2 Vision; Whisper needs its audio).
+    """
+    spans = []
+    for piece in batch.slices:
+        state = piece.state
+        # A request admitted past its items' offsets (a prefix hit) has no cross K/V yet:
+        # its first chunk derives them from every item before the chunk's end.
+        reached = [item for item in state.mm_items if item.length == 0 and item.offset < piece.end
+                   and (piece.start <= item.offset or not state.cross_ready)]
+        outputs = []
+        for item in reached:
+            output = encoder_outputs.get(item.identifier)
+            if output is None:
+                raise RuntimeError(f"encoder output for {item.modality} item {item.identifier[:12]} is missing")
+            outputs.append(output)
+        if outputs:
+            if cache is None:
+                raise RuntimeError("cross-attention items reached a runner without a cross-attention pool")
+            cache.write(state.cross_block_ids, state.num_cross_tokens, prepare(outputs, state.family_state))
+            state.cross_ready = True
+        if not state.cross_ready and (every_request_attends or any(item.length == 0 for item in state.mm_items)):
+            raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
+        cross = None
+        if state.cross_ready:
+            cross = cache.read(state.cross_block_ids, state.num_cross_tokens, state.family_state)
+        spans.append((piece.row, piece.row + piece.count, cross))
+    return spans
