@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -194,5 +195,35 @@ def test_a_text_only_mllama_server_starts_and_serves_text(tiny_mllama_dir, tmp_p
         assert 400 <= status < 500, body
         line = next(line for line in server.log_path.read_text().splitlines() if "memory plan" in line)
         assert '"cross_kv_blocks": 0' in line or "cross_kv_blocks=0" in line
+    finally:
+        server.stop()
+
+
+def test_a_request_larger_than_the_cross_pool_is_refused_and_the_others_are_served(tiny_mllama_dir, tmp_path):
+    """No --limit-mm-per-prompt: the pool holds --max-num-seqs requests of one image each (two
+    here). Three images could never fit: a 400 at admission, not a request waiting forever;
+    two images and one image are both answered (one waiting for the other's blocks if they
+    meet), and every block is back in the pool afterwards."""
+    server = Server(tiny_mllama_dir, "--max-num-seqs", "2", "--max-model-len", "256",
+                    "--max-num-encoder-input-tokens", "65536", "--encoder-cache-size", "65536", log_dir=tmp_path)
+
+    def chat(images: int):
+        parts = [{"type": "image_url", "image_url": {"url": image_data_url(random_image(index, 50, 40))}}
+                 for index in range(images)]
+        return server.chat({"model": server.model, "max_tokens": 3, "temperature": 0,
+                            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}]})
+
+    try:
+        total = server.metrics()["vlmd_kv_cache_cross_total_blocks"]
+        per_image = total // 2
+        status, body = chat(3)
+        assert status == 400, body
+        assert "cross-attention pool" in json.dumps(body)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(chat, (2, 1)))
+        assert [status for status, _ in answers] == [200, 200], answers
+        metrics = server.metrics()
+        assert metrics["vlmd_kv_cache_cross_blocks"] == 0
+        assert metrics["vlmd_kv_cache_cross_peak_request_blocks"] == pytest.approx(2 * per_image, abs=1)
     finally:
         server.stop()
