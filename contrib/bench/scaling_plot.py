@@ -21,6 +21,10 @@ PANELS = {
 }
 
 
+# A server keeps its colour in every plot, whichever servers a run has.
+SERVER_COLOURS = {"vlmd": "C2", "vllm": "C1", "llama.cpp": "C0"}
+
+
 def read_lines(path: Path) -> list[dict]:
     """The JSON lines of a run; a line without sweep, server or x is not this script's."""
     lines = []
@@ -57,9 +61,11 @@ def plot(lines: list[dict], plot_dir: Path) -> list[Path]:
                     if line["server"] == server and line.get(key) is not None:
                         by_x.setdefault(line["x"], []).append(line[key])
                 xs = sorted(by_x)
-                axis.plot(xs, [statistics.median(by_x[x]) for x in xs], marker="o", label=server)
+                axis.plot(xs, [statistics.median(by_x[x]) for x in xs], marker="o", label=server,
+                          color=SERVER_COLOURS.get(server))
             axis.set_xscale("log", base=log_base)
-            axis.set_xticks(sorted(labels), [labels[x] for x in sorted(labels)], rotation=30 if sweep == "image" else 0)
+            axis.set_xticks(sorted(labels), [labels[x] for x in sorted(labels)], rotation=40 if sweep == "image" else 0,
+                            ha="right" if sweep == "image" else "center")
             axis.minorticks_off()
             axis.set_xlabel(x_name)
             axis.set_ylabel(y_name)
