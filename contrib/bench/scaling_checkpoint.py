@@ -78,7 +78,7 @@ def checkpoint(family: str, size: str, model_dir: str | None, positions: int, ma
         if not (target / "config.json").exists():
             build_tiny(family, target, seed=0, size=size)
         model_dir = str(target)
-    if family == "llava":
+    if family in side_by_side.PUBLISHED_LAYOUT_FAMILIES:  # the layout vLLM loads
         model_dir = side_by_side.published_layout(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     declared = (config.get("text_config") or config).get("max_position_embeddings", 0)
