@@ -223,6 +223,7 @@ class ModelRunner:
             output = self.encode_items([item])[0]
         return align(output, token_ids, first_row, num_frames)
 
+
 def encoder_spans(batch: StepBatch, encoder_outputs) -> list[tuple[int, torch.Tensor]]:
     """(first batch row, features ``[n, width]``) for each run of this step's placeholders:
     the slice of the item's stored encoder output that this chunk computes, whether the
