@@ -119,3 +119,30 @@ def test_the_backend_hands_prefill_chunks_to_the_kernel(monkeypatch, kernels, ex
         vs = keys[1][key_rows[0]:key_rows[1]].transpose(0, 1).repeat_interleave(2, 0)
         expected = _reference(q[rows[0]:rows[1]], ks, vs, start, True)
         torch.testing.assert_close(out[rows[0]:rows[1]].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_chunk_past_the_key_bound_takes_the_torch_path(monkeypatch):
+    """Past ``NATIVE_PREFILL_MAX_KEYS`` keys the kernel is slower than torch's flash
+    (``contrib/bench/bench_prefill_attention.py``): such a chunk is not handed to it, and the
+    answer is the same."""
+    from vlmd.layers.attention import cpu_paged
+
+    calls = []
+    real = native_prefill.paged_prefill
+    monkeypatch.setattr(native_prefill, "paged_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(cpu_paged, "NATIVE_PREFILL_MAX_KEYS", 12)
+    torch.manual_seed(2)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 16
+    k_cache = torch.randn(16 * block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    backend = CPUPagedBackend(block_size, "auto")
+    # 12 keys: the kernel's; 5 cached + 8 new = 13 keys: torch's.
+    chunks = [SequenceChunk([0, 1, 2], 0, 12), SequenceChunk([4, 5, 6, 7], 5, 8)]
+    meta = backend.prepare_metadata(chunks, 0)
+    q, k, v = torch.randn(20, heads, dim), torch.randn(20, kv_heads, dim), torch.randn(20, kv_heads, dim)
+    out = backend.forward(q, k, v, (k_cache, v_cache), meta, dim ** -0.5)
+    assert calls == [12]
+    torch_backend = CPUPagedBackend(block_size, "torch")
+    expected = torch_backend.forward(q, k, v, (k_cache, v_cache), torch_backend.prepare_metadata(chunks, 0), dim ** -0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,8 @@ place, all heads at once, and the blocks decodes share once for all of them, 1.3
 faster than the torch paths below (``contrib/bench/bench_attention.py``;
 docs/decisions.md D44, D49). Prefill chunks of float32 caches with head sizes up to 64 take
 ``paged_prefill.c`` (one call per chunk and layer: its whole context and, causally, its
-own tokens through the block table), 1.3-1.6x faster than torch's causal flash.
+own tokens through the block table) while their keys are at most
+``NATIVE_PREFILL_MAX_KEYS``: there 1.3-1.6x faster than torch's causal flash, past it slower.
 Everything else is the torch path: other prefill chunks, decodes sharing a prefix of
 ``NATIVE_SHARED_TOKENS`` or more (there torch's cascade is faster), and decodes where
 the kernel is off or cannot serve the cache (another dtype, device).
@@ -76,6 +77,16 @@ BATCHED_DECODE_BYTES = last_level_cache_bytes() * 3 // 8
 # 4k 14.0 / 11.3, 8k 26.5 / 30.7, 16k 61.1 / 64.0; before the stacked products, with
 # per-token dot products, 4k was 14.2 / 17.1, and 2,048 was the bound).
 NATIVE_SHARED_TOKENS = 4096
+
+# A prefill chunk goes to paged_prefill.c only while its keys (cached context + its own
+# tokens) are at most this many: the kernel walks every key once per tile of 4 query rows,
+# so past what stays in the core's caches it streams the keys again and again, while torch's
+# flash kernel tiles them. Measured (contrib/bench/bench_prefill_attention.py; AMD EPYC Zen 3,
+# 2 threads, AVX2; 12 heads over 4 KV heads of 64; native / torch time): 256 new tokens 0.70x
+# at 256 keys, 0.99x at 512; 600 new tokens 0.83x at 600 keys, 1.04x at 856, 1.19x at 1,112;
+# between 1k and 3k keys 0.75-1.6x (noisy), past that always slower: 2,048 new tokens 1.53x at
+# 4,096 keys, 2.66x at 10,240 (a 16k prompt's prefill attention took ~4x torch's).
+NATIVE_PREFILL_MAX_KEYS = 896
 
 
 @dataclass
@@ -312,7 +323,8 @@ class CPUPagedBackend(AttentionBackend):
         for plan in meta.plans:
             first, end = plan.rows
             n = end - first
-            if prefill_natively and plan.self_mask is None:  # the kernel is causal only
+            # The kernel is causal only, and faster than torch's only over a short context.
+            if prefill_natively and plan.self_mask is None and plan.context_length + n <= NATIVE_PREFILL_MAX_KEYS:
                 native_prefill.paged_prefill(q[first:end], k_cache, v_cache, plan.table, self.block_size,
                                              plan.context_length, scale, out[first:end])
                 continue
