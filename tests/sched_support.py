@@ -9,7 +9,7 @@ from collections import Counter
 
 
 from vlmd.sched.kv_groups import FREED, first_visible_block
-from vlmd.sched.kv_manager import blocks_needed
+from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.types import EngineRequest, FinishReason, MultiModalItem, RequestDelta, SamplingParams

@@ -23,7 +23,7 @@ from conftest import Server, image_data_url, random_image
 from vlmd.engine.memory_plan import (
     GIB, MemoryPlan, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_budget_bytes,
 )
-from vlmd.sched.cross_kv import cross_blocks_for
+from vlmd.sched.block_pool import blocks_needed
 
 BLOCK = 16
 
@@ -55,7 +55,7 @@ def _prefill(model_dir: Path, modality: str, count: int):
     output = processor.apply([marker] * count + [filler], {modality: [dummy.dummy_item(modality)] * count})
     model = load_model(str(model_dir), torch.float32, None, hf_config, torch.device("cpu"))
     # Room for two such requests' cross tables, one block spare so the table is not the pool.
-    cross_blocks = 2 * cross_blocks_for(count * info.cross_kv_tokens_per_item(modality), BLOCK) + 1
+    cross_blocks = 2 * blocks_needed(count * info.cross_kv_tokens_per_item(modality), BLOCK) + 1
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=BLOCK,
                              num_kv_blocks=8, max_num_encoder_input_tokens=16384, encoder_cache_size=16384,
                              disable_chunked_mm_input=False, enable_prefix_caching=False, cross_kv_blocks=cross_blocks)
@@ -82,13 +82,12 @@ def test_whisper_holds_the_cross_blocks_it_declares(tiny_whisper_dir):
     state = runner.requests["r"]
     tokens = info.cross_kv_tokens_per_item("audio")
     assert state.num_cross_tokens == tokens == 1500
-    assert len(state.cross_block_ids) == cross_blocks_for(tokens, BLOCK) == 94
+    assert len(state.cross_block_ids) == blocks_needed(tokens, BLOCK) == 94
     assert scheduler.kv.cross_stats()["used_blocks"] == 94
     assert runner.model.kv_spec == info.kv_spec() and info.kv_spec().num_cross_layers == 2
     # A block's bytes in every cross layer, as the plan counts it, are what the cache holds.
     per_block = info.kv_spec().cross_bytes_per_token(4) * BLOCK
     assert runner.cross_cache.nbytes == per_block * runner.cross_cache.num_blocks
-    assert info.cross_kv_bytes_per_item("audio", 4) == tokens * info.kv_spec().cross_bytes_per_token(4)
     with torch.inference_mode():
         _assert_read_back(runner, runner.model.prepare_cross_attention(outputs[0]), state)
     assert cross_items_per_request(info.supported_mm_limits(), {}) == {"audio": 1}
@@ -99,7 +98,7 @@ def test_mllama_holds_the_cross_blocks_of_two_images(tiny_mllama_dir):
     state = runner.requests["r"]
     tokens = 2 * info.cross_kv_tokens_per_item("image")
     assert state.num_cross_tokens == tokens > 0
-    assert len(state.cross_block_ids) == cross_blocks_for(tokens, BLOCK)
+    assert len(state.cross_block_ids) == blocks_needed(tokens, BLOCK)
     with torch.inference_mode():
         _assert_read_back(runner, runner.model.prepare_request_cross_attention(outputs, layout), state)
     # No limit of its own: the flag bounds it, else the pool counts one image a request.
@@ -156,7 +155,7 @@ def test_cost_shows_the_cross_pool(tiny_whisper_dir, tiny_mllama_dir):
     cross = mllama["cross_kv"]
     assert cross["items_per_request"] == {"image": 2}
     per_image = cross["request_tokens"]
-    assert cross["max_request_bytes"] == cross_blocks_for(2 * per_image, 16) * cross["block_bytes"] > 0
+    assert cross["max_request_bytes"] == blocks_needed(2 * per_image, 16) * cross["block_bytes"] > 0
     assert cross["bytes"] == 4 * cross["max_request_bytes"] == mllama["cache"]["cross_kv_bytes"]
     json.dumps(mllama)  # the --json report
 

@@ -21,11 +21,11 @@ from typing import Any
 
 from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, media_policy_fields, serve_setting, setting_default
 from vlmd.engine.memory_plan import (
-    GIB, blocks_for_tokens, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_budget_bytes,
+    GIB, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_budget_bytes,
     kv_group_sizes, split_kv_blocks, window_blocks_for,
 )
 from vlmd.processing.base import ItemSize, ProcessingContext
-from vlmd.sched.cross_kv import cross_blocks_for
+from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.kv_groups import window_blocks_held
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
@@ -175,7 +175,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
                                         options.max_num_batched_tokens, max_model_len)
     for request in requests:
         kv_tokens = request["prompt_tokens"] + options.max_tokens
-        blocks = blocks_for_tokens(kv_tokens, options.block_size)
+        blocks = blocks_needed(kv_tokens, options.block_size)
         window_kv = [{"window": group.window, "blocks": window_blocks_held(kv_tokens, group.window, options.block_size),
                       "block_bytes": group.bytes_per_block} for group in windows]
         request.update(kv_tokens=kv_tokens, kv_blocks=blocks,
@@ -187,7 +187,7 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     cache = _cache(options, info, rows, per_block, hf_config, cross_kv["bytes"], windows)
     most_blocks = max(request["kv_blocks"] for request in requests)
     cache["requests_held"] = cache["num_kv_blocks"] // most_blocks if most_blocks else 0
-    cache["full_length_requests"] = cache["num_kv_blocks"] // blocks_for_tokens(max_model_len, options.block_size)
+    cache["full_length_requests"] = cache["num_kv_blocks"] // blocks_needed(max_model_len, options.block_size)
     return {
         "prompt_tokens": sum(r["prompt_tokens"] * r.get("windows", 1) for r in requests),
         "encoder_tokens": sum(row["encoder_tokens"] for row in rows) * max(r.get("windows", 1) for r in requests),
@@ -209,9 +209,9 @@ def _cross_kv(options: CostOptions, info, items: list[ItemSpec]) -> dict:
     most = cross_tokens_per_request(info, counts)
     tokens = sum(info.cross_kv_tokens_per_item(spec.modality) for spec in items)
     blocks = cross_pool_blocks(most, block, options.max_num_seqs)
-    return {"request_tokens": tokens, "request_blocks": cross_blocks_for(tokens, block),
-            "request_bytes": cross_blocks_for(tokens, block) * block_bytes, "items_per_request": counts,
-            "max_request_bytes": cross_blocks_for(most, block) * block_bytes, "max_num_seqs": options.max_num_seqs,
+    return {"request_tokens": tokens, "request_blocks": blocks_needed(tokens, block),
+            "request_bytes": blocks_needed(tokens, block) * block_bytes, "items_per_request": counts,
+            "max_request_bytes": blocks_needed(most, block) * block_bytes, "max_num_seqs": options.max_num_seqs,
             "num_blocks": blocks, "block_bytes": block_bytes, "bytes": blocks * block_bytes}
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from vlmd.sched.cross_kv import cross_blocks_for
+from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.kv_groups import separate_windows, window_pool_blocks
 from vlmd.types import KVSpec
 
@@ -169,15 +169,11 @@ def cross_tokens_per_request(info, counts: dict[str, int]) -> int:
 def cross_pool_blocks(tokens_per_request: int, block_size: int, max_num_seqs: int) -> int:
     """The cross pool: ``max_num_seqs`` requests of ``tokens_per_request`` cross tokens, each
     table whole blocks (0: no cross-attention)."""
-    return max_num_seqs * cross_blocks_for(tokens_per_request, block_size)
+    return max_num_seqs * blocks_needed(tokens_per_request, block_size)
 
 
 def blocks_for_bytes(budget_bytes: float, kv_bytes_per_block: int) -> int:
     return int(budget_bytes // kv_bytes_per_block)
-
-
-def blocks_for_tokens(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 def check_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int, source: str) -> None:

@@ -23,7 +23,8 @@ import torch
 from vlmd.engine.core import EngineCore
 from vlmd.runner.device import DeviceMemory
 from vlmd.runner.model_runner import ModelRunner
-from vlmd.sched.cross_kv import cross_blocks_for, cross_tokens_of
+from vlmd.sched.block_pool import blocks_needed
+from vlmd.sched.cross_kv import cross_tokens_of
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.types import EngineRequest, MultiModalItem, SamplingParams
 
@@ -98,7 +99,7 @@ def profile_peak(model, runs: list[ProfileRun], config: SchedulerConfig, dtype: 
     block = config.block_size
     needed = max((sum(-(-(len(r.prompt_token_ids) + 1) // block) for r in run.requests) for run in runs), default=1)
     # Cross-attention blocks for every request of the largest run at once (an encoder-decoder's).
-    cross = max((sum(cross_blocks_for(cross_tokens_of(r.mm_items), block) for r in run.requests) for run in runs),
+    cross = max((sum(blocks_needed(cross_tokens_of(r.mm_items), block) for r in run.requests) for run in runs),
                 default=0) if model.kv_spec.num_cross_layers else 0
     scratch = dataclasses.replace(config, num_kv_blocks=max(needed, -(-config.max_model_len // block)),
                                   enable_prefix_caching=False, cross_kv_blocks=cross)

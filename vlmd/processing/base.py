@@ -146,10 +146,6 @@ class BaseProcessingInfo(ABC):
         ``num_encoder_tokens``: the scheduler sizes a request's cross table from those."""
         return 0
 
-    def cross_kv_bytes_per_item(self, modality: str, dtype_bytes: int) -> int:
-        """Bytes of cross-attention K/V one item of ``modality`` adds to its request."""
-        return self.cross_kv_tokens_per_item(modality) * self.kv_spec().cross_bytes_per_token(dtype_bytes)
-
     def kv_spec(self) -> KVSpec:
         """The decoder's paged-cache shape, from the checkpoint config alone (no weights).
 

@@ -19,7 +19,8 @@ import torch
 
 from vlmd.models.base import KVSpec
 from vlmd.runner.kv_cache import allocate_cross_caches
-from vlmd.sched.cross_kv import cross_blocks_for, is_consecutive
+from vlmd.sched.block_pool import blocks_needed
+from vlmd.sched.cross_kv import is_consecutive
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,7 +44,6 @@ class CrossCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layers = allocate_cross_caches(spec, num_blocks, block_size, dtype, device)
-        self.device = device
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +79,7 @@ class CrossCache:
         return CrossKV(kv, family_state)
 
     def _check_table(self, table: Sequence[int], num_tokens: int) -> None:
-        if len(table) != cross_blocks_for(num_tokens, self.block_size) or not table:
+        if len(table) != blocks_needed(num_tokens, self.block_size) or not table:
             raise RuntimeError(f"a cross-attention table of {len(table)} blocks for {num_tokens} tokens")
 
     def _slots(self, table: Sequence[int], num_tokens: int) -> torch.Tensor:
@@ -122,10 +122,15 @@ def cross_states(batch, cache: CrossCache | None, encoder_outputs: Mapping[str, 
                 raise RuntimeError("cross-attention items reached a runner without a cross-attention pool")
             cache.write(state.cross_block_ids, state.num_cross_tokens, prepare(outputs, state.family_state))
             state.cross_ready = True
+            # A table of one run reads as views of the pool, the same every step: kept, so a
+            # decode step does not check and slice the table again. A gathered one is a copy,
+            # made per step rather than held for the request's life.
+            state.cross_views = (cache.read(state.cross_block_ids, state.num_cross_tokens, state.family_state)
+                                 if is_consecutive(state.cross_block_ids) else None)
         if not state.cross_ready and (every_request_attends or any(item.length == 0 for item in state.mm_items)):
             raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
-        cross = None
-        if state.cross_ready:
+        cross = state.cross_views
+        if cross is None and state.cross_ready:
             cross = cache.read(state.cross_block_ids, state.num_cross_tokens, state.family_state)
         spans.append((piece.row, piece.row + piece.count, cross))
     return spans

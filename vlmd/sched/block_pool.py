@@ -10,6 +10,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens that hold ``num_tokens`` (the last one may be partly full)."""
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 1:

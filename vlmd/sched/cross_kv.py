@@ -26,10 +26,6 @@ def cross_tokens_of(items: Sequence[MultiModalItem]) -> int:
     return sum(item.num_encoder_tokens for item in items if item.length == 0)
 
 
-def cross_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def is_consecutive(block_ids: Sequence[int]) -> bool:
     """Whether a table is one run ``first, first + 1, ...`` (read as a view, not gathered)."""
     return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:]))

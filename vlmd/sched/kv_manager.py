@@ -14,14 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vlmd.sched.block_hash import extend_block_hashes
-from vlmd.sched.block_pool import BlockPool
-from vlmd.sched.cross_kv import CrossPool, cross_blocks_for
+from vlmd.sched.block_pool import BlockPool, blocks_needed
+from vlmd.sched.cross_kv import CrossPool
 from vlmd.sched.kv_groups import FREED, WindowGroup, first_visible_block, window_hit_lengths
 from vlmd.sched.request import Request
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass
@@ -103,7 +99,7 @@ class KVCacheManager:
 
     def cross_blocks_needed(self, request: Request) -> int:
         """Cross-attention blocks the request's items need (0 without a cross pool)."""
-        return cross_blocks_for(request.num_cross_tokens, self.block_size) if self.cross is not None else 0
+        return blocks_needed(request.num_cross_tokens, self.block_size) if self.cross is not None else 0
 
     def cross_stats(self) -> dict | None:
         """The cross pool: its size, the blocks requests hold now, the most one request held."""
