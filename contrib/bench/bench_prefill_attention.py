@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
 from vlmd.layers.attention import cpu_paged
 
-
-def best_ms(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return round(best * 1e3, 2)
+from bench_attention import best_ms  # contrib/bench is the script's directory, first on sys.path
 
 
 def main() -> None:

@@ -285,14 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000, help="input seed base (fresh per run)")
-    parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("W", "/work/peer")) / "vllm-venv")
-    parser.add_argument("--vllm-work", type=Path, default=Path(os.environ.get("W", "/work/peer")))
-    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
-    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's tree with build/bin/llama-server")
-    parser.add_argument("--llama-cpp-python", type=Path, default=Path(sys.executable),
-                        help="a python with torch, transformers and llama.cpp's gguf-py, for its converter")
-    parser.add_argument("--vlmd-flag", action="append", default=[], help="extra flag for vlmd serve (repeatable)")
-    parser.add_argument("--startup-timeout", type=float, default=600)
+    side_by_side.add_server_arguments(parser)
     parser.add_argument("--point-timeout", type=float, default=1800,
                         help="seconds one server may take on one point's requests; then its line has an error")
     parser.add_argument("--port", type=int, default=8323)

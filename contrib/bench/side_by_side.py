@@ -260,6 +260,18 @@ def measure(name, command, env, port, args, seed) -> dict:
         stop(process)
 
 
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say where the peers are and how the servers start (scaling.py too)."""
+    parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("W", "/work/peer")) / "vllm-venv")
+    parser.add_argument("--vllm-work", type=Path, default=Path(os.environ.get("W", "/work/peer")))
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's tree with build/bin/llama-server")
+    parser.add_argument("--llama-cpp-python", type=Path, default=Path(sys.executable),
+                        help="a python with torch, transformers and llama.cpp's gguf-py, for its converter")
+    parser.add_argument("--vlmd-flag", action="append", default=[], help="extra flag for vlmd serve (repeatable)")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="llava", choices=sorted(IMAGE_FAMILIES),
@@ -272,16 +284,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000, help="image seed base (fresh per run)")
-    parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("W", "/work/peer")) / "vllm-venv")
-    parser.add_argument("--vllm-work", type=Path, default=Path(os.environ.get("W", "/work/peer")))
-    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
-    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's tree with build/bin/llama-server")
-    parser.add_argument("--llama-cpp-python", type=Path, default=Path(sys.executable),
-                        help="a python with torch, transformers and llama.cpp's gguf-py, for its converter")
+    add_server_arguments(parser)
     parser.add_argument("--llama-cpp-type", default="f32", choices=["f32", "q8_0"],
                         help="the GGUF weights' type (the projector stays f32)")
-    parser.add_argument("--vlmd-flag", action="append", default=[], help="extra flag for vlmd serve (repeatable)")
-    parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--port", type=int, default=8313)
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="both servers up at once, workloads alternated between them ROUNDS times "
