@@ -74,7 +74,7 @@ def test_vllm_max_model_len_is_replaced_in_side_by_sides_command(tmp_path):
 
 def test_covering_pixels_keeps_the_largest_image_unshrunk():
     assert covering_pixels([(224, 224), (1920, 1080)]) == 1932 * 1092
-    settings = pytest.importorskip("vlmd_qwen2_vl.settings")
+    settings = pytest.importorskip("vlmd_qwen2_vl.settings", reason="the Qwen2-VL plugin (plugins/vlmd_qwen2_vl) is not installed")
     limit = covering_pixels([(1920, 1080)])
     assert settings.smart_resize(1080, 1920, 28, 3136, limit) == (1092, 1932)
     assert settings.smart_resize(1080, 1920, 28, 3136, limit - 1) != (1092, 1932)  # the least such limit
