@@ -219,7 +219,7 @@ def test_native_mode_takes_the_small_buckets_and_leaves_prefill_to_onednn(monkey
 
 
 @needs_bf16_packing
-def test_a_bfloat16_layer_takes_the_bfloat16_reader_and_keeps_the_native_step_out(monkeypatch):
+def test_a_bfloat16_layer_takes_the_bfloat16_reader_for_products_and_native_steps(monkeypatch):
     torch.manual_seed(4)
     layer = ReplicatedLinear(80, 96, bias=True).to(torch.bfloat16)
     layer.weight.data.normal_()
@@ -230,7 +230,7 @@ def test_a_bfloat16_layer_takes_the_bfloat16_reader_and_keeps_the_native_step_ou
     selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
     assert [c.name for c in layer.kernel.choices] == ["native", "native", "packed"]
     assert layer.kernel.panels.dtype == torch.bfloat16
-    assert layer.kernel.native_panels(1) is None  # the native decoder step reads float32 panels only
+    assert layer.kernel.native_panels(1) is layer.kernel.panels  # the native decoder step reads them too
     calls = []
     real = native_linear.packed_linear
     monkeypatch.setattr(kernels, "native_packed_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -241,6 +241,30 @@ def test_a_bfloat16_layer_takes_the_bfloat16_reader_and_keeps_the_native_step_ou
         assert got.dtype == torch.bfloat16
         assert ((got.double() - reference).abs() <= reference.abs().clamp(min=1.0) * 2**-7).all()
     assert calls == [1, 8]
+
+
+def test_a_bfloat16_layer_whose_onednn_layout_the_kernel_cannot_read_gets_its_own_panels(monkeypatch):
+    # As on an AMX host (Intel family 6 model 207), where oneDNN packs bfloat16 for AMX and
+    # the AVX-512 kernel does not read that layout: the layer keeps oneDNN's copy for the
+    # large products and still hands the native step bfloat16 panels of its own.
+    if not native_linear.available():
+        pytest.skip("no kernel library built here")
+    torch.manual_seed(5)
+    layer = ReplicatedLinear(80, 96, bias=False).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    weight = layer.weight.detach().clone()
+    onednn_copy = weight.clone()
+    monkeypatch.setattr(selection, "packing_available", lambda w: True)
+    monkeypatch.setattr(selection, "pack_weight", lambda w: onednn_copy)
+    monkeypatch.setattr(selection.PackedPanels, "of", classmethod(lambda cls, w, packed: None))
+    selection._DECISIONS.clear()
+    selection.select_linear_kernels(torch.nn.Sequential(layer), "native")
+    assert layer.kernel.packed is onednn_copy
+    assert layer.kernel.panels is not None and layer.kernel.panels.dtype == torch.bfloat16
+    assert layer.kernel.native_panels(1) is layer.kernel.panels
+    x = torch.randn(1, 80).bfloat16()
+    reference = _reference(x, weight, None)
+    assert ((layer(x).double() - reference).abs() <= reference.abs().clamp(min=1.0) * 2**-7).all()
 
 
 def test_without_a_library_native_mode_keeps_onednn():

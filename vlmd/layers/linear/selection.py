@@ -121,7 +121,11 @@ def select_linear_kernels(model: nn.Module, mode: str = "auto", budget_s: float 
         # Verified now, while the plain weight is here to compare against.
         panels = PackedPanels.of(weight, packed) if packed is not None and mode in ("auto", "native") else None
         storage = ()
-        if packed is None and weight.dtype == torch.bfloat16 and mode in ("auto", "native") \
+        # Our own bfloat16 panels where oneDNN packs none (an AVX2 host) and where it packs
+        # a layout the kernel does not read (AMX hosts, for the AVX-512 kernel): without
+        # them a bfloat16 model's decode would leave the native step. Beside oneDNN's copy
+        # (its prefill products), that holds the weight twice, as float32 holds it once.
+        if panels is None and weight.dtype == torch.bfloat16 and mode in ("auto", "native") \
                 and native_linear.available():
             storage, panels = bfloat16_panels(weight)
         keep_plain = any(not c.packed for c in choices) or id(weight) in shared
