@@ -90,8 +90,8 @@ class ServeConfig:
         "packed (oneDNN pre-packed where available), native (pre-packed, and vlmd's CPU kernel "
         "for products of up to 32 rows where it reads the packed weight)", choices=LINEAR_KERNEL_MODES)
     quantization: str = setting(
-        "none", "weight-only quantization of the decoder's linear layers at load time: none, or int8 (per output "
-        "channel, symmetric, from float32 weights; CPU, --dtype float32; embeddings, LM head and encoders stay "
+        "none", "weight-only quantization of the decoder's linear layers and LM head at load time: none, or int8 "
+        "(per output channel, symmetric, from float32 weights; CPU, --dtype float32; embeddings and encoders stay "
         "float; accuracy bound in docs/decisions.md)", choices=QUANTIZATIONS)
     attention_kernels: str = setting(
         "auto", "how attention runs on the CPU: auto (vlmd's CPU kernels, where the install built them, for "

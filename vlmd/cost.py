@@ -284,8 +284,9 @@ def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_conf
 def weight_bytes(model_dir: str, hf_config, dtype: str, quantization: str = "none") -> int:
     """Bytes of the weights in ``dtype``: from the safetensors headers when the files are
     there, else from the family's model built on torch's meta device (no memory, no weights).
-    ``quantization`` "int8": the decoder's linear layers count as the server keeps them
-    (int8 panels and a float32 scale per output channel, ``layers/linear/quantize.py``)."""
+    ``quantization`` "int8": the decoder's linear layers and its LM head count as the server
+    keeps them (int8 panels and a float32 scale per output channel, ``layers/linear/quantize.py``;
+    a head tied to the embeddings adds its int8 copy to the float weight)."""
     return _dtype_weight_bytes(model_dir, hf_config, dtype) - _quantization_savings(hf_config, dtype, quantization)
 
 
@@ -295,15 +296,13 @@ def _quantization_savings(hf_config, dtype: str, quantization: str) -> int:
         return 0
     import torch
 
-    from vlmd.layers.cpu.panel_packing import int8_bytes
-    from vlmd.layers.linear.quantize import quantizable_layers
+    from vlmd.layers.linear.quantize import int8_savings
     from vlmd.plugins.manager import build_registry
 
     family = build_registry().for_architectures(list(hf_config.architectures or []))
     with torch.device("meta"):
         model = family.load("model")(hf_config)
-    return sum(layer.weight.numel() * _DTYPE_BYTES[dtype] - int8_bytes(layer.output_size, layer.input_size)
-               for layer in quantizable_layers(model))
+    return int8_savings(model, _DTYPE_BYTES[dtype])
 
 
 def _dtype_weight_bytes(model_dir: str, hf_config, dtype: str) -> int:
@@ -331,7 +330,7 @@ def _dtype_weight_bytes(model_dir: str, hf_config, dtype: str) -> int:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    quantized = "" if report["quantization"] == "none" else f" weights, {report['quantization']} decoder"
+    quantized = "" if report["quantization"] == "none" else f" weights, {report['quantization']} decoder and LM head"
     lines = [f"{report['model']} ({report['family']}, {report['dtype']}{quantized}, block {report['block_size']}, "
              f"max_model_len {report['max_model_len']}, {report['kv_bytes_per_token']} KV bytes/token)"]
     header = ("item", "prompt tokens", "placeholders", "encoder tokens")

@@ -2,9 +2,10 @@
 the small LLaVA checkpoint: each loaded as ``vlmd serve`` loads it (``--dtype``,
 ``--quantization``; kernels timed at start-up), the three stepped alternately in one
 process over the same text prompt (a loaded host then slows all of them, not one), and
-printed as one JSON line: the median time per decode step, the weight bytes a step reads
-(every decoder product as its format stores it, plus the LM head), and the bytes floor:
-those bytes over the host's read bandwidth measured as ``roofline.py`` measures it.
+printed as one JSON line: the median time per decode step (its forward and the LM head's
+logits), the weight bytes a step reads (every decoder product and the LM head as its format
+stores it: ``--quantization int8`` quantizes both), and the bytes floor: those bytes over
+the host's read bandwidth measured as ``roofline.py`` measures it.
 
     python contrib/bench/bench_quantized_decode.py [--model-dir DIR] [--steps 32] [--rounds 3] [--linear-kernels auto]
 """
@@ -30,14 +31,16 @@ FORMATS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "non
 
 
 def step_bytes(model) -> int:
-    """Weight bytes one decode step reads: each decoder product as stored (int8 panels and
-    their scales, else the weight in the model's dtype) and the LM head."""
+    """Weight bytes one decode step reads: each decoder product and the LM head as stored
+    (int8 panels and their scales, else the weight in the model's dtype). A tied head's
+    float weight is the embeddings' (which a step reads one row of), so an int8 head counts
+    its panels alone whether tied or not."""
     from vlmd.testing.greedy_steps import language_model
 
     lm = language_model(model)
-    element = lm.embed_tokens.weight.element_size()  # the model's dtype (a packed LM head drops its weight)
-    total = lm.lm_head.input_size * lm.lm_head.output_size * element
-    for layer in lm.decoder_structure.products():
+    element = lm.embed_tokens.weight.element_size()  # the model's dtype (a packed layer drops its weight)
+    total = 0
+    for layer in [*lm.decoder_structure.products(), lm.lm_head]:
         stored = [b for name, b in layer.named_buffers() if name in ("weight_int8", "weight_scales")]
         total += (sum(b.numel() * b.element_size() for b in stored) if stored
                   else layer.input_size * layer.output_size * element)

@@ -201,6 +201,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def logits_head(self) -> ReplicatedLinear:
+        """The product ``compute_logits`` is (a row per sequence in a decode step):
+        ``--quantization int8`` quantizes it with the decoder's (``layers/linear/quantize.py``).
+        A head tied to ``embed_tokens`` then drops only its own reference to the float
+        weight: the embedding lookup stays float."""
+        return self.lm_head
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``).
 

@@ -25,7 +25,7 @@ BLOCK = 16
 class Steps:
     tokens: list[int]  # the greedy choice after the prompt and after each step
     log_probs: list[torch.Tensor]  # float32 [vocab] per choice
-    step_seconds: list[float] = field(default_factory=list)  # each decode step's forward
+    step_seconds: list[float] = field(default_factory=list)  # each decode step's forward and logits
     decode_paths: dict = field(default_factory=dict)  # the backend's steps by path (fused / modules)
 
 
@@ -53,9 +53,10 @@ def greedy_steps(model, prompt: list[int], steps: int, teacher: list[int] | None
         embeds = lm.embed_input_ids(torch.tensor(ids[start:start + count]))
         began = time.perf_counter()
         hidden = lm(embeds, torch.arange(start, start + count), meta, caches)
+        logits = lm.compute_logits(hidden[-1:])  # part of the step: the LM head reads its weight too
         if step:
             out.step_seconds.append(time.perf_counter() - began)
-        log_probs = torch.log_softmax(lm.compute_logits(hidden[-1:]).float(), dim=-1)[0]
+        log_probs = torch.log_softmax(logits.float(), dim=-1)[0]
         choice = int(log_probs.argmax())
         out.tokens.append(choice)
         out.log_probs.append(log_probs)
