@@ -22,7 +22,9 @@ from torch import nn
 @dataclass(frozen=True)
 class PreNormLayer:
     """Llama's layer: h = x + o(attend(rotary(qkv(norm(x))))); out = h + down(act(gate) * up),
-    with [gate, up] = gate_up(post_norm(h)). q/k/v and gate/up are fused products."""
+    with [gate, up] = gate_up(post_norm(h)). q/k/v and gate/up are fused products.
+    ``query_norm``/``key_norm``: where the layer has them (Qwen3), an RMSNorm over
+    ``head_dim`` of each q head and of each k head, between qkv and rotary."""
 
     input_norm: nn.Module  # RMSNorm
     qkv: nn.Module  # LinearBase: [q | k | v] columns
@@ -30,6 +32,8 @@ class PreNormLayer:
     post_norm: nn.Module  # RMSNorm
     gate_up: nn.Module  # LinearBase: [gate | up] columns
     down: nn.Module
+    query_norm: nn.Module | None = None  # RMSNorm of head_dim
+    key_norm: nn.Module | None = None
 
     def products(self) -> tuple[nn.Module, ...]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -52,8 +56,14 @@ class DecoderStructure:
     eps: float  # every RMSNorm's
     activation: str  # of the gate: "silu", "gelu", "gelu_pytorch_tanh"
     tensor_parallel: int = 1  # ranks the products are split over
-    query_key_norm: bool = False  # an RMSNorm of q and of k before rotary (Qwen3, and others)
+    query_key_norm: bool = False  # every layer's query_norm and key_norm (Qwen3, and others)
     sliding_window: int | None = None  # tokens a layer attends back (the local layers of an interleaved decoder)
+
+    def __post_init__(self):
+        # A backend reads the norms where this says so: a layer without them would run un-normed.
+        for layer in self.layers:
+            if (layer.query_norm is not None, layer.key_norm is not None) != (self.query_key_norm,) * 2:
+                raise ValueError("query_key_norm must be set exactly when every layer has a query and a key norm")
 
     def products(self) -> list[nn.Module]:
         """Every layer's products in the order a step runs them."""

@@ -2,8 +2,11 @@
 
 Qwen3 norms every query and key head over ``head_dim`` (its own weight for q and for k)
 after the q/k/v product and before rotary; q/k/v carry a bias only where
-``attention_bias`` says so. Everything else (fused projections, GQA, paged attention, the
-rotary the config asks for, weight loading) is ``LlamaForCausalLM``'s.
+``attention_bias`` says so. Float32 CPU rows are normed and rotated in place on the
+product's rows by the CPU room's kernels, the ones (in the order) the fused decode step
+runs (``layers/cpu/decoder_step.c``, which gets the norms through ``decoder_structure``),
+so a step's two paths agree bit for bit. Everything else (fused projections, GQA, paged
+attention, the rotary the config asks for, weight loading) is ``LlamaForCausalLM``'s.
 
 Some vision-language models add vectors to the hidden states of a few rows after each of
 the first layers (features of several encoder layers, at the rows of an item's
@@ -18,9 +21,11 @@ import dataclasses
 import torch
 
 from vlmd.layers.attention import AttentionMetadata, OutputRows
+from vlmd.layers.cpu import elementwise
+from vlmd.layers.decoder_structure import DecoderStructure
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup
 from vlmd.layers.norm import RMSNorm
-from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rotary_for
+from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rotary_for, rotate_qkv
 from vlmd.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, _head_dim
 
 
@@ -32,7 +37,13 @@ class Qwen3Attention(LlamaAttention):
 
     def project_qkv(self, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+        if elementwise.serves(qkv) and _float_cpu(q_weight) and _float_cpu(k_weight):
+            elementwise.head_rms_norm_(qkv, 0, self.num_heads, self.head_dim, q_weight, self.q_norm.eps)
+            elementwise.head_rms_norm_(qkv, self.q_size, self.num_kv_heads, self.head_dim, k_weight, self.k_norm.eps)
+            return rotate_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Each head is one row of the norm: [T * heads, head_dim], contiguous for its kernel.
         q = self.q_norm(q.reshape(tokens * self.num_heads, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
         k = self.k_norm(k.reshape(tokens * self.num_kv_heads, self.head_dim)).view(tokens, self.num_kv_heads,
@@ -66,9 +77,14 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
             # The text config says tied (Qwen3-VL-MoE's default) but the model's outer config,
             # which transformers follows, does not: an lm_head of its own.
             self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
-        # The fused decode step of a backend must know the layers norm q and k.
-        if self.decoder_structure is not None:
-            self.decoder_structure = dataclasses.replace(self.decoder_structure, query_key_norm=True)
+
+    def _describe(self, tp: TPGroup) -> DecoderStructure | None:
+        """Llama's description with every layer's q and k norms: a backend's fused decode
+        step must run them."""
+        llama = super()._describe(tp)
+        layers = tuple(dataclasses.replace(described, query_norm=layer.self_attn.q_norm, key_norm=layer.self_attn.k_norm)
+                       for described, layer in zip(llama.layers, self.layers))
+        return dataclasses.replace(llama, layers=layers, query_key_norm=True)
 
     def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, outputs: OutputRows | None = None,
                 additions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -91,3 +107,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
                 hidden[rows] = hidden[rows] + values[index].to(hidden.dtype)
                 residual = None
         return self.norm.add_forward(residual, hidden)[0]
+
+
+def _float_cpu(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.is_cpu

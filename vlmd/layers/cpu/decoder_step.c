@@ -1,6 +1,7 @@
 /* A decode step of a pre-norm decoder (Llama's layer: RMSNorm, fused q/k/v product,
  * rotary, paged attention, output product, RMSNorm, fused gate/up product, SiLU * up,
- * down product) through every layer in one call, float32 activations.
+ * down product; Qwen3's adds an RMSNorm of each q and k head before rotary) through every
+ * layer in one call, float32 activations.
  *
  * Why: a decode step's arithmetic is a few large kernel calls per layer, but each layer
  * also ran ~40 torch ops and ~15 module calls of Python around them: perf of the small
@@ -41,6 +42,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm;
+    const float *query_norm, *key_norm; /* [head_dim] each, or NULL: a layer that norms no q/k head */
     Product qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] of cache_dtype */
     int64_t cache_dtype;     /* CACHE_* */
@@ -127,6 +129,11 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
         if (vlmd_add_rms_norm(residual, hidden, l == 0 ? NULL : delta, hidden, layer->input_norm, normed, hidden,
                               rows, hidden, d->eps, threads)) { code = STAGE_NORM; goto done; }
         if (product(&layer->qkv, normed, rows, qkv, threads)) { code = STAGE_PRODUCT; goto done; }
+        /* Qwen3's layer norms each q and each k head (its own weight for each) before rotary. */
+        if (layer->query_norm && vlmd_head_rms_norm(qkv, qkv_width, d->heads, d->head_dim, layer->query_norm, d->eps,
+                                                    rows, threads)) { code = STAGE_NORM; goto done; }
+        if (layer->key_norm && vlmd_head_rms_norm(qkv + q_size, qkv_width, d->kv_heads, d->head_dim, layer->key_norm,
+                                                  d->eps, rows, threads)) { code = STAGE_NORM; goto done; }
         /* q's and k's heads are adjacent in each row: one pass rotates both. */
         if (vlmd_rotary(qkv, qkv_width, d->heads + d->kv_heads, d->head_dim, s->cos, s->sin, s->table_stride,
                         rows, threads)) { code = STAGE_ROTARY; goto done; }

@@ -36,7 +36,7 @@ class _Product(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Product), ("o", _Product), ("gate_up", _Product),
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("query_norm", _P), ("key_norm", _P), ("qkv", _Product), ("o", _Product), ("gate_up", _Product),
                 ("down", _Product), ("k_cache", _P), ("v_cache", _P), ("cache_dtype", _I64)]
 
 
@@ -74,14 +74,17 @@ def _float_rows(t: torch.Tensor | None) -> bool:
 @dataclass
 class DecoderLayerParts:
     """One layer as the step reads it: float32 norm weights [hidden], the four products'
-    packed weights (and float32 biases or None), and its float32 or bfloat16 caches
-    [slots, kv_heads, head_dim]."""
+    packed weights (and float32 biases or None), its float32 or bfloat16 caches
+    [slots, kv_heads, head_dim], and the float32 weights [head_dim] of its query and key
+    head norms (Qwen3's; None for a layer without them)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     products: tuple  # (packed_linear.PackedPanels, bias or None) for qkv, o, gate_up, down
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    query_norm: torch.Tensor | None = None
+    key_norm: torch.Tensor | None = None
 
 
 class NativeDecoder:
@@ -99,9 +102,12 @@ class NativeDecoder:
             return None
         tensors, caches = [final_norm], []
         for part in layers:
-            tensors += [part.input_norm, part.post_norm] + [b for _, b in part.products]
+            tensors += [part.input_norm, part.post_norm, part.query_norm, part.key_norm] + [b for _, b in part.products]
             caches += [part.k_cache, part.v_cache]
         if not all(_float_rows(t) for t in tensors):
+            return None
+        if any(norm is not None and norm.shape != (head_dim,) for part in layers
+               for norm in (part.query_norm, part.key_norm)):
             return None
         shape, dtype = caches[0].shape, caches[0].dtype
         if any(c.shape != shape or c.dtype != dtype or not c.is_cpu or not c.is_contiguous() for c in caches):
@@ -113,6 +119,8 @@ class NativeDecoder:
         array = (_Layer * len(layers))()
         for slot, part in zip(array, layers):
             slot.input_norm, slot.post_norm = part.input_norm.data_ptr(), part.post_norm.data_ptr()
+            slot.query_norm = None if part.query_norm is None else part.query_norm.data_ptr()
+            slot.key_norm = None if part.key_norm is None else part.key_norm.data_ptr()
             for name, (panels, bias) in zip(("qkv", "o", "gate_up", "down"), part.products):
                 setattr(slot, name, _Product(panels.address, panels.panel_width, panels.padded_k, panels.out_features,
                                              panels.in_features, None if bias is None else bias.data_ptr(),

@@ -1,5 +1,6 @@
 /* A decoder layer's elementwise work in one pass each, float32: the residual add fused
- * with RMSNorm, rotary embedding of q and k in place, and SiLU(gate) * up.
+ * with RMSNorm, an RMSNorm of each q and k head in place, rotary embedding of q and k in
+ * place, and SiLU(gate) * up.
  *
  * Why: in torch these are ~30 small ops per layer (RMSNorm alone is cast, pow, mean, add,
  * rsqrt, mul, cast, mul; rotate-half is two slices, neg, cat, two muls and an add, for q
@@ -35,6 +36,30 @@ static inline float sum_lanes(vf v) {
     return s;
 }
 
+/* h += d (when d is given); o = h / rms(h) * weight, over one row of `width` floats. Both
+ * norms below run this one body, so a head's norm is bit for bit a row's of the same width. */
+static inline void norm_row(float *h, const float *d, const float *weight, float *o, int64_t width, float eps) {
+    vf acc = {0};
+    int64_t c = 0;
+    for (; c + VEC <= width; c += VEC) {
+        vf x = *(vf *)(h + c);
+        if (d) {
+            x += *(const vf *)(d + c);
+            *(vf *)(h + c) = x;
+        }
+        acc += x * x;
+    }
+    float squares = sum_lanes(acc);
+    for (; c < width; c++) {
+        float x = h[c];
+        if (d) h[c] = x = x + d[c];
+        squares += x * x;
+    }
+    float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+    for (c = 0; c + VEC <= width; c += VEC) *(vf *)(o + c) = *(vf *)(h + c) * inverse * *(const vf *)(weight + c);
+    for (; c < width; c++) o[c] = h[c] * inverse * weight[c];
+}
+
 /* hidden[r] += delta[r] (when delta is given); out[r] = hidden[r] / rms(hidden[r]) * weight.
  * Strides are in floats. */
 int vlmd_add_rms_norm(float *hidden, int64_t hidden_stride, const float *delta, int64_t delta_stride,
@@ -42,31 +67,25 @@ int vlmd_add_rms_norm(float *hidden, int64_t hidden_stride, const float *delta, 
                       int threads) {
     if (rows < 0 || width <= 0) return -3;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * width >= PARALLEL_FLOATS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *h = hidden + r * hidden_stride;
-        const float *d = delta ? delta + r * delta_stride : 0;
-        float *o = out + r * out_stride;
-        vf acc = {0};
-        int64_t c = 0;
-        for (; c + VEC <= width; c += VEC) {
-            vf x = *(vf *)(h + c);
-            if (d) {
-                x += *(const vf *)(d + c);
-                *(vf *)(h + c) = x;
-            }
-            acc += x * x;
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(hidden + r * hidden_stride, delta ? delta + r * delta_stride : 0, weight, out + r * out_stride,
+                 width, eps);
+    return 0;
+}
+
+/* RMSNorm in place of each of `heads` heads of size dim at x + r * row_stride + h * dim,
+ * every head by the same weight [dim]: Qwen3's norm of each query (or key) head between
+ * the q/k/v product and rotary, read straight from the product's rows (no copy of q or k). */
+int vlmd_head_rms_norm(float *x, int64_t row_stride, int64_t heads, int64_t dim, const float *weight, float eps,
+                       int64_t rows, int threads) {
+    if (rows < 0 || heads < 0 || dim <= 0) return -3;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * heads * dim >= PARALLEL_FLOATS) \
+    schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *head = x + r * row_stride + h * dim;
+            norm_row(head, 0, weight, head, dim, eps);
         }
-        float squares = sum_lanes(acc);
-        for (; c < width; c++) {
-            float x = h[c];
-            if (d) h[c] = x = x + d[c];
-            squares += x * x;
-        }
-        float inverse = 1.0f / sqrtf(squares / (float)width + eps);
-        for (c = 0; c + VEC <= width; c += VEC)
-            *(vf *)(o + c) = *(vf *)(h + c) * inverse * *(const vf *)(weight + c);
-        for (; c < width; c++) o[c] = h[c] * inverse * weight[c];
-    }
     return 0;
 }
 

@@ -1,4 +1,5 @@
-"""The binding of ``elementwise.c``: residual add + RMSNorm, rotary in place, SiLU * up.
+"""The binding of ``elementwise.c``: residual add + RMSNorm, RMSNorm of each head in place,
+rotary in place, SiLU * up.
 
 Each function serves float32 CPU tensors whose rows are contiguous (rows may be strided);
 ``serves(*tensors)`` says whether a call would, and the layers keep their torch ops for
@@ -12,7 +13,7 @@ import torch
 
 from vlmd.layers.cpu.library import load_functions
 
-_NAMES = ("vlmd_add_rms_norm", "vlmd_rotary", "vlmd_silu_mul")  # signatures: kernels.h
+_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul")  # signatures: kernels.h
 
 
 def _kernel() -> dict | None:
@@ -62,6 +63,19 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
         0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), width, rows, width, eps,
         torch.get_num_threads()), "RMSNorm")
     return out
+
+
+def head_rms_norm_(x: torch.Tensor, first: int, heads: int, dim: int, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm in place of ``heads`` heads of size ``dim`` of each row of ``x`` [rows, width],
+    starting at column ``first``, each head by ``weight`` [dim] (Qwen3's q and k norms,
+    on the q/k/v product's rows). A head's result is ``add_rms_norm``'s for that head as a row."""
+    _require_rows(x, weight.view(1, -1))
+    rows = x.shape[0]
+    if first < 0 or x.shape[1] < first + heads * dim or weight.shape != (dim,):
+        raise ValueError(f"{heads} heads of {dim} from column {first} over {tuple(x.shape)} "
+                         f"with weight {tuple(weight.shape)}")
+    _checked(_kernel()["vlmd_head_rms_norm"](x.data_ptr() + first * x.element_size(), x.stride(0), heads, dim,
+                                             weight.data_ptr(), eps, rows, torch.get_num_threads()), "RMSNorm")
 
 
 def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -36,8 +36,9 @@ def unsupported(structure: DecoderStructure) -> str | None:
         return "tensor parallel"
     if structure.activation != "silu":
         return f"activation {structure.activation}"
-    if structure.query_key_norm:
-        return "query/key norms"
+    if structure.query_key_norm and any(norm.eps != structure.eps for layer in structure.layers
+                                        for norm in (layer.query_norm, layer.key_norm)):
+        return "query/key norms of another eps"  # the step runs every norm at the structure's eps
     if structure.sliding_window is not None:
         return "sliding-window layers"
     return None
@@ -94,7 +95,8 @@ class FusedDecodeSteps:
                 decoder_step.DecoderLayerParts(
                     _float32(layer.input_norm.weight), _float32(layer.post_norm.weight),
                     tuple((p.kernel.panels, None if p.bias is None else _float32(p.bias)) for p in layer.products()),
-                    k_cache, v_cache)
+                    k_cache, v_cache, *(None if norm is None else _float32(norm.weight)
+                                        for norm in (layer.query_norm, layer.key_norm)))
                 for layer, (k_cache, v_cache) in zip(structure.layers, kv_caches)
             ]
             decoder = decoder_step.NativeDecoder.of(

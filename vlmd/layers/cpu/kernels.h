@@ -57,6 +57,9 @@ struct vlmd_step;
     X(int, vlmd_add_rms_norm,                                                                                     \
       (float *hidden, int64_t hidden_stride, const float *delta, int64_t delta_stride, const float *weight,       \
        float *out, int64_t out_stride, int64_t rows, int64_t width, float eps, int threads))                      \
+    X(int, vlmd_head_rms_norm,                                                                                    \
+      (float *x, int64_t row_stride, int64_t heads, int64_t dim, const float *weight, float eps, int64_t rows,    \
+       int threads))                                                                                              \
     X(int, vlmd_rotary,                                                                                           \
       (float *x, int64_t row_stride, int64_t heads, int64_t dim, const float *cos_table, const float *sin_table,  \
        int64_t table_stride, int64_t rows, int threads))                                                          \
