@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen3 import Qwen3ForCausalLM
@@ -82,6 +82,7 @@ class Qwen3VLModel(nn.Module):
         vision_config, text_config = config.vision_config, config.text_config
         vision_config._attn_implementation = "sdpa"
         self.visual = _vision_model_class(config)(vision_config)
+        adopt_linear_modules(self.visual)  # on the seam, as Qwen2-VL's (108 ms a 640x480 image against 129)
         self.num_deepstack = len(vision_config.deepstack_visual_indexes)
         if self.num_deepstack >= text_config.num_hidden_layers:
             raise ValueError(f"{self.num_deepstack} DeepStack layers for a decoder of {text_config.num_hidden_layers}")
