@@ -37,9 +37,11 @@ the first implementation's gather did for every decode in every layer (47 ms aga
   uses the kernel's own GQA support.
 - Gathers use ``index_select`` (~4x faster than ``cache[slots]`` on CPU).
 - Sliding-window layers and chunks that bidirectional spans reach (``masked.py``): a
-  windowed layer reads a bounded window per sequence, gathered, in torch; a full layer
-  masks only a spanned chunk's own tokens, also in torch (the native kernels know neither:
-  such layers and chunks never reach them).
+  windowed layer's decodes take the native decode kernel, each reading its last
+  ``window`` tokens in place through its window group's table (``window_decode_tables``);
+  its prefill chunks read a bounded window per sequence, gathered, in torch, as do its
+  decodes where the kernel cannot serve them. A full layer masks only a spanned chunk's
+  own tokens, also in torch (the native prefill kernel is causal only).
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class CPUPagedMetadata(AttentionMetadata):
     _shares: bool | None = None
     _decode_batch: DecodeBatch | None = None
     _decode_tables: DecodeTables | None = None
+    _window_decode_tables: dict[int, DecodeTables] | None = None
 
     @property
     def longest_shared_tokens(self) -> int:
@@ -221,6 +224,19 @@ class CPUPagedMetadata(AttentionMetadata):
                 slots = self.backend.slot_mapping(tables).to(self.slot_mapping.device)
             self._window_slots[window] = slots
         return self._window_slots[window]
+
+    def window_decode_tables(self, window: int) -> DecodeTables:
+        """The decodes' tables for layers of ``window`` as the native kernel reads them (their
+        window group's, whose entries before the window may be FREED; no shared prefix):
+        built on first use, then shared by those layers."""
+        if self._window_decode_tables is None:
+            self._window_decode_tables = {}
+        if window not in self._window_decode_tables:
+            chunks = self.decode_chunks
+            self._window_decode_tables[window] = DecodeTables.of(
+                [chunk.table_for(window) for chunk in chunks], [chunk.start + 1 for chunk in chunks],
+                self.backend.block_size)
+        return self._window_decode_tables[window]
 
     def window_plan(self, window: int) -> WindowPlan:
         """The reads of layers with this window: built on first use, then shared by them."""
@@ -296,11 +312,11 @@ class CPUPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        if window is not None:  # no native kernel takes a window: masked.py, in torch
+        if window is not None:
             if window < 1:
                 raise ValueError(f"a sliding window must be >= 1 token, got {window}")
             write_kv(kv_cache, k, v, meta.window_slot_mapping(window))
-            return attend_windowed(q, k_cache, v_cache, meta.window_plan(window), meta.num_decodes, scale)
+            return self._attend_windowed(q, kv_cache, meta, scale, window)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         heads, kv_heads = q.shape[1], k.shape[1]
         out = torch.empty_like(q)
@@ -353,6 +369,22 @@ class CPUPagedBackend(AttentionBackend):
                 )
             partial = _merge(partial, (self_out.reshape(heads, n, -1), self_lse.reshape(heads, n)))
             out[first:end] = partial[0].transpose(0, 1)
+        return out
+
+    def _attend_windowed(self, q, kv_cache, meta: CPUPagedMetadata, scale: float, window: int) -> torch.Tensor:
+        """A sliding-window layer (this step's K/V already in its cache): the decodes through
+        the native kernel where it serves the cache, the rest in torch (``masked.py``)."""
+        k_cache, v_cache = kv_cache
+        decodes = meta.num_decodes
+        if not (decodes and self.native_decode and native_decode.supports(k_cache, q.shape[1])):
+            return attend_windowed(q, k_cache, v_cache, meta.window_plan(window), decodes, scale)
+        if meta.prefill_chunks:  # the chunks alone in torch: its decode rows are left for the kernel
+            plan = meta.window_plan(window)
+            out = attend_windowed(q, k_cache, v_cache, WindowPlan(None, None, plan.chunks), 0, scale)
+        else:
+            out = torch.empty_like(q)
+        out[:decodes] = native_decode.paged_decode(q[:decodes], k_cache, v_cache, meta.window_decode_tables(window),
+                                                   scale, window=window)
         return out
 
 

@@ -11,8 +11,9 @@ Two patterns that a causal-only backend computes wrongly (as transformers builds
 
 A windowed layer reads at most ``window - 1`` cached tokens per sequence, so its keys are
 gathered through the block table into one bounded copy and attended in one masked call
-per prefill chunk, and one padded call for every decode of the step: no kernel of the CPU
-room takes a window, so these layers always run here, in torch (``WindowPlan``). A
+per prefill chunk, and one padded call for every decode of the step (``WindowPlan``). On
+the CPU a windowed layer's decodes take the native decode kernel instead, which reads the
+window in place (``cpu_paged.py``); its prefill chunks always run here, in torch. A
 full-attention layer keeps the paged backend's in-place reads of the context (every
 cached token precedes the chunk, so no mask applies there) and only masks a chunk's own
 tokens (``span_mask``).

@@ -147,7 +147,7 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
                               s->context_lens,
                               attended, (int)rows, (int)d->heads, (int)d->kv_heads, (int)d->head_dim, s->block_size,
                               s->max_blocks, d->num_slots, s->num_groups, s->group_offsets, s->group_members,
-                              s->group_tokens, d->scale, (int)threads, 0)) { code = STAGE_ATTENTION; goto done; }
+                              s->group_tokens, d->scale, (int)threads, 0, 0)) { code = STAGE_ATTENTION; goto done; }
         if (product(&layer->o, attended, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
         if (vlmd_add_rms_norm(residual, hidden, delta, hidden, layer->post_norm, normed, hidden, rows, hidden,
                               d->eps, threads)) { code = STAGE_NORM; goto done; }

@@ -45,7 +45,7 @@ struct vlmd_step;
        const int32_t *context_lens, float *out, int batch, int heads, int kv_heads, int dim, int block_size,      \
        int max_blocks, int64_t num_slots, int num_groups, const int32_t *group_offsets,                          \
        const int32_t *group_members, const int32_t *group_tokens, float scale, int num_threads,                  \
-       int part_tokens))                                                                                          \
+       int part_tokens, int window))                                                                              \
     X(int, vlmd_paged_decode_limit, (int which))                                                                  \
     /* paged_prefill.c */                                                                                         \
     X(int, vlmd_paged_prefill,                                                                                    \

@@ -11,7 +11,8 @@
  * every thread has work. Decodes whose tables start with the same blocks (the prefix
  * cache's shared prompt) read those once for all of them (cascade): an item then stacks
  * the queries of several decodes (attend_stacked: a small matrix product per KV head),
- * and each decode merges its shared and own parts.
+ * and each decode merges its shared and own parts. A sliding-window layer's decodes read
+ * only their window's tokens, the same way (``window``).
  *
  * Parallel over items with OpenMP: loaded into a process that already holds torch's
  * libgomp, the soname resolves to that runtime, and the calling thread reuses its team.
@@ -576,22 +577,29 @@ typedef struct {
  * (cascade): group g's members are group_members[group_offsets[g] .. group_offsets[g + 1]),
  * whose tables agree on their first group_tokens[g] tokens (whole blocks); those are read
  * once for all members, their queries stacked. part_tokens 0: split contexts only as far
- * as the threads need. Returns 0, or a negative code for arguments it cannot serve. */
+ * as the threads need. window > 0 (a sliding-window layer): each decode attends to its
+ * last `window` tokens only (keys at positions > its own - window), through its window
+ * group's table, whose entries before them may be FREED (-1); no shared groups then.
+ * Returns 0, or a negative code for arguments it cannot serve. */
 int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                       const int32_t *block_tables, const int32_t *context_lens, float *out,
                       int batch, int heads, int kv_heads, int dim, int block_size, int max_blocks,
                       int64_t num_slots, int num_groups, const int32_t *group_offsets,
                       const int32_t *group_members, const int32_t *group_tokens,
-                      float scale, int num_threads, int part_tokens) {
+                      float scale, int num_threads, int part_tokens, int window) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS) return -1;
     if (dim > MAX_DIM || dim <= 0 || block_size <= 0 || batch <= 0) return -2;
     if (dtype != KV_FLOAT32 && dtype != KV_BFLOAT16) return -3;
+    if (window < 0 || (window > 0 && num_groups > 0)) return -7;  /* a window's decodes share no prefix read */
     int longest = 0;
     for (int b = 0; b < batch; b++) {
         if (context_lens[b] <= 0 || context_lens[b] > max_blocks * block_size) return -4;
-        if (context_lens[b] > longest) longest = context_lens[b];
+        /* A windowed decode reads its last `window` tokens only: the blocks before them may
+         * be FREED (-1) or another sequence's by now, and are neither checked nor read. */
+        const int first = window > 0 && context_lens[b] > window ? context_lens[b] - window : 0;
+        if (context_lens[b] - first > longest) longest = context_lens[b] - first;
         const int32_t *table = block_tables + (int64_t)b * max_blocks;
-        for (int i = 0; i < (context_lens[b] + block_size - 1) / block_size; i++)
+        for (int i = first / block_size; i < (context_lens[b] + block_size - 1) / block_size; i++)
             if (table[i] < 0 || ((int64_t)table[i] + 1) * block_size > num_slots) return -6;
     }
     /* Every allocation below is freed at ``done``, whatever the outcome. */
@@ -606,6 +614,8 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
         code = -5;
         goto done;
     }
+    for (int b = 0; b < batch && window > 0; b++)
+        own_first[b] = context_lens[b] > window ? context_lens[b] - window : 0;
     for (int g = 0; g < num_groups; g++) {
         const int32_t shared = group_tokens[g];
         if (shared <= 0 || shared % block_size != 0 || group_offsets[g + 1] <= group_offsets[g]) {

@@ -3,7 +3,9 @@
 ``paged_decode(q, k_cache, v_cache, tables, scale)`` reads each decode's K/V in place
 through its block table, and the blocks that several decodes share at the start of their
 tables once for all of them (cascade); the caller builds ``DecodeTables`` once per step
-and every layer reuses them. ``available()`` says whether a kernel library is loaded here (else the
+and every layer reuses them. ``window``: a sliding-window layer's decodes, each attending
+to its last ``window`` tokens only, through its window group's table (entries before the
+window may be FREED). ``available()`` says whether a kernel library is loaded here (else the
 caller keeps its torch path).
 """
 
@@ -19,7 +21,8 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "heads not a multiple of KV heads, or too many", -2: "head size too large", -3: "KV dtype",
            -4: "a context length outside its block table", -5: "out of memory",
            -6: "a block id outside the cache",
-           -7: "a shared-prefix group that is empty, not whole blocks, overlapping or as long as a context"}
+           -7: "a shared-prefix group that is empty, not whole blocks, overlapping, as long as a context "
+               "or in a windowed layer"}
 _NAMES = ("vlmd_paged_decode", "vlmd_paged_decode_limit")  # signatures: kernels.h; limit: 0 heads, 1 head size
 
 
@@ -77,13 +80,17 @@ class DecodeTables:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: DecodeTables,
-                 scale: float, part_tokens: int = 0) -> torch.Tensor:
+                 scale: float, part_tokens: int = 0, window: int | None = None) -> torch.Tensor:
     """[B, H, D] queries -> [B, H, D] float32 attention outputs. ``part_tokens`` > 0 splits
     every context into parts of that many tokens (tests); 0 splits only as far as the
-    threads need work."""
+    threads need work. ``window``: each decode attends to its last ``window`` tokens (keys
+    at positions above its own minus ``window``), as a sliding-window layer's do; ``tables``
+    then have no shared-prefix groups."""
     function = _kernel()
     if function is None:
         raise RuntimeError("the native paged decode kernel library is not loaded here")
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be >= 1 token, got {window}")
     batch, heads, dim = q.shape
     queries = q.float().contiguous()
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
@@ -93,7 +100,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         batch, heads, k_cache.shape[1], dim, tables.block_size, tables.block_tables.shape[1],
         k_cache.shape[0], tables.group_tokens.shape[0], tables.group_offsets.data_ptr(),
         tables.group_members.data_ptr(), tables.group_tokens.data_ptr(), scale,
-        torch.get_num_threads(), part_tokens,
+        torch.get_num_threads(), part_tokens, window or 0,
     )
     if code != 0:
         raise ValueError(f"native paged decode cannot serve this batch: {_ERRORS.get(code, code)}")
