@@ -2,11 +2,11 @@
 the small LLaVA's decode attention (12 heads over 4 KV heads of 64, block size 16, 9
 layers' caches of their own, block tables scattered), hot (the caches as the last round
 left them) and cold (64 MiB written between rounds), medians of --rounds, and the largest
-difference between the two builds' outputs. For a kernel change: build the old source
-from git, the new from the tree.
+difference between the two builds' outputs. Each build is a git revision's kernel sources
+(``vlmd/layers/cpu`` as committed there, headers included, so a change of the kernel's
+signature builds too) or ``tree`` (the working tree):
 
-    git show HEAD~1:vlmd/layers/cpu/paged_decode.c > /tmp/old.c
-    python contrib/bench/ab_paged_decode.py /tmp/old.c vlmd/layers/cpu/paged_decode.c
+    python contrib/bench/ab_paged_decode.py HEAD~1 tree
 
 Cases: c1 (one decode of 620 tokens), c8u (8 unshared decodes of 620), c8s / c16s (8 / 16
 decodes sharing 608 tokens, each with 12-40 of its own). Prints one JSON line.
@@ -36,14 +36,30 @@ from vlmd.layers.cpu.variants import COMMON_FLAGS, LINK_FLAGS  # noqa: E402
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS, BLOCKS = 12, 4, 64, 16, 9, 4096
 
 
-def build(source: str, directory: str, tag: str):
-    """``source`` with the library's signature table, for this host (the package's
-    variants are built at install; an A/B of two sources needs its own builds)."""
+KERNELS = Path("vlmd/layers/cpu")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sources(revision: str, directory: str) -> Path:
+    """The kernel sources of ``revision`` (``tree``: the working tree) in a directory."""
+    if revision == "tree":
+        return REPO / KERNELS
+    target = Path(directory) / f"src-{len(list(Path(directory).iterdir()))}"
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, str(KERNELS)], check=True,
+                             capture_output=True).stdout
+    target.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target / KERNELS
+
+
+def build(revision: str, directory: str, tag: str):
+    """``paged_decode.c`` of ``revision`` with its signature table, for this host (the
+    package's variants are built at install; an A/B of two sources needs its own builds)."""
     target = Path(directory) / f"paged_decode_{tag}.so"
-    include = Path(__file__).resolve().parents[2] / "vlmd" / "layers" / "native"
+    include = sources(revision, directory)
     subprocess.run([os.environ.get("CC", "cc"), *COMMON_FLAGS, "-march=native", "-fPIC", "-shared", "-I",
-                    str(include), source, str(include / "signatures.c"), "-o", str(target), *LINK_FLAGS, "-lm"],
-                   check=True)
+                    str(include), str(include / "paged_decode.c"), str(include / "signatures.c"), "-o", str(target),
+                    *LINK_FLAGS, "-lm"], check=True)
     library = ctypes.CDLL(str(target))
     table = ctypes.cast(library.vlmd_kernel_signatures, ctypes.c_char_p).value.decode().splitlines()
     signature = next(Signature.parse(line) for line in table if " vlmd_paged_decode(" in line)
@@ -67,8 +83,8 @@ def tables(case: str, rng: random.Random) -> DecodeTables:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("old")
-    parser.add_argument("new")
+    parser.add_argument("old", help="a git revision, or tree")
+    parser.add_argument("new", help="a git revision, or tree")
     parser.add_argument("--cases", nargs="+", default=["c1", "c8u", "c8s", "c16s"])
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
@@ -81,11 +97,13 @@ def main() -> None:
 
         def call(function, q, t, layer, out):
             k, v = caches[layer]
-            code = function(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, t.block_tables.data_ptr(),
-                            t.context_lens.data_ptr(), out.data_ptr(), q.shape[0], HEADS, KV_HEADS, DIM, BLOCK,
-                            t.block_tables.shape[1], k.shape[0], t.group_tokens.shape[0], t.group_offsets.data_ptr(),
-                            t.group_members.data_ptr(), t.group_tokens.data_ptr(), DIM ** -0.5,
-                            torch.get_num_threads(), 0)
+            arguments = [q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, t.block_tables.data_ptr(),
+                         t.context_lens.data_ptr(), out.data_ptr(), q.shape[0], HEADS, KV_HEADS, DIM, BLOCK,
+                         t.block_tables.shape[1], k.shape[0], t.group_tokens.shape[0], t.group_offsets.data_ptr(),
+                         t.group_members.data_ptr(), t.group_tokens.data_ptr(), DIM ** -0.5,
+                         torch.get_num_threads(), 0]
+            # Builds from before the window argument (D94) take one fewer: no window is 0.
+            code = function(*arguments, *[0] * (len(function.argtypes) - len(arguments)))
             if code:
                 raise RuntimeError(f"paged decode returned {code}")
 
