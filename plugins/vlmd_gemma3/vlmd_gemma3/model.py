@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.types import MultiModalItem
 from vlmd_gemma3.decoder import Gemma3TextModel, GemmaRMSNorm
@@ -84,6 +84,7 @@ class Gemma3Model(nn.Module):
         vision_config = config.vision_config
         vision_config._attn_implementation = "sdpa"
         self.vision_tower = SiglipVisionModel(vision_config)
+        adopt_linear_modules(self.vision_tower)  # its linears on the seam (adopt.py), as every tower's
         self.multi_modal_projector = Gemma3Projector(config)
         tied = bool(getattr(config, "tie_word_embeddings", True))
         self.language_model = Gemma3TextModel(config.text_config, tp, tie_word_embeddings=tied)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_audio.processing import conv_output_frames, num_audio_tokens
@@ -64,6 +64,7 @@ class Qwen2AudioModel(nn.Module):
         audio_config = config.audio_config
         audio_config._attn_implementation = "sdpa"
         self.audio_tower = Qwen2AudioEncoder(audio_config)
+        adopt_linear_modules(self.audio_tower)  # its linears on the seam (adopt.py), as Whisper's encoder
         self.multi_modal_projector = Qwen2AudioProjector(audio_config.d_model, config.text_config.hidden_size)
         self.language_model = Qwen2ForCausalLM(config.text_config, tp=tp)  # sharded; the encoder replicated
         self.kv_spec = self.language_model.kv_spec

@@ -67,8 +67,8 @@ class Qwen2VLModel(nn.Module):
         self.visual = self.build_vision_tower(vision_config)
         # The tower's linears on the seam (pre-packed oneDNN weights, timed at start-up): one
         # 640x480 image through the small Qwen2-VL's tower took 163 ms against 188 with plain
-        # F.linear (2 threads, AMD EPYC Zen 3); the tower calls its linears, never reads their
-        # weights on our path (adopt.py).
+        # F.linear (2 threads, AMD EPYC family 25 model 17, Zen 4); the tower calls its
+        # linears, never reads their weights on our path (adopt.py).
         adopt_linear_modules(self.visual)
         self.language_model = Qwen2ForCausalLM(
             config.text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), tp=tp
