@@ -101,11 +101,17 @@ def test_the_qk_norm_step_is_the_module_path_bit_for_bit(monkeypatch, head_dim, 
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_the_head_norms_are_what_transformers_computes():
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_the_head_norms_are_what_transformers_computes(monkeypatch, kernels):
     # The module path's in-place norm of each head (and the step, equal to it above) against
-    # transformers' Qwen3 attention on the same weights: within float32 rounding.
+    # transformers' Qwen3 attention on the same weights: within float32 rounding; also where
+    # the seams fall back to torch ops (rows the CPU kernels do not serve).
     from transformers.models.qwen3 import modeling_qwen3
 
+    from vlmd.layers.cpu import elementwise
+
+    if not kernels:
+        monkeypatch.setattr(elementwise, "serves", lambda *tensors: False)
     model = _qwen3(32, mode="plain")
     attention = model.layers[0].self_attn
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))

@@ -26,6 +26,18 @@ class RMSNorm(torch.nn.Module):
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
 
+    def heads_(self, rows: torch.Tensor, first: int, heads: int) -> None:
+        """Norm in place ``heads`` heads (each this norm's width) of every row of ``rows``
+        [T, width], from column ``first``: a q/k/v product's q or k heads (Qwen3). Float32
+        CPU rows take the kernel the fused decode step runs (``head_rms_norm_``), so the
+        two paths agree bit for bit; anything else torch ops, each head as a row."""
+        dim, weight = self.weight.shape[0], self.weight
+        if elementwise.serves(rows) and weight.dtype == torch.float32 and weight.is_cpu:
+            elementwise.head_rms_norm_(rows, first, heads, dim, weight, self.eps)
+            return
+        part = rows[:, first:first + heads * dim]
+        part.copy_(self.forward(part.reshape(-1, dim)).view(part.shape))
+
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of ``residual + delta``, that sum). The native kernel adds into
         ``residual`` in place, so the caller hands over a residual it owns."""

@@ -2,11 +2,12 @@
 
 Qwen3 norms every query and key head over ``head_dim`` (its own weight for q and for k)
 after the q/k/v product and before rotary; q/k/v carry a bias only where
-``attention_bias`` says so. Float32 CPU rows are normed and rotated in place on the
-product's rows by the CPU room's kernels, the ones (in the order) the fused decode step
-runs (``layers/cpu/decoder_step.c``, which gets the norms through ``decoder_structure``),
-so a step's two paths agree bit for bit. Everything else (fused projections, GQA, paged
-attention, the rotary the config asks for, weight loading) is ``LlamaForCausalLM``'s.
+``attention_bias`` says so. The heads are normed and rotated in place on the product's
+rows through the norm and rotary seams (``RMSNorm.heads_``, ``rotate_qkv``), whose float32
+CPU kernels are the ones (in the order) the fused decode step runs (it gets the norms
+through ``decoder_structure``), so a step's two paths agree bit for bit. Everything else
+(fused projections, GQA, paged attention, the rotary the config asks for, weight loading)
+is ``LlamaForCausalLM``'s.
 
 Some vision-language models add vectors to the hidden states of a few rows after each of
 the first layers (features of several encoder layers, at the rows of an item's
@@ -21,11 +22,10 @@ import dataclasses
 import torch
 
 from vlmd.layers.attention import AttentionMetadata, OutputRows
-from vlmd.layers.cpu import elementwise
 from vlmd.layers.decoder_structure import DecoderStructure
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup
 from vlmd.layers.norm import RMSNorm
-from vlmd.layers.rotary import RotaryEmbedding, apply_rotary, rotary_for, rotate_qkv
+from vlmd.layers.rotary import RotaryEmbedding, rotary_for, rotate_qkv
 from vlmd.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, _head_dim
 
 
@@ -36,19 +36,10 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def project_qkv(self, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
-        if elementwise.serves(qkv) and _float_cpu(q_weight) and _float_cpu(k_weight):
-            elementwise.head_rms_norm_(qkv, 0, self.num_heads, self.head_dim, q_weight, self.q_norm.eps)
-            elementwise.head_rms_norm_(qkv, self.q_size, self.num_kv_heads, self.head_dim, k_weight, self.k_norm.eps)
-            return rotate_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Each head is one row of the norm: [T * heads, head_dim], contiguous for its kernel.
-        q = self.q_norm(q.reshape(tokens * self.num_heads, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_norm(k.reshape(tokens * self.num_kv_heads, self.head_dim)).view(tokens, self.num_kv_heads,
-                                                                                   self.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        self.q_norm.heads_(qkv, 0, self.num_heads)
+        self.k_norm.heads_(qkv, self.q_size, self.num_kv_heads)
+        return rotate_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
@@ -107,7 +98,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
                 hidden[rows] = hidden[rows] + values[index].to(hidden.dtype)
                 residual = None
         return self.norm.add_forward(residual, hidden)[0]
-
-
-def _float_cpu(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.is_cpu
