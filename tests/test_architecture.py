@@ -142,6 +142,19 @@ def test_server_never_imports_torch_sched_or_runner():
     assert violations(source_files(VLMD / "server"), REPO, forbidden) == []
 
 
+def test_model_code_calls_seams_never_the_cpu_kernels():
+    """Models (the core's and every family's) reach the CPU room's kernels only through the
+    seams (linear, norm, rotary, attention, the decoder structure), so a backend can
+    change what runs without a model naming it."""
+    def forbidden(name: str) -> bool:
+        return within(name, "vlmd.layers.cpu")
+
+    found = violations(source_files(VLMD / "models"), REPO, forbidden)
+    for directory, root in family_packages().values():
+        found += violations(source_files(directory), root, forbidden)
+    assert found == []
+
+
 def test_vlmd_never_imports_a_family_package():
     def forbidden(name: str) -> bool:
         return name.split(".")[0].startswith("vlmd_")
