@@ -57,23 +57,30 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
     attention backend turns the same order into its metadata, once for every layer.
     ``slice_positions``: the model's, where its positions are not plain ones;
     ``attention_spans``: the model's, where its items attend bidirectionally."""
-    decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
-    prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+    decodes = []
+    prefills = []
+    for entry in scheduled:
+        (decodes if entry[1] == 1 and entry[0].num_computed_tokens > 0 else prefills).append(entry)
 
     input_ids: list[int] = []
     positions: list[int] = []
     slices: list[ScheduledSlice] = []
     chunks: list[SequenceChunk] = []
     row = 0
-    for state, count in decodes + prefills:
+    for state, _ in decodes:  # one token each
+        start = state.num_computed_tokens
+        input_ids.append(state.token_ids[start])
+        positions.append(start)
+        slices.append(ScheduledSlice(state, start, 1, row))
+        spans = _chunk_spans(state, start, 1, attention_spans)
+        chunks.append(SequenceChunk(state.block_ids, start, 1, spans, state.window_block_ids or None))
+        row += 1
+    for state, count in prefills:
         start = state.num_computed_tokens
         input_ids.extend(state.token_ids[start : start + count])
         positions.extend(range(start, start + count))
         slices.append(ScheduledSlice(state, start, count, row))
-        spans = ()
-        if attention_spans is not None and state.mm_items and start < state.num_prompt_tokens:
-            end = start + count  # only the spans this chunk's queries reach
-            spans = tuple(span for span in attention_spans(state.mm_items) if span[0] < end and span[1] > start)
+        spans = _chunk_spans(state, start, count, attention_spans)
         chunks.append(SequenceChunk(state.block_ids, start, count, spans, state.window_block_ids or None))
         row += count
     meta = attention.prepare_metadata(chunks, num_decodes=len(decodes))
@@ -95,10 +102,21 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
     )
 
 
+def _chunk_spans(state: RunnerRequestState, start: int, count: int,
+                 attention_spans: AttentionSpans | None) -> tuple[tuple[int, int], ...]:
+    """The bidirectional spans this chunk's queries reach (none past the prompt)."""
+    if attention_spans is None or not state.mm_items or start >= state.num_prompt_tokens:
+        return ()
+    end = start + count
+    return tuple(span for span in attention_spans(state.mm_items) if span[0] < end and span[1] > start)
+
+
 def _model_positions(slices: list[ScheduledSlice], slice_positions: SlicePositions) -> torch.Tensor | None:
     """[rows, T]: each slice's positions as the model gives them, plain ones (the same in
     every row) for a slice it gives none; None where it gives none for any slice."""
-    parts = [slice_positions(piece.state.family_state, piece.start, piece.end, piece.state.num_prompt_tokens)
+    parts = [_decode_positions(piece.state, piece.start, slice_positions)
+             if piece.count == 1 and piece.start >= piece.state.num_prompt_tokens
+             else slice_positions(piece.state.family_state, piece.start, piece.end, piece.state.num_prompt_tokens)
              for piece in slices]
     given = [part for part in parts if part is not None]
     if not given:
@@ -106,3 +124,19 @@ def _model_positions(slices: list[ScheduledSlice], slice_positions: SlicePositio
     rows = given[0].shape[0]
     return torch.cat([part if part is not None else torch.arange(piece.start, piece.end).expand(rows, -1)
                       for piece, part in zip(slices, parts)], dim=1)
+
+
+# Decodes past the prompt take their positions from a run the family gave ahead of time:
+# a request's positions depend only on its family state and the token indices
+# (``SlicePositions``), so one call covers this many steps.
+POSITIONS_AHEAD = 64
+
+
+def _decode_positions(state: RunnerRequestState, start: int, slice_positions: SlicePositions) -> torch.Tensor | None:
+    """[rows, 1] positions of the token at ``start`` (past the prompt), or None for a plain one."""
+    ahead = state.positions_ahead
+    if ahead is None or not ahead[0] <= start < ahead[0] + POSITIONS_AHEAD:
+        table = slice_positions(state.family_state, start, start + POSITIONS_AHEAD, state.num_prompt_tokens)
+        ahead = state.positions_ahead = (start, table)
+    first, table = ahead
+    return None if table is None else table[:, start - first : start - first + 1]

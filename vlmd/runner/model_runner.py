@@ -68,6 +68,9 @@ class ModelRunner:
         # Either way, (encoder outputs, family state) -> each cross layer's K/V (cross_cache.py).
         self.prepare_cross = self.prepare_request_cross_attention or (
             lambda outputs, _family_state: model.prepare_cross_attention(outputs[-1]))
+        self.is_encoder_decoder = getattr(model, "is_encoder_decoder", False)
+        # The model's own rule on the next token (Whisper's timestamps): optional.
+        self.process_logits = getattr(model, "process_logits", None)
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -90,10 +93,11 @@ class ModelRunner:
 
         scheduled = [(self.requests[rid], out.num_scheduled_tokens[rid]) for rid in request_ids]
         batch = build_batch(scheduled, self.attention, self.slice_positions, self.attention_spans)
-        input_ids, positions, meta, outputs = self.staging.to_device(
-            (batch.input_ids, batch.positions, batch.meta, batch.outputs)
-        )
-        batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta, outputs=outputs)
+        if not self.staging.passthrough:
+            input_ids, positions, meta, outputs = self.staging.to_device(
+                (batch.input_ids, batch.positions, batch.meta, batch.outputs)
+            )
+            batch = dataclasses.replace(batch, input_ids=input_ids, positions=positions, meta=meta, outputs=outputs)
         embeds = self.model.embed_input_ids(batch.input_ids)
         extra = {}
         spans = encoder_spans(batch, self.encoder_outputs)
@@ -106,7 +110,7 @@ class ModelRunner:
             # in place (no gathered copy of every placeholder's features).
             for row, features in spans:
                 embeds[row : row + len(features)] = features
-        if getattr(self.model, "is_encoder_decoder", False):
+        if self.is_encoder_decoder:
             extra["cross_states"] = cross_states(batch, self.cross_cache, self.encoder_outputs, self.prepare_cross,
                                                  self.prepare_request_cross_attention is None)
         # Given the sampled rows, the model returns only theirs (its last layer runs them alone).
@@ -116,8 +120,7 @@ class ModelRunner:
         if batch.sample_rows and self.samples:
             sampled = hidden if batch.outputs is not None else hidden[batch.sample_rows]
             logits = self.model.compute_logits(sampled).float()
-            process_logits = getattr(self.model, "process_logits", None)
-            tokens, logprobs = sample(logits, batch.sample_states, self.generator, process_logits)
+            tokens, logprobs = sample(logits, batch.sample_states, self.generator, self.process_logits)
             result.grammar_completed, result.grammar_rejected = advance_grammars(batch.sample_states, tokens)
             kept = [(state, token, logprob) for state, token, logprob in zip(batch.sample_states, tokens, logprobs)
                     if state.request_id not in result.grammar_rejected]  # those end with an error, tokenless
@@ -171,6 +174,8 @@ class ModelRunner:
         for request_id in request_ids:
             state = self.requests[request_id]
             start = state.num_computed_tokens
+            if start >= state.items_end and request_id not in out.scheduled_encoder_inputs:
+                continue  # past every item (every decode after the prompt's): nothing to encode
             end = start + out.num_scheduled_tokens[request_id]
             scheduled = set(out.scheduled_encoder_inputs.get(request_id, ()))
             for index, item in enumerate(state.mm_items):
@@ -230,6 +235,8 @@ def encoder_spans(batch: StepBatch, encoder_outputs) -> list[tuple[int, torch.Te
     output was just encoded or kept from an earlier step. A view, never a copy."""
     spans: list[tuple[int, torch.Tensor]] = []
     for piece in batch.slices:
+        if piece.start >= piece.state.items_end:
+            continue  # past every item's placeholders
         for item in piece.state.mm_items:
             first = max(item.offset, piece.start)
             last = min(item.end, piece.end)

@@ -39,6 +39,20 @@ class RunnerRequestState:
     # Window -> the request's table in that window group (sched/kv_groups.py). Entries the
     # window has left behind may name blocks given to others since: attention never reads them.
     window_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Derived once from what never changes for the request (``__post_init__``):
+    # no chunk from this position on reads an encoder output (the largest ``use_end`` of its
+    # items), so a decode skips the item walks;
+    items_end: int = field(init=False, default=0)
+    # greedy with no logits processor and no log-probs: its token is the argmax alone
+    # (``sampler.sample`` skips the processors for a batch of such rows).
+    plain_greedy: bool = field(init=False, default=False)
+    # The model's positions of the tokens ahead, asked of the family once for a run of
+    # decodes (``batch.py``): (first token index, [rows, n] tensor, or None for plain ones).
+    positions_ahead: tuple[int, Any] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.items_end = max((item.use_end for item in self.mm_items), default=0)
+        self.plain_greedy = is_plain_greedy(self.sampling, self.stop_token_ids)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "RunnerRequestState":
@@ -89,3 +103,13 @@ class RunnerRequestState:
         if self.sampling.seed is None:
             return None
         return torch.Generator(device=device).manual_seed(hash((self.sampling.seed, self.num_output_tokens)) & (2**63 - 1))
+
+
+def is_plain_greedy(sampling: SamplingParams, stop_token_ids: tuple[int, ...]) -> bool:
+    """Whether every token of a request is the plain argmax of its logits: greedy, no
+    constraint, bias, penalty, grammar or log-probs, and no stop token to mask for
+    ``min_tokens`` (the processors of ``logits_processors.py`` would all leave its row as it is)."""
+    return (sampling.is_greedy and sampling.logprobs is None and sampling.grammar is None
+            and not sampling.has_penalties and not sampling.logit_bias and not sampling.suppress_token_ids
+            and not sampling.begin_suppress_token_ids and sampling.allowed_token_ids is None
+            and not (stop_token_ids and sampling.min_tokens))
