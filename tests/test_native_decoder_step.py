@@ -5,12 +5,11 @@ path (prefill rows, torch attention, products that are not the native kernel's).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import LlamaConfig
 
+from decode_step_support import BLOCK, decode_chunks, random_caches
 from vlmd.layers.attention import SequenceChunk, attention_backend_for
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.layers.linear.kernels import SelectedKernel
@@ -18,7 +17,6 @@ from vlmd.layers.cpu import decoder_step
 from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.models.llama import LlamaForCausalLM
 
-BLOCK = 16
 pytestmark = [
     pytest.mark.skipif(not decoder_step.available(), reason="no kernel library was built in this install"),
     pytest.mark.usefixtures("each_kernel_variant"),
@@ -41,24 +39,8 @@ def _model(qkv_bias: bool, mode: str = "native") -> LlamaForCausalLM:
     return llama
 
 
-def _decodes(contexts, shared_blocks=0, seed=0):
-    """Decode chunks with random block tables; the first ``shared_blocks`` blocks common to all."""
-    rng = random.Random(seed)
-    pool = list(range(1, 400))
-    rng.shuffle(pool)
-    prefix = [pool.pop() for _ in range(shared_blocks)]
-    chunks = []
-    for context in contexts:
-        blocks = -(-(context + 1) // BLOCK)
-        chunks.append(SequenceChunk(prefix + [pool.pop() for _ in range(blocks - shared_blocks)], context, 1))
-    return chunks
-
-
 def _caches(model, seed):
-    generator = torch.Generator().manual_seed(seed)
-    shape = (400 * BLOCK, model.kv_spec.num_kv_heads, model.kv_spec.head_dim)
-    return [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-            for _ in range(model.kv_spec.num_layers)]
+    return random_caches(model.kv_spec, seed=seed)
 
 
 def _both(model, chunks, embeds, positions, num_decodes, kernels="auto", monkeypatch=None):
@@ -80,7 +62,7 @@ def _both(model, chunks, embeds, positions, num_decodes, kernels="auto", monkeyp
 @pytest.mark.parametrize("contexts,shared", [([37], 0), ([5, 300, 64, 17, 900], 0), ([70, 41, 99, 33], 2)])
 def test_the_native_step_is_the_module_path_bit_for_bit(monkeypatch, qkv_bias, contexts, shared):
     model = _model(qkv_bias)
-    chunks = _decodes(contexts, shared)
+    chunks = decode_chunks(contexts, shared)
     torch.manual_seed(1)
     embeds, positions = torch.randn(len(chunks), 64), torch.tensor(contexts)
     stepped, stepped_cache, module, module_cache, calls = _both(model, chunks, embeds, positions, len(chunks),
@@ -94,25 +76,25 @@ def test_the_native_step_is_the_module_path_bit_for_bit(monkeypatch, qkv_bias, c
 def test_steps_with_prefill_rows_or_torch_attention_keep_the_module_path(monkeypatch):
     model = _model(False)
     prompt = SequenceChunk([200, 201], 0, 20)
-    chunks = _decodes([40, 50]) + [prompt]
+    chunks = decode_chunks([40, 50]) + [prompt]
     embeds, positions = torch.randn(22, 64), torch.tensor([40, 50] + list(range(20)))
     *_, calls = _both(model, chunks, embeds, positions, 2, monkeypatch=monkeypatch)
     assert calls == 0
-    decodes = _decodes([40, 50])
+    decodes = decode_chunks([40, 50])
     *_, calls = _both(model, decodes, embeds[:2], positions[:2], 2, kernels="torch", monkeypatch=monkeypatch)
     assert calls == 0
 
 
 def test_products_that_are_not_the_native_kernel_keep_the_module_path(monkeypatch):
     model = _model(False, mode="packed")  # oneDNN's packed kernel: no panels for vlmd's
-    chunks = _decodes([40, 50])
+    chunks = decode_chunks([40, 50])
     *_, calls = _both(model, chunks, torch.randn(2, 64), torch.tensor([40, 50]), 2, monkeypatch=monkeypatch)
     assert calls == 0
 
 
 def test_a_slot_outside_the_cache_raises_instead_of_writing_there():
     model = _model(False)
-    chunks = _decodes([40])
+    chunks = decode_chunks([40])
     caches = _caches(model, 1)
     backend = attention_backend_for("cpu", BLOCK, "auto")
     meta = backend.prepare_metadata(chunks, 1)
@@ -125,7 +107,7 @@ def test_a_slot_outside_the_cache_raises_instead_of_writing_there():
 
 def test_inputs_the_kernel_does_not_read_keep_the_module_path(monkeypatch):
     model = _model(False)
-    chunks = _decodes([40, 50])
+    chunks = decode_chunks([40, 50])
     wide = torch.randn(2, 128)[:, ::2]  # rows that are not contiguous
     stepped, _, module, _, calls = _both(model, chunks, wide, torch.tensor([40, 50]), 2, monkeypatch=monkeypatch)
     assert calls == 0 and torch.equal(stepped, module)
@@ -136,7 +118,7 @@ def test_a_batch_past_the_native_buckets_keeps_the_module_path(monkeypatch):
     # the choice at that row count is not vlmd's kernel.
     model = _model(False)
     contexts = [20 + i for i in range(40)]
-    chunks = _decodes(contexts)
+    chunks = decode_chunks(contexts)
     *_, calls = _both(model, chunks, torch.randn(40, 64), torch.tensor(contexts), 40, monkeypatch=monkeypatch)
     assert calls == 0
 

@@ -15,15 +15,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from vlmd.layers.attention import SequenceChunk, attention_backend_for
+from decode_step_support import BLOCK, random_caches, run_step
+from vlmd.layers.attention import SequenceChunk
 from vlmd.layers.cpu import decoder_step
-from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.layers.cpu.panel_packing import bfloat16_panels
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.layers.linear.kernels import NATIVE, PLAIN, SelectedKernel
 from vlmd.models.llama import LlamaForCausalLM
 
-BLOCK = 16
 pytestmark = [
     pytest.mark.skipif(not decoder_step.available(), reason="no kernel library was built in this install"),
     pytest.mark.usefixtures("each_kernel_variant"),
@@ -61,24 +60,12 @@ def _chunks(contexts):
     return chunks
 
 
-def _caches(model, dtype, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    shape = (200 * BLOCK, model.kv_spec.num_kv_heads, model.kv_spec.head_dim)
-    return [tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
-            for _ in range(model.kv_spec.num_layers)]
+def _caches(model, dtype):
+    return random_caches(model.kv_spec, dtype, blocks=200)
 
 
 def _step(model, embeds, contexts, caches, fused: bool, monkeypatch):
-    calls = []
-    real = decoder_step.NativeDecoder.__call__
-    monkeypatch.setattr(decoder_step.NativeDecoder, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
-    if not fused:
-        monkeypatch.setattr(FusedDecodeSteps, "run", lambda *a: None)
-    backend = attention_backend_for("cpu", BLOCK, "auto")
-    with torch.inference_mode():
-        out = model(embeds, torch.tensor(contexts), backend.prepare_metadata(_chunks(contexts), len(contexts)), caches)
-    monkeypatch.undo()
-    return out, len(calls)
+    return run_step(model, embeds, torch.tensor(contexts), _chunks(contexts), caches, fused, monkeypatch)
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])

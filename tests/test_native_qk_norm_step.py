@@ -7,21 +7,17 @@ closer to float32; and Qwen3-VL's decoder is logged as taking the fused step."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from structlog.testing import capture_logs
 from transformers import Qwen3Config
 
-from vlmd.layers.attention import SequenceChunk, attention_backend_for
+from decode_step_support import decode_chunks, random_caches, run_step
 from vlmd.layers.cpu import decoder_step, fused_step
-from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.layers.decoder_structure import DecoderStructure
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.models.qwen3 import Qwen3ForCausalLM
 
-BLOCK = 16
 pytestmark = [
     pytest.mark.skipif(not decoder_step.available(), reason="no kernel library was built in this install"),
     pytest.mark.usefixtures("each_kernel_variant"),
@@ -54,47 +50,16 @@ def _qwen3(head_dim: int, mode: str = "native", dtype=torch.float32) -> Qwen3For
     return model
 
 
-def _decodes(contexts, shared_blocks=0, seed=0):
-    """Decode chunks with random block tables; the first ``shared_blocks`` blocks common to all."""
-    rng = random.Random(seed)
-    pool = list(range(1, 400))
-    rng.shuffle(pool)
-    prefix = [pool.pop() for _ in range(shared_blocks)]
-    return [SequenceChunk(prefix + [pool.pop() for _ in range(-(-(context + 1) // BLOCK) - shared_blocks)], context, 1)
-            for context in contexts]
-
-
-def _caches(kv_spec, dtype=torch.float32, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    shape = (400 * BLOCK, kv_spec.num_kv_heads, kv_spec.head_dim)
-    return [tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
-            for _ in range(kv_spec.num_layers)]
-
-
-def _step(decoder, embeds, positions, chunks, caches, fused: bool, monkeypatch):
-    """(``decoder``'s output for one step of decodes, native step calls), fused or modules."""
-    calls = []
-    real = decoder_step.NativeDecoder.__call__
-    monkeypatch.setattr(decoder_step.NativeDecoder, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
-    if not fused:
-        monkeypatch.setattr(FusedDecodeSteps, "run", lambda *a: None)
-    backend = attention_backend_for("cpu", BLOCK, "auto")
-    with torch.inference_mode():
-        out = decoder(embeds, positions, backend.prepare_metadata(chunks, len(chunks)), caches)
-    monkeypatch.undo()
-    return out, len(calls)
-
-
 @pytest.mark.parametrize("head_dim", [32, 20])  # 20: a head that is not a whole number of vectors
 @pytest.mark.parametrize("contexts,shared", [([37], 0), ([5, 300, 64, 17, 900], 0), ([70, 41, 99, 33], 2)])
 def test_the_qk_norm_step_is_the_module_path_bit_for_bit(monkeypatch, head_dim, contexts, shared):
     model = _qwen3(head_dim)
     assert fused_step.unsupported(model.decoder_structure) is None
-    chunks = _decodes(contexts, shared)
+    chunks = decode_chunks(contexts, shared)
     embeds, positions = torch.randn(len(chunks), 64, generator=torch.Generator().manual_seed(2)), torch.tensor(contexts)
-    stepped_caches, module_caches = _caches(model.kv_spec), _caches(model.kv_spec)
-    stepped, calls = _step(model, embeds, positions, chunks, stepped_caches, True, monkeypatch)
-    module, none = _step(model, embeds, positions, chunks, module_caches, False, monkeypatch)
+    stepped_caches, module_caches = random_caches(model.kv_spec), random_caches(model.kv_spec)
+    stepped, calls = run_step(model, embeds, positions, chunks, stepped_caches, True, monkeypatch)
+    module, none = run_step(model, embeds, positions, chunks, module_caches, False, monkeypatch)
     assert (calls, none) == (1, 0)  # the step did run natively, the other did not
     assert torch.equal(stepped, module)
     for (k1, v1), (k2, v2) in zip(stepped_caches, module_caches):
@@ -134,16 +99,16 @@ def test_a_bfloat16_qwen3_steps_natively_closer_to_float32_than_its_modules(monk
     reference = _qwen3(32, mode="plain")
     model = _qwen3(32, dtype=torch.bfloat16)
     contexts = [37, 120, 9]
-    chunks = _decodes(contexts)
+    chunks = decode_chunks(contexts)
     embeds = torch.randn(len(contexts), 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     positions = torch.tensor(contexts)
-    caches = _caches(model.kv_spec, torch.bfloat16)
+    caches = random_caches(model.kv_spec, torch.bfloat16)
     stepped_caches = [tuple(c.clone() for c in pair) for pair in caches]
     module_caches = [tuple(c.clone() for c in pair) for pair in caches]
     float_caches = [tuple(c.float() for c in pair) for pair in caches]
-    stepped, calls = _step(model, embeds, positions, chunks, stepped_caches, True, monkeypatch)
-    module, none = _step(model, embeds, positions, chunks, module_caches, False, monkeypatch)
-    exact, _ = _step(reference, embeds.float(), positions, chunks, float_caches, False, monkeypatch)
+    stepped, calls = run_step(model, embeds, positions, chunks, stepped_caches, True, monkeypatch)
+    module, none = run_step(model, embeds, positions, chunks, module_caches, False, monkeypatch)
+    exact, _ = run_step(reference, embeds.float(), positions, chunks, float_caches, False, monkeypatch)
     assert (calls, none) == (1, 0)
     assert stepped.dtype == module.dtype == torch.bfloat16
     step_error = (stepped.float() - exact).abs().max()
@@ -163,7 +128,7 @@ def test_a_structure_must_carry_the_norms_it_says_it_has():
         DecoderStructure(**{**structure.__dict__, "query_key_norm": False})
 
 
-def test_qwen3_vl_decodes_through_the_fused_step(monkeypatch):
+def test_qwen3_vl_decodes_through_the_fusedrun_step(monkeypatch):
     # Qwen3-VL's decoder (interleaved M-RoPE, DeepStack's additions at prefill only): the
     # start-up log names the fused step, and a decode step of [3, B] positions takes it,
     # bit for bit the modules'.
@@ -181,12 +146,12 @@ def test_qwen3_vl_decodes_through_the_fused_step(monkeypatch):
     logged = [entry for entry in logs if entry["event"] == "decode steps"]
     assert len(logged) == 1 and logged[0]["path"] == "fused", logged
     contexts = [40, 75]
-    chunks = _decodes(contexts)
+    chunks = decode_chunks(contexts)
     embeds = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
     positions = torch.tensor([[40, 75], [33, 60], [35, 61]])  # t, h, w rows: a decode after an image
     kv_spec = model.language_model.kv_spec
-    stepped_caches, module_caches = _caches(kv_spec), _caches(kv_spec)
-    stepped, calls = _step(model, embeds, positions, chunks, stepped_caches, True, monkeypatch)
-    module, none = _step(model, embeds, positions, chunks, module_caches, False, monkeypatch)
+    stepped_caches, module_caches = random_caches(kv_spec), random_caches(kv_spec)
+    stepped, calls = run_step(model, embeds, positions, chunks, stepped_caches, True, monkeypatch)
+    module, none = run_step(model, embeds, positions, chunks, module_caches, False, monkeypatch)
     assert (calls, none) == (1, 0)
     assert torch.equal(stepped, module)
