@@ -7,6 +7,8 @@ closer to float32; and Qwen3-VL's decoder is logged as taking the fused step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -14,7 +16,6 @@ from transformers import Qwen3Config
 
 from decode_step_support import decode_chunks, random_caches, run_step
 from vlmd.layers.cpu import decoder_step, fused_step
-from vlmd.layers.decoder_structure import DecoderStructure
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.models.qwen3 import Qwen3ForCausalLM
 
@@ -117,15 +118,16 @@ def test_a_bfloat16_qwen3_steps_natively_closer_to_float32_than_its_modules(monk
     assert step_error <= module_error and step_error < 0.05, (step_error, module_error)
 
 
-def test_a_structure_must_carry_the_norms_it_says_it_has():
+def test_a_structure_has_its_norms_in_every_layer_or_none():
     structure = _qwen3(32, mode="plain").decoder_structure
     assert structure.query_key_norm and all(layer.query_norm is not None for layer in structure.layers)
-    stripped = tuple(type(layer)(*[getattr(layer, f) for f in ("input_norm", "qkv", "o", "post_norm", "gate_up",
-                                                                 "down")]) for layer in structure.layers)
-    with pytest.raises(ValueError, match="query_key_norm"):
-        DecoderStructure(**{**structure.__dict__, "layers": stripped})
-    with pytest.raises(ValueError, match="query_key_norm"):
-        DecoderStructure(**{**structure.__dict__, "query_key_norm": False})
+    first, *rest = structure.layers
+    stripped = dataclasses.replace(first, query_norm=None, key_norm=None)
+    assert not dataclasses.replace(structure, layers=(stripped,)).query_key_norm
+    with pytest.raises(ValueError, match="every layer of a decoder or in none"):
+        dataclasses.replace(structure, layers=(stripped, *rest))
+    with pytest.raises(ValueError, match="every layer of a decoder or in none"):
+        dataclasses.replace(structure, layers=(dataclasses.replace(first, key_norm=None), *rest))
 
 
 def test_qwen3_vl_decodes_through_the_fusedrun_step(monkeypatch):

@@ -56,14 +56,19 @@ class DecoderStructure:
     eps: float  # every RMSNorm's
     activation: str  # of the gate: "silu", "gelu", "gelu_pytorch_tanh"
     tensor_parallel: int = 1  # ranks the products are split over
-    query_key_norm: bool = False  # every layer's query_norm and key_norm (Qwen3, and others)
     sliding_window: int | None = None  # tokens a layer attends back (the local layers of an interleaved decoder)
 
     def __post_init__(self):
-        # A backend reads the norms where this says so: a layer without them would run un-normed.
-        for layer in self.layers:
-            if (layer.query_norm is not None, layer.key_norm is not None) != (self.query_key_norm,) * 2:
-                raise ValueError("query_key_norm must be set exactly when every layer has a query and a key norm")
+        # A backend runs every layer alike: q/k norms in some layers only, or a q norm
+        # without a k norm, is a structure no backend reads.
+        kinds = {(layer.query_norm is not None, layer.key_norm is not None) for layer in self.layers}
+        if len(kinds) > 1 or kinds & {(True, False), (False, True)}:
+            raise ValueError("query and key norms must be in every layer of a decoder or in none")
+
+    @property
+    def query_key_norm(self) -> bool:
+        """Whether every layer norms its q and k heads before rotary (Qwen3, and others)."""
+        return bool(self.layers) and self.layers[0].query_norm is not None
 
     def products(self) -> list[nn.Module]:
         """Every layer's products in the order a step runs them."""

@@ -75,7 +75,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         llama = super()._describe(tp)
         layers = tuple(dataclasses.replace(described, query_norm=layer.self_attn.q_norm, key_norm=layer.self_attn.k_norm)
                        for described, layer in zip(llama.layers, self.layers))
-        return dataclasses.replace(llama, layers=layers, query_key_norm=True)
+        return dataclasses.replace(llama, layers=layers)
 
     def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches, outputs: OutputRows | None = None,
                 additions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -36,8 +36,9 @@ class _Product(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("query_norm", _P), ("key_norm", _P), ("qkv", _Product), ("o", _Product), ("gate_up", _Product),
-                ("down", _Product), ("k_cache", _P), ("v_cache", _P), ("cache_dtype", _I64)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("query_norm", _P), ("key_norm", _P), ("qkv", _Product),
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("k_cache", _P), ("v_cache", _P),
+                ("cache_dtype", _I64)]
 
 
 class _Decoder(ctypes.Structure):
