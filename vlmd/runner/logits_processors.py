@@ -21,10 +21,23 @@ processor it equals on the same inputs (tests/test_sampler.py checks each one):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from vlmd.runner.request_state import RunnerRequestState
 from vlmd.types import SamplingParams
+
+if TYPE_CHECKING:  # the request state derives its plain-greedy flag from this module's rule
+    from vlmd.runner.request_state import RunnerRequestState
+
+
+def leaves_logits_unchanged(sampling: SamplingParams, stop_token_ids: tuple[int, ...]) -> bool:
+    """Whether no processor of this module would ever touch a request's row: no min_tokens
+    stop-token mask, suppress list, allowed ids, logit bias, penalty or grammar. Kept here,
+    beside the processors, so a new one is added to this rule in the same place."""
+    return (not (stop_token_ids and sampling.min_tokens) and not sampling.suppress_token_ids
+            and not sampling.begin_suppress_token_ids and sampling.allowed_token_ids is None
+            and not sampling.logit_bias and not sampling.has_penalties and sampling.grammar is None)
 
 
 def apply_token_constraints(logits: torch.Tensor, states: list[RunnerRequestState]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from vlmd.runner.token_counts import TokenCounts
 from vlmd.runner.grammar_mask import GrammarState
+from vlmd.runner.logits_processors import leaves_logits_unchanged
 from vlmd.sched.cross_kv import cross_tokens_of
 from vlmd.sched.output import NewRequestData
 from vlmd.types import MultiModalItem, SamplingParams
@@ -107,9 +108,5 @@ class RunnerRequestState:
 
 def is_plain_greedy(sampling: SamplingParams, stop_token_ids: tuple[int, ...]) -> bool:
     """Whether every token of a request is the plain argmax of its logits: greedy, no
-    constraint, bias, penalty, grammar or log-probs, and no stop token to mask for
-    ``min_tokens`` (the processors of ``logits_processors.py`` would all leave its row as it is)."""
-    return (sampling.is_greedy and sampling.logprobs is None and sampling.grammar is None
-            and not sampling.has_penalties and not sampling.logit_bias and not sampling.suppress_token_ids
-            and not sampling.begin_suppress_token_ids and sampling.allowed_token_ids is None
-            and not (stop_token_ids and sampling.min_tokens))
+    log-probs, and no logits processor that would touch its row."""
+    return sampling.is_greedy and sampling.logprobs is None and leaves_logits_unchanged(sampling, stop_token_ids)

@@ -32,7 +32,7 @@ def sample(
     it runs after the per-request token constraints, as transformers runs a generation
     config's suppression before the model's processors.
     """
-    if process_logits is None and all(getattr(state, "plain_greedy", False) for state in states):
+    if process_logits is None and all(state.plain_greedy for state in states):
         # Every row is a plain argmax (``request_state.is_plain_greedy``): the processors
         # below would leave the logits as they are, and nothing is drawn or reported.
         return logits.argmax(dim=-1).tolist(), [None] * len(states)
