@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vlmd.processing.audio_windows import split_at_quiet_points
+from vlmd.runner.request_state import is_plain_greedy
 from vlmd.types import SamplingParams
 from vlmd_whisper.timestamps import TimestampRules
 
@@ -33,6 +34,10 @@ class _State:
     @property
     def masks_stop_tokens(self) -> bool:
         return False
+
+    @property
+    def plain_greedy(self) -> bool:  # as RunnerRequestState derives it
+        return is_plain_greedy(self.sampling, self.stop_token_ids)
 
 
 def _history(rng: random.Random) -> list[int]:
