@@ -8,8 +8,11 @@ from __future__ import annotations
 from collections import Counter
 
 
-from vlmd.sched.kv_groups import FREED, first_visible_block
 from vlmd.sched.block_pool import blocks_needed
+from vlmd.sched.kv_managers import FREED
+from vlmd.sched.kv_spec import (
+    CrossAttention, FullAttention, SlidingWindow, build_kv_cache_config, first_visible_block,
+)
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.types import EngineRequest, FinishReason, MultiModalItem, RequestDelta, SamplingParams
@@ -18,24 +21,26 @@ EOS = 2
 FILLER = 7  # what the fake runner samples when a request has no script
 
 
-def make_scheduler(**overrides) -> Scheduler:
+def make_scheduler(*, block_size: int = 4, num_kv_blocks: int = 128, layers=(FullAttention(),),
+                   **overrides) -> Scheduler:
+    """``layers``: the KV model's layer kinds (sched/kv_spec.py); one full-attention layer
+    by default (one group, as every model without windows or cross-attention)."""
     config = dict(
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=512,
-        block_size=4,
-        num_kv_blocks=128,
         max_num_encoder_input_tokens=64,
         encoder_cache_size=64,
         # Most tests reuse the same token ids across requests; prefix caching has its own tests.
         enable_prefix_caching=False,
     )
     config.update(overrides)
-    if "max_model_len" not in overrides and config["block_size"] > 0:
+    if "max_model_len" not in overrides:
         # A small test cache also bounds the context: the config rejects a cache that
         # cannot hold one max_model_len sequence.
-        config["max_model_len"] = min(512, config["num_kv_blocks"] * config["block_size"])
-    return Scheduler(SchedulerConfig(**config))
+        config["max_model_len"] = min(512, num_kv_blocks * block_size)
+    kv_cache = build_kv_cache_config(layers, block_size, num_kv_blocks)
+    return Scheduler(SchedulerConfig(kv_cache=kv_cache, **config))
 
 
 def image(identifier: str, offset: int, length: int) -> MultiModalItem:
@@ -65,10 +70,8 @@ class _State:
         self.token_ids = list(data.token_ids)
         self.num_prompt = data.num_prompt_tokens
         self.computed = data.num_computed_tokens
-        self.blocks = list(data.block_ids)
-        self.windows = {window: list(table) for window, table in data.window_block_ids.items()}
+        self.tables = {group: list(table) for group, table in data.block_tables.items()}
         self.items = list(data.mm_items)
-        self.cross = list(data.cross_block_ids)
 
 
 class FakeRunner:
@@ -124,9 +127,8 @@ class FakeRunner:
         for data in out.cached_requests:
             state = self.states[data.request_id]
             assert data.num_computed_tokens == state.computed
-            state.blocks.extend(data.new_block_ids)
-            for window, new in data.new_window_block_ids.items():
-                state.windows[window].extend(new)
+            for group, new in data.new_block_ids.items():
+                state.tables[group].extend(new)
         sent = {d.request_id for d in out.new_requests} | {d.request_id for d in out.cached_requests}
         assert sent == set(out.num_scheduled_tokens)
 
@@ -148,15 +150,16 @@ class FakeRunner:
             assert num_new >= 1
             start, end = state.computed, state.computed + num_new
             assert end <= len(state.token_ids)
-            assert len(state.blocks) == blocks_needed(end, config.block_size)
-            assert state.blocks == self.sched.kv.block_ids(request_id)
-            for block in state.blocks:
-                assert 0 <= block < config.num_kv_blocks
-                if not config.enable_prefix_caching:  # with it, full prefix blocks are shared
-                    assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
-                owners[block] = request_id
-            self._check_window_tables(request_id, state, start, end)
-            self._check_cross_table(request_id, state)
+            self._check_tables(request_id, state, start, end)
+            # The scheduler's tables: the runner's keep entries a window gave back (never read).
+            for table in self.sched.kv.tables(request_id).values():
+                for block in table:
+                    if block == FREED:
+                        continue
+                    assert 0 <= block < config.num_kv_blocks
+                    if not config.enable_prefix_caching:  # with it, full prefix blocks are shared
+                        assert block not in owners, f"block {block} held by {owners.get(block)} and {request_id}"
+                    owners[block] = request_id
             for item in state.items:
                 if item.offset < end and item.end > start:
                     assert item.identifier in self.encoder_outputs, (
@@ -176,47 +179,44 @@ class FakeRunner:
                 self.outputs.append(request_id)
         return result
 
-    def _check_window_tables(self, request_id: str, state: _State, start: int, end: int) -> None:
-        """Each window table covers the chunk, and every block the chunk's queries can read
-        (from its first query's window on) is held, the same in the runner and the scheduler."""
+    def _check_tables(self, request_id: str, state: _State, start: int, end: int) -> None:
+        """Every group's table is the scheduler's, the same in the runner: a full-attention
+        table covers the chunk; a window table too, every block the chunk's queries can read
+        (from its first query's window on) held and the ones before given back; a cross table
+        is whole from the first chunk on (its request's encoder tokens), unchanged."""
         size = self.config.block_size
-        held = self.sched.kv.window_block_ids(request_id)
-        assert set(state.windows) == {group.window for group in self.config.window_groups}
-        for group in self.config.window_groups:
-            table, ours = state.windows[group.window], held[group.window]
+        held = self.sched.kv.tables(request_id)
+        request = self.sched.requests[request_id]
+        assert set(state.tables) == set(held) == {group.index for group in self.config.kv_cache.groups}
+        for group in self.config.kv_cache.groups:
+            table, ours = state.tables[group.index], held[group.index]
+            if isinstance(group.kind, CrossAttention):
+                assert table == ours and len(table) == blocks_needed(request.num_cross_tokens, size)
+                continue
             assert len(table) == len(ours) == blocks_needed(end, size)
-            first = first_visible_block(start, group.window, size)
-            assert all(block != FREED and 0 <= block < group.num_blocks for block in table[first:])
+            first = first_visible_block(start, group.window, size) if isinstance(group.kind, SlidingWindow) else 0
+            assert FREED not in table[first:]
             assert table[first:] == ours[first:]
             assert all(block == FREED for block in ours[:first])  # dead for the window: given back
-
-    def _check_cross_table(self, request_id: str, state: _State) -> None:
-        """A scheduled request holds its whole cross table from its first chunk on, unchanged."""
-        kv = self.sched.kv
-        assert state.cross == kv.cross_block_ids(request_id)
-        if kv.cross is not None:
-            assert len(state.cross) == kv.cross_blocks_needed(self.sched.requests[request_id])
-            assert all(0 <= block < self.config.cross_kv_blocks for block in state.cross)
 
     def check_accounting(self) -> None:
         kv = self.sched.kv
         live = [r.request_id for r in self.sched.running] + [r.request_id for r in self.sched.waiting]
-        tables = [kv.block_ids(request_id) for request_id in live]
-        for table in tables:
-            assert len(set(table)) == len(table)  # a request never holds a block twice
-        held = {block for table in tables for block in table}  # shared prefix blocks count once
+        held_by_group = []
+        for group in self.config.kv_cache.groups:
+            tables = [kv.tables(request_id)[group.index] for request_id in live]
+            for table in tables:
+                live_blocks = [block for block in table if block != FREED]
+                assert len(set(live_blocks)) == len(live_blocks)  # a request never holds a block twice
+            held_by_group.append({block for table in tables for block in table if block != FREED})
+        for first, other in ((a, b) for a in held_by_group for b in held_by_group if a is not b):
+            assert not first & other, "a block held by two KV groups"
+        held = set().union(*held_by_group)  # shared prefix blocks count once
         assert kv.num_free_blocks + len(held) == self.config.num_kv_blocks
-        for group, stats in zip(self.config.window_groups, kv.window_stats()):
-            tables = [kv.window_block_ids(request_id)[group.window] for request_id in live]
-            held = {block for table in tables for block in table if block != FREED}
-            assert stats["used_blocks"] == len(held) <= group.num_blocks
-        if kv.cross is not None:
-            # Running requests hold whole cross tables, never shared; waiting ones hold none.
-            tables = [kv.cross_block_ids(request.request_id) for request in self.sched.running]
-            held = [block for table in tables for block in table]
-            assert len(set(held)) == len(held)
-            assert all(not kv.cross_block_ids(request.request_id) for request in self.sched.waiting)
-            assert kv.cross_stats()["used_blocks"] == len(held) == self.config.cross_kv_blocks - kv.cross.num_free_blocks
+        for blocks, stats in zip(held_by_group, kv.group_stats()):
+            assert stats["used_blocks"] == len(blocks)
+        for request in self.sched.waiting:  # a waiting request holds nothing
+            assert not any(kv.tables(request.request_id).values())
         # The scheduler's resident set is what the runner holds; every slot is free or used by one.
         cache = self.sched.encoder_cache
         for identifier in self.encoder_outputs:

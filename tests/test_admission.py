@@ -150,12 +150,12 @@ def test_failing_a_request_frees_it_and_unregisters_its_unwritten_blocks():
     scheduler = make_scheduler(num_kv_blocks=64, enable_prefix_caching=True)
     scheduler.add_request(make_request("culprit", 16))
     out = scheduler.schedule()
-    blocks = list(scheduler.kv.block_ids("culprit"))
+    blocks = list(scheduler.kv.tables("culprit")[0])
     hashes = list(scheduler.requests["culprit"].block_hashes)
-    assert any(scheduler.kv.pool.lookup(h) in blocks for h in hashes)  # registered at allocation
+    assert any(scheduler.kv.pool.lookup((0, h)) in blocks for h in hashes)  # registered at allocation
     tainted = scheduler.fail_requests({"culprit": "boom"}, out.num_scheduled_tokens)
     assert tainted == [] and not scheduler.has_work()
-    assert all(scheduler.kv.pool.lookup(h) is None for h in hashes)  # never computed: not findable
+    assert all(scheduler.kv.pool.lookup((0, h)) is None for h in hashes)  # never computed: not findable
     assert scheduler.kv.num_free_blocks == 64
     assert "culprit" in scheduler.schedule().dropped_request_ids
 

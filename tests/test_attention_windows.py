@@ -130,11 +130,13 @@ def test_a_window_below_one_token_is_refused():
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("window", [3, 11])
 def test_a_window_group_reads_and_writes_its_own_table_and_cache(kernels, window):
-    """A windowed layer whose sequences have tables of their own (vlmd/sched/kv_groups.py):
+    """A windowed layer whose sequences have tables of their own (a window group of the KV model):
     K/V go to its own small cache through those tables; blocks the window left behind are
     FREED and handed to other sequences at once (so a read of one would see other keys),
     and every row still equals the reference. The main tables' cache is never touched."""
-    from vlmd.sched.kv_groups import FREED, first_visible_block
+    from vlmd.layers.attention import LayerCache
+    from vlmd.sched.kv_managers import FREED
+    from vlmd.sched.kv_spec import first_visible_block
 
     block_size = 4
     backend = CPUPagedBackend(block_size, kernels)
@@ -155,11 +157,11 @@ def test_a_window_group_reads_and_writes_its_own_table_and_cache(kernels, window
             while len(tables[seq]) * block_size < start + count:
                 tables[seq].append(free.pop(0))
         chunks = [SequenceChunk(sequences.tables[seq], start, count, tuple(spans.get(seq, ())),
-                                {window: list(tables[seq])}) for seq, start, count in pieces]
+                                {0: sequences.tables[seq], 1: list(tables[seq])}) for seq, start, count in pieces]
         meta = backend.prepare_metadata(chunks, sum(1 for _, start, count in pieces if count == 1 and start > 0))
         q, k, v = ([torch.cat([part[seq][start:start + count] for seq, start, count in pieces])
                     for part in (sequences.queries, sequences.keys, sequences.values)])
-        out = paged_attention(q, k, v, own, meta, DIM ** -0.5, window)
+        out = paged_attention(q, k, v, LayerCache(*own, 1), meta, DIM ** -0.5, window)
         row = 0
         for seq, start, count in pieces:
             expected = _reference(sequences.queries[seq][start:start + count], sequences.keys[seq][:start + count],

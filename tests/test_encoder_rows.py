@@ -20,7 +20,7 @@ from vlmd.types import MultiModalItem, SamplingParams
 def _state(name, prompt, computed, items):
     return RunnerRequestState(
         request_id=name, token_ids=list(range(1, prompt + 1)), num_prompt_tokens=prompt, mm_items=items,
-        sampling=SamplingParams(max_tokens=4), block_ids=[0, 1, 2, 3], num_computed_tokens=computed,
+        sampling=SamplingParams(max_tokens=4), block_tables={0: [0, 1, 2, 3]}, num_computed_tokens=computed,
         stop_token_ids=(),
     )
 

@@ -34,7 +34,7 @@ def test_the_scheduler_hands_the_family_state_to_the_runner_unread():
 def _state(name, prompt, computed, family_state=None):
     return RunnerRequestState(
         request_id=name, token_ids=list(range(1, prompt + 1)), num_prompt_tokens=prompt, mm_items=[],
-        sampling=SamplingParams(max_tokens=4), block_ids=[0, 1, 2, 3], num_computed_tokens=computed,
+        sampling=SamplingParams(max_tokens=4), block_tables={0: [0, 1, 2, 3]}, num_computed_tokens=computed,
         stop_token_ids=(), family_state=family_state,
     )
 

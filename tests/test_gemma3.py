@@ -26,7 +26,7 @@ from conftest import Server, image_data_url, random_image
 from gemma3_oracle import hf_gemma3_generate
 from oracle import assert_chat_parity
 from vlmd.cost import CostOptions, compute_cost, parse_image
-from vlmd.sched.kv_groups import window_pool_blocks
+from vlmd.sched.block_pool import blocks_needed
 
 LONG_TEXT = " ".join(["Describe what is here and what the image shows in some detail"] * 12)
 PAN_AND_SCAN = orjson.dumps({"do_pan_and_scan": True}).decode()
@@ -153,10 +153,11 @@ def test_an_image_larger_than_a_step_is_a_startup_error(tiny_gemma3_dir, tmp_pat
 
 def test_small_budget_small_cache_tensor_parallel(tiny_gemma3_dir, tmp_path):
     """TP=2, 24 tokens a step (every image kept whole: a request that cannot fit its next
-    image waits for a step with room), 24 KV blocks of 16: preemption."""
+    image waits for a step with room), 30 KV blocks of 16 that every group shares (a
+    384-token request holds 24 in the full layers and up to 4 in the window's): preemption."""
     refs = {name: _reference(tiny_gemma3_dir, *CASES[name], pan_and_scan=False) for name in SMALL_CASES}
     server = Server(tiny_gemma3_dir, "--limit-mm-per-prompt", "image=3", "--max-num-batched-tokens", "24",
-                    "--num-kv-blocks", "24", "--max-model-len", "384", "--tensor-parallel-size", "2",
+                    "--num-kv-blocks", "30", "--max-model-len", "384", "--tensor-parallel-size", "2",
                     "--torch-threads", "1", log_dir=tmp_path)
     try:
         status, body = server.chat(_body(*CASES["tall_crops"][:2], {"do_pan_and_scan": True}, 2))
@@ -173,6 +174,11 @@ def test_small_budget_small_cache_tensor_parallel(tiny_gemma3_dir, tmp_path):
         server.stop()
 
 
+# A pool small enough that another long prompt reuses the window's freed blocks (every group
+# takes its blocks from it): 1,024 tokens need 64 full-attention blocks and 5 in the window.
+NUM_BLOCKS = 72
+
+
 def test_a_long_prompt_holds_only_its_window(tiny_gemma3_dir, tmp_path):
     """The long case (an image, then several windows of text) in chunks of at most 40
     tokens: tokens equal transformers'; the full-attention layers hold a block per 16 tokens
@@ -184,7 +190,7 @@ def test_a_long_prompt_holds_only_its_window(tiny_gemma3_dir, tmp_path):
     images, text, kwargs, max_tokens = CASES["long_after_image"]
     reference = _reference(tiny_gemma3_dir, images, text, kwargs, max_tokens, pan_and_scan=False)
     server = Server(tiny_gemma3_dir, "--max-num-batched-tokens", "40", "--max-model-len", "1024",
-                    "--max-num-seqs", "4", log_dir=tmp_path)
+                    "--max-num-seqs", "4", "--num-kv-blocks", str(NUM_BLOCKS), log_dir=tmp_path)
     try:
         status, body = server.chat(_body(images, text, kwargs, max_tokens))
         assert status == 200, body
@@ -196,7 +202,7 @@ def test_a_long_prompt_holds_only_its_window(tiny_gemma3_dir, tmp_path):
         assert status == 200, again
         assert_chat_parity(again, reference)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == whole_hit
-        # Another long prompt cycles the window group's 15 blocks (its cached ones are reused):
+        # Another long prompt takes the blocks freed longest ago (the window's, given back as it moved):
         # the full layers' blocks are still cached, the window before the hit's end is not, so
         # the hit falls back to a shorter one (or none) and the tokens are still transformers'.
         status, other = server.chat(_body([], "Other words entirely, " * 40, {}, 2))
@@ -207,26 +213,29 @@ def test_a_long_prompt_holds_only_its_window(tiny_gemma3_dir, tmp_path):
         assert third["usage"]["prompt_tokens_details"]["cached_tokens"] < whole_hit
     finally:
         server.stop()
-    label = '{window="24"}'
+    # The tiny Gemma 3's layers: sliding, full, sliding, full: two groups of two layers each.
+    label = '{group="1",kind="sliding_window",window="24"}'
     tokens = len(reference["prompt_token_ids"]) + max_tokens
-    peak = metrics["vlmd_kv_cache_window_peak_request_blocks" + label]
+    peak = metrics["vlmd_kv_cache_group_peak_request_blocks" + label]
     # A chunk of n tokens at s reads [s - 23, s + n): at most (40 + 24 + 2 * 16 - 3) // 16 blocks.
     assert 0 < peak <= (40 + 24 + 2 * 16 - 3) // 16 == 5 < -(-tokens // 16)
-    assert metrics["vlmd_kv_cache_window_blocks" + label] == 0  # the finished request gave all back
-    total = metrics["vlmd_kv_cache_window_total_blocks" + label]
-    assert total == window_pool_blocks(24, 16, 4, 40) == (40 + 4 * (24 + 2 * 16 - 3)) // 16
+    assert metrics["vlmd_kv_cache_group_peak_request_blocks" + '{group="0",kind="full_attention",window=""}'] \
+        == blocks_needed(tokens - 1, 16)
+    assert metrics["vlmd_kv_cache_group_blocks" + label] == 0  # the finished request gave all back
 
     report = compute_cost(str(tiny_gemma3_dir), [parse_image("90x90")],
                           CostOptions(prompt=text, max_num_batched_tokens=40, max_model_len=1024, max_num_seqs=4,
-                                      kv_cache_gb=0.25))
+                                      num_kv_blocks=NUM_BLOCKS))
     assert report["prompt_tokens"] == body["usage"]["prompt_tokens"] == len(reference["prompt_token_ids"])
     cache = report["cache"]
-    assert cache["num_kv_blocks"] == metrics["vlmd_memory_plan_kv_blocks"]
-    assert [group["num_blocks"] for group in cache["window_groups"]] == [total]
+    assert cache["num_kv_blocks"] == metrics["vlmd_memory_plan_kv_blocks"] == NUM_BLOCKS
     plan_kv = [value for key, value in metrics.items() if key.startswith("vlmd_memory_plan_bytes{")
                and 'part="kv_cache"' in key]
     assert plan_kv == [cache["kv_bytes"]]
     # The request's KV figure counts the window's blocks, not one per 16 tokens in every layer.
     request = report["requests"][0]
-    assert request["window_kv"][0]["blocks"] < request["kv_blocks"]
-    assert request["kv_bytes"] < request["kv_blocks"] * 16 * report["kv_bytes_per_token"]
+    full, windowed = request["kv_groups"]
+    assert (full["kind"], windowed["window"]) == ("full_attention", 24)
+    assert windowed["blocks"] < full["blocks"] == blocks_needed(request["kv_tokens"], 16)
+    assert request["kv_bytes"] == (full["blocks"] + windowed["blocks"]) * cache["block_bytes"] \
+        < 2 * full["blocks"] * cache["block_bytes"]

@@ -9,15 +9,8 @@ import sys
 import pytest
 
 from conftest import Server, free_port, image_message, random_image, server_device_flags
-from vlmd.engine.memory_plan import (
-    GIB,
-    MemoryPlan,
-    WindowLayers,
-    kv_budget_bytes,
-    kv_group_sizes,
-    split_kv_blocks,
-    window_blocks_for,
-)
+from vlmd.engine.memory_plan import GIB, MemoryPlan, check_holds_one_sequence, kv_budget_bytes
+from vlmd.sched.kv_spec import FullAttention, build_kv_cache_config
 from vlmd.types import KVSpec
 
 
@@ -27,27 +20,29 @@ def test_budget_arithmetic_and_its_error():
         kv_budget_bytes(10 * GIB, 0.5, 4 * GIB, 1 * GIB, 1 * GIB)
     with pytest.raises(ValueError, match="utilisation"):
         kv_budget_bytes(10 * GIB, 1.5, 0, 0, 0)
-    plan = MemoryPlan("cpu", "kv-cache-gb", 0, 0.0, 1, 1, 1, 0, 0, 8192, 16, 1000, 2048)
+    kv = build_kv_cache_config([FullAttention()] * 4, 16, 1000, slot_bytes=2048)
+    plan = MemoryPlan("cpu", "kv-cache-gb", 0, 0.0, 1, 1, 1, 0, 0, kv, 2048, 40)
     assert plan.max_full_length_requests == 1000 // 128
-    assert plan.kv_bytes == 1000 * 8192
+    assert plan.kv_bytes == 1000 * 8192 and plan.kv_bytes_per_block == 8192
 
 
-def test_window_groups_are_paid_for_first_at_their_worst_case():
-    """Sliding-window layers' groups (D91): their worst case first, the rest to the main group;
-    where the worst case does not fit, every group the same count (never more than needed)."""
+def test_every_group_is_paid_from_one_pool():
+    """Sliding windows and full attention (D95): no group reserved for its worst case; the plan
+    states what a request of max_model_len holds in each group and how many fit."""
     spec = KVSpec(4, 2, 16, (24, None, 24, None))
-    main, (group,) = kv_group_sizes(spec, 4, 16, max_num_seqs=4, max_num_batched_tokens=40, max_model_len=1024)
-    assert main == group.bytes_per_block == 2 * 2 * 2 * 16 * 4 * 16  # 2 layers each
-    assert (group.window, group.worst_blocks) == (24, (40 + 4 * (24 + 32 - 3)) // 16)
-    assert kv_group_sizes(spec, 4, 16, 4, 40, max_model_len=24)[1] == ()  # a window as long as the context
-    assert kv_group_sizes(KVSpec(4, 2, 16), 4, 16, 4, 40, 1024) == (KVSpec(4, 2, 16).bytes_per_token(4) * 16, ())
-    windows = (WindowLayers(24, 100, 10),)
-    assert split_kv_blocks(100 * 10 + 100 * 50, 100, windows) == (50, (10,))
-    assert split_kv_blocks(100 * 10 + 100 * 5, 100, windows) == (7, (7,))  # 1500 // 200
-    assert split_kv_blocks(5000, 100, ()) == (50, ())
-    assert window_blocks_for(50, windows) == (10,) and window_blocks_for(4, windows) == (4,)
-    plan = MemoryPlan("cpu", "kv-cache-gb", 0, 0.0, 1, 1, 1, 0, 0, 100, 16, 50, 2048, window_groups=((24, 10, 100),))
-    assert (plan.kv_bytes, plan.window_kv_bytes) == (50 * 100 + 10 * 100, 1000)
+    kv = spec.kv_cache_config(16, 4, max_model_len=1024, max_num_batched_tokens=40, num_blocks=690)
+    assert kv.num_slots == 2 and kv.page_bytes == 2 * (2 * 16 * 2 * 16 * 4)  # two layers a page
+    plan = MemoryPlan("cpu", "num-kv-blocks", 0, 0.0, 1, 1, 1, 0, 0, kv, 1024, 40)
+    rows = plan.group_rows()
+    assert [(row["kind"], row.get("window")) for row in rows] == [("full_attention", None), ("sliding_window", 24)]
+    assert [row["full_length_request_blocks"] for row in rows] == [64, 2]
+    assert [row["peak_request_blocks"] for row in rows] == [64, (40 + 24 + 32 - 3) // 16]
+    assert plan.max_full_length_requests == 690 // 66 == 10
+    assert plan.fields()["max_concurrency"] == round(690 / 66, 2)
+    assert plan.kv_bytes == 690 * kv.page_bytes
+    check_holds_one_sequence(kv.with_blocks(69), 1024, 40, "num-kv-blocks")
+    with pytest.raises(ValueError, match="needs 69 across its KV groups"):
+        check_holds_one_sequence(kv.with_blocks(68), 1024, 40, "num-kv-blocks")
 
 
 def _plan(server) -> dict[str, float]:

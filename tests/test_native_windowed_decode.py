@@ -17,7 +17,7 @@ from vlmd.layers.attention.cpu_paged import CPUPagedBackend
 from vlmd.layers.attention.masked import attend_windowed, plan_window
 from vlmd.layers.cpu import paged_decode as native_decode
 from vlmd.layers.cpu.paged_decode import DecodeTables, paged_decode
-from vlmd.sched.kv_groups import FREED
+from vlmd.sched.kv_managers import FREED
 
 pytestmark = [
     pytest.mark.skipif(not native_decode.available(), reason="no kernel library was built in this install"),

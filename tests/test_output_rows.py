@@ -124,7 +124,7 @@ def test_nothing_is_pruned_when_every_row_is_used_or_a_prompt_is_one_token():
 def _state(name, prompt, computed, blocks):
     return RunnerRequestState(
         request_id=name, token_ids=list(range(1, prompt + 1)), num_prompt_tokens=prompt, mm_items=[],
-        sampling=SamplingParams(max_tokens=4), block_ids=blocks, num_computed_tokens=computed, stop_token_ids=(),
+        sampling=SamplingParams(max_tokens=4), block_tables={0: blocks}, num_computed_tokens=computed, stop_token_ids=(),
     )
 
 

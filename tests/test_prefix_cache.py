@@ -51,8 +51,8 @@ def test_identical_requests_in_one_step_share_blocks():
     out, _ = runner.step()
     a, b = out.new_requests
     assert a.num_computed_tokens == 0 and b.num_computed_tokens == 16
-    assert a.block_ids[:4] == b.block_ids[:4]  # shared by reference
-    assert a.block_ids[4] != b.block_ids[4]
+    assert a.block_tables[0][:4] == b.block_tables[0][:4]  # shared by reference
+    assert a.block_tables[0][4] != b.block_tables[0][4]
     sched.abort_requests(["a"])
     # b still holds the shared blocks: they are not free until b lets go.
     assert sched.kv.num_free_blocks == 64 - 5  # four shared blocks and its own fifth

@@ -17,7 +17,7 @@ from vlmd.types import MultiModalItem, SamplingParams
 def _state(name, prompt, computed, family_state=None, sampling=None, mm_items=()):
     return RunnerRequestState(
         request_id=name, token_ids=list(range(1, computed + 2)), num_prompt_tokens=prompt, mm_items=list(mm_items),
-        sampling=sampling or SamplingParams(max_tokens=500, temperature=0), block_ids=list(range(40)),
+        sampling=sampling or SamplingParams(max_tokens=500, temperature=0), block_tables={0: list(range(40))},
         num_computed_tokens=computed, stop_token_ids=(), family_state=family_state,
     )
 

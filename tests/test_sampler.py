@@ -28,7 +28,7 @@ VOCAB = 50
 def _state(sampling: SamplingParams, prompt: list[int], output: list[int] = (), request_id: str = "r"):
     state = RunnerRequestState(
         request_id=request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt), mm_items=[],
-        sampling=sampling, block_ids=[], num_computed_tokens=0, stop_token_ids=(),
+        sampling=sampling, block_tables={0: []}, num_computed_tokens=0, stop_token_ids=(),
     )
     for token in output:
         state.append_token(token)

@@ -8,6 +8,7 @@ from sched_support import make_request
 from vlmd.sched.block_pool import BlockPool
 from vlmd.sched.encoder_cache import EncoderCacheManager
 from vlmd.sched.kv_manager import KVCacheManager
+from vlmd.sched.kv_spec import FullAttention, build_kv_cache_config
 
 
 # ---- block pool and KV manager -----------------------------------------------------------
@@ -36,18 +37,18 @@ def test_block_pool_needs_a_block():
 
 
 def test_kv_manager_grows_tables_and_frees_tail_first():
-    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    kv = KVCacheManager(build_kv_cache_config([FullAttention()], 4, 6), enable_prefix_caching=False)
     a, b = make_request("a", 4), make_request("b", 4)
-    assert kv.allocate_slots(a, 5) == [0, 1]
-    assert kv.allocate_slots(a, 8) == []  # still two blocks
-    assert kv.allocate_slots(a, 9) == [2]
-    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.allocate_slots(a, 5) == {0: [0, 1]}
+    assert kv.allocate_slots(a, 8) == {}  # still two blocks
+    assert kv.allocate_slots(a, 9) == {0: [2]}
+    assert kv.tables("a")[0] == [0, 1, 2]
     assert kv.allocate_slots(b, 13) is None  # four needed, three free: nothing taken
-    assert kv.num_free_blocks == 3 and kv.block_ids("b") == []
+    assert kv.num_free_blocks == 3 and kv.tables("b")[0] == []
     kv.free("a")
-    assert kv.num_free_blocks == 6 and kv.block_ids("a") == []
+    assert kv.num_free_blocks == 6 and kv.tables("a")[0] == []
     # Never-used blocks first, then a's tail before its head.
-    assert kv.allocate_slots(b, 24) == [3, 4, 5, 2, 1, 0]
+    assert kv.allocate_slots(b, 24) == {0: [3, 4, 5, 2, 1, 0]}
     kv.free("missing")  # harmless
 
 

@@ -429,10 +429,10 @@ def test_blocks_follow_the_token_count_and_are_freed_on_finish():
     expected = []
     for _ in range(5):
         runner.step()  # the FakeRunner checks len(table) == ceil(computed / 4) itself
-        expected.append(len(sched.kv.block_ids("a")))
+        expected.append(len(sched.kv.tables("a")[0]))
     # computed after each step: 10, 11, 12, 13, 14 (the fifth sample ends it)
     assert expected[:4] == [3, 3, 3, 4]
-    assert sched.kv.block_ids("a") == [] and sched.kv.num_free_blocks == 16
+    assert sched.kv.tables("a")[0] == [] and sched.kv.num_free_blocks == 16
     out = sched.schedule()
     assert out.dropped_request_ids == ["a"] and out.is_empty
 
@@ -455,7 +455,7 @@ def test_preemption_drops_the_most_recently_admitted_request_and_resumes_it():
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert sched.num_preemptions == 1
     assert [r.request_id for r in sched.waiting] == ["b", "c"]  # ahead of c
-    assert sched.kv.block_ids("b") == [] and sched.kv.num_free_blocks == 1
+    assert sched.kv.tables("b")[0] == [] and sched.kv.num_free_blocks == 1
     assert "b" not in runner.states
 
     out, deltas = runner.step()  # a: fourth token, finished

@@ -16,6 +16,7 @@ import torch
 
 from vlmd.distributed import step_codec
 from vlmd.engine.multiproc_executor import StartupPlan, StepMessage, for_other_ranks
+from vlmd.sched.kv_spec import CrossAttention, FullAttention, SlidingWindow, build_kv_cache_config
 from vlmd.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vlmd.types import FinishReason, MultiModalItem, SamplingParams
 
@@ -32,10 +33,9 @@ def step_message(grammar=None) -> StepMessage:
     new = NewRequestData(
         request_id="r1", token_ids=[1, 2, 3, 9, 9, 9, 9, 4], num_prompt_tokens=8, mm_items=[item],
         sampling=SamplingParams(max_tokens=5, temperature=0.0, logit_bias=((3, -1.5),), grammar=grammar),
-        block_ids=[0, 1], num_computed_tokens=0, stop_token_ids=(2,), family_state=None,
-        window_block_ids={24: [-1, 5]},
+        block_tables={0: [0, 1], 1: [-1, 5]}, num_computed_tokens=0, stop_token_ids=(2,), family_state=None,
     )
-    out = SchedulerOutput(new_requests=[new], cached_requests=[CachedRequestData("r0", [7], 15, {24: [8]})],
+    out = SchedulerOutput(new_requests=[new], cached_requests=[CachedRequestData("r0", {0: [7], 1: [8]}, 15)],
                           num_scheduled_tokens={"r1": 8, "r0": 1}, total_num_scheduled_tokens=9,
                           scheduled_encoder_inputs={"r1": [0]}, evicted_encoder_identifiers=["cd" * 32],
                           dropped_request_ids=["r9"])
@@ -48,8 +48,8 @@ def test_a_step_message_comes_back_equal():
     assert isinstance(back, StepMessage) and isinstance(back.out, SchedulerOutput)
     assert back.request_ids == message.request_ids and back.sampled == {"r0": 42}
     new, sent = back.out.new_requests[0], message.out.new_requests[0]
-    assert (new.token_ids, new.block_ids, new.stop_token_ids, new.window_block_ids) == \
-        (sent.token_ids, sent.block_ids, sent.stop_token_ids, {24: [-1, 5]})
+    assert (new.token_ids, new.block_tables, new.stop_token_ids) == \
+        (sent.token_ids, {0: [0, 1], 1: [-1, 5]}, sent.stop_token_ids)
     assert new.sampling == sent.sampling
     assert back.out.cached_requests == message.out.cached_requests
     assert back.out.num_scheduled_tokens == message.out.num_scheduled_tokens
@@ -60,7 +60,10 @@ def test_a_step_message_comes_back_equal():
             assert got.dtype == value.dtype and torch.equal(got, value)
         else:
             assert np.array_equal(got, value) and got.dtype == value.dtype
-    plan = StartupPlan(12, 16, (2, 1, 8), 0, {24: 5})
+    # The KV model crosses whole: every group's kind (a window's size included) and layers.
+    kv_cache = build_kv_cache_config([SlidingWindow(24), FullAttention(), SlidingWindow(24), CrossAttention()],
+                                     16, 12, slot_bytes=1024)
+    plan = StartupPlan(kv_cache, (2, 1, 8), 0)
     assert step_codec.decode(step_codec.encode(plan)) == plan
     assert step_codec.decode(step_codec.encode({FinishReason.STOP: {1, 2}, "t": (1, 2.5)})) == \
         {FinishReason.STOP: {1, 2}, "t": (1, 2.5)}

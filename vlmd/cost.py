@@ -3,10 +3,10 @@
 Counts come from the family's own ``item_tokens`` (the processor takes its counts from the
 same method) and the prompt from the server's own chat-template step, so the prompt tokens
 printed here are the ``usage.prompt_tokens`` the server reports for the same request. KV
-bytes come from the config's decoder shape, rounded up to whole blocks; sliding-window
-layers count the blocks their window holds (their own KV group, docs/decisions.md D91), and
-the cache is split between the groups as the server's memory plan splits it; an
-encoder-decoder's cross-attention pool is sized as the server sizes it (D93).
+bytes come from the config's decoder shape, rounded up to whole blocks, per KV group of the
+server's KV model (``vlmd/sched/kv_spec.py``): sliding-window layers count the blocks their
+window holds (D91), an encoder-decoder's cross-attention layers the blocks of its encoder
+tokens (D93), all from the one pool the server's memory plan sizes (D95).
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from typing import Any
 
 from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, media_policy_fields, serve_setting, setting_default
 from vlmd.engine.memory_plan import (
-    GIB, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_budget_bytes,
-    kv_group_sizes, split_kv_blocks, window_blocks_for,
+    GIB, blocks_for_bytes, cross_items_per_request, cross_tokens_per_request, kv_budget_bytes,
 )
 from vlmd.processing.base import ItemSize, ProcessingContext
 from vlmd.sched.block_pool import blocks_needed
-from vlmd.sched.kv_groups import window_blocks_held
+from vlmd.sched.kv_spec import KVCacheConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # one per --dtype choice of serve's
 # Serve's settings that mean the same here: their flags, defaults, help and choices are
@@ -170,24 +169,26 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
 
     spec = info.kv_spec()
     per_token = spec.bytes_per_token(_DTYPE_BYTES[options.dtype])
-    # The main group's block (every layer without a window group) and the window groups'.
-    per_block, windows = kv_group_sizes(spec, _DTYPE_BYTES[options.dtype], options.block_size, options.max_num_seqs,
-                                        options.max_num_batched_tokens, max_model_len)
+    # The server's KV model: its groups over one pool of pages (sched/kv_spec.py, D95).
+    kv = spec.kv_cache_config(options.block_size, _DTYPE_BYTES[options.dtype], max_model_len,
+                              options.max_num_batched_tokens)
+    cross_kv = _cross_kv(options, info, items, kv)
     for request in requests:
         kv_tokens = request["prompt_tokens"] + options.max_tokens
-        blocks = blocks_needed(kv_tokens, options.block_size)
-        window_kv = [{"window": group.window, "blocks": window_blocks_held(kv_tokens, group.window, options.block_size),
-                      "block_bytes": group.bytes_per_block} for group in windows]
-        request.update(kv_tokens=kv_tokens, kv_blocks=blocks,
-                       kv_bytes=blocks * per_block + sum(w["blocks"] * w["block_bytes"] for w in window_kv),
-                       fits_max_model_len=request["prompt_tokens"] < max_model_len and kv_tokens <= max_model_len)
-        if window_kv:
-            request["window_kv"] = window_kv
-    cross_kv = _cross_kv(options, info, items)
-    cache = _cache(options, info, rows, per_block, hf_config, cross_kv["bytes"], windows)
+        held = kv.request_blocks(kv_tokens, cross_kv["request_tokens"])
+        request.update(kv_tokens=kv_tokens, kv_blocks=sum(held), kv_bytes=sum(held) * kv.page_bytes,
+                       fits_max_model_len=request["prompt_tokens"] < max_model_len and kv_tokens <= max_model_len,
+                       kv_groups=[{**group.describe(), "blocks": blocks} for group, blocks in zip(kv.groups, held)])
+    cache = _cache(options, info, rows, kv, hf_config)
+    sized = kv.with_blocks(max(1, cache["num_kv_blocks"]))
     most_blocks = max(request["kv_blocks"] for request in requests)
+    # Requests of this size the pool holds at once, decoding, every group's blocks counted
+    # (what /metrics shows the server running: vlmd_num_requests_running).
     cache["requests_held"] = cache["num_kv_blocks"] // most_blocks if most_blocks else 0
-    cache["full_length_requests"] = cache["num_kv_blocks"] // blocks_needed(max_model_len, options.block_size)
+    cache["max_concurrency"] = round(sized.max_concurrency(max_model_len, cross_kv["max_request_tokens"]), 2)
+    cache["full_length_requests"] = int(sized.max_concurrency(max_model_len, cross_kv["max_request_tokens"]))
+    cache["layer_slots"] = kv.num_slots
+    cache["block_bytes"] = kv.page_bytes
     return {
         "prompt_tokens": sum(r["prompt_tokens"] * r.get("windows", 1) for r in requests),
         "encoder_tokens": sum(row["encoder_tokens"] for row in rows) * max(r.get("windows", 1) for r in requests),
@@ -198,21 +199,18 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     }
 
 
-def _cross_kv(options: CostOptions, info, items: list[ItemSpec]) -> dict:
-    """The cross-attention pool as the server's memory plan sizes it (an encoder-decoder's,
-    D93): these items' cross table, a request's most, and the pool for --max-num-seqs of them."""
+def _cross_kv(options: CostOptions, info, items: list[ItemSpec], kv: KVCacheConfig) -> dict:
+    """Cross-attention K/V (an encoder-decoder's, D93): these items' tokens and blocks, and the
+    most one request may bring; their blocks come from the one pool (D95)."""
     block = options.block_size
-    block_bytes = info.kv_spec().cross_bytes_per_token(_DTYPE_BYTES[options.dtype]) * block
     limits = {m: count for m, count in options.limit_mm_per_prompt.items() if count != 0}
     supported = {m: limit for m, limit in info.supported_mm_limits().items() if options.limit_mm_per_prompt.get(m) != 0}
     counts = cross_items_per_request(supported, limits)
     most = cross_tokens_per_request(info, counts)
     tokens = sum(info.cross_kv_tokens_per_item(spec.modality) for spec in items)
-    blocks = cross_pool_blocks(most, block, options.max_num_seqs)
     return {"request_tokens": tokens, "request_blocks": blocks_needed(tokens, block),
-            "request_bytes": blocks_needed(tokens, block) * block_bytes, "items_per_request": counts,
-            "max_request_bytes": blocks_needed(most, block) * block_bytes, "max_num_seqs": options.max_num_seqs,
-            "num_blocks": blocks, "block_bytes": block_bytes, "bytes": blocks * block_bytes}
+            "request_bytes": blocks_needed(tokens, block) * kv.page_bytes, "items_per_request": counts,
+            "max_request_tokens": most, "max_request_bytes": blocks_needed(most, block) * kv.page_bytes}
 
 
 def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> list[dict]:
@@ -250,35 +248,28 @@ def _speech_requests(processor, items: list[ItemSpec], options: CostOptions) -> 
     return requests
 
 
-def _cache(options: CostOptions, info, rows: list[dict], per_block: int, hf_config, cross_kv_bytes: int,
-           windows=()) -> dict:
-    """The cache's blocks in the server's order (engine/sizing.py:plan_kv_cache): --num-kv-blocks,
-    --kv-cache-gb, the memory plan (here --memory-gb), else a CPU server's default size;
-    ``num_kv_blocks`` of the main group, beside ``window_groups`` where the model has them."""
-    def sized(source: str, blocks: int, window_blocks: tuple[int, ...], **plan) -> dict:
-        groups = [{"window": group.window, "num_blocks": count, "kv_bytes": count * group.bytes_per_block}
-                  for group, count in zip(windows, window_blocks)]
-        cache = {"source": source, **plan, "num_kv_blocks": blocks,
-                 "kv_bytes": blocks * per_block + sum(group["kv_bytes"] for group in groups)}
-        if groups:
-            cache["window_groups"] = groups
-        return cache
+def _cache(options: CostOptions, info, rows: list[dict], kv: KVCacheConfig, hf_config) -> dict:
+    """The pool's blocks in the server's order (engine/sizing.py:plan_kv_cache): --num-kv-blocks,
+    --kv-cache-gb, the memory plan (here --memory-gb), else a CPU server's default size; every
+    KV group's blocks come from it."""
+    def sized(source: str, blocks: int, **plan) -> dict:
+        return {"source": source, **plan, "num_kv_blocks": blocks, "kv_bytes": blocks * kv.page_bytes}
 
     if options.num_kv_blocks is not None:
-        return sized("num-kv-blocks", options.num_kv_blocks, window_blocks_for(options.num_kv_blocks, windows))
+        return sized("num-kv-blocks", options.num_kv_blocks)
     if options.kv_cache_gb is not None or options.memory_gb is None:
         kv_cache_gb = DEFAULT_CPU_KV_CACHE_GB if options.kv_cache_gb is None else options.kv_cache_gb
-        return sized("kv-cache-gb", *split_kv_blocks(kv_cache_gb * GIB, per_block, windows))
+        return sized("kv-cache-gb", blocks_for_bytes(kv_cache_gb * GIB, kv.page_bytes))
     weights = weight_bytes(info.ctx.model_dir, hf_config, options.dtype, options.quantization)
     largest = max((row["encoder_tokens"] for row in rows), default=0)
     encoder_tokens = max(options.encoder_cache_size or options.max_num_batched_tokens, largest)
     encoder_bytes = encoder_tokens * info.encoder_output_width() * _DTYPE_BYTES[options.dtype]
     activations = int(options.activation_gb * GIB)
     budget = kv_budget_bytes(int(options.memory_gb * GIB), options.memory_utilization, weights, activations,
-                             encoder_bytes, cross_kv_bytes)
-    return sized("utilization", *split_kv_blocks(budget, per_block, windows), memory_bytes=int(options.memory_gb * GIB),
+                             encoder_bytes)
+    return sized("utilization", blocks_for_bytes(budget, kv.page_bytes), memory_bytes=int(options.memory_gb * GIB),
                  utilization=options.memory_utilization, weight_bytes=weights, activation_bytes=activations,
-                 encoder_cache_tokens=encoder_tokens, encoder_cache_bytes=encoder_bytes, cross_kv_bytes=cross_kv_bytes)
+                 encoder_cache_tokens=encoder_tokens, encoder_cache_bytes=encoder_bytes)
 
 
 def weight_bytes(model_dir: str, hf_config, dtype: str, quantization: str = "none") -> int:
@@ -347,28 +338,33 @@ def format_table(report: dict[str, Any]) -> str:
             most = request.get("windows_max", request["windows"])
             windows = f" x {request['windows']}" + (f"-{most}" if most != request["windows"] else "") + " windows"
         fits = "" if request["fits_max_model_len"] else "  (does NOT fit max_model_len)"
-        held = "".join(f" + {w['blocks']} blocks in the {w['window']}-token window's layers"
-                       for w in request.get("window_kv", ()))
+        groups = ""
+        if len(request["kv_groups"]) > 1:
+            groups = " (" + ", ".join(f"{_group_label(group)} {group['blocks']}" for group in request["kv_groups"]) + ")"
         lines.append(f"{request['request']}{windows}: {request['prompt_tokens']} prompt tokens, KV for "
-                     f"{request['kv_tokens']} tokens = {request['kv_blocks']} blocks{held} = "
+                     f"{request['kv_tokens']} tokens = {request['kv_blocks']} blocks{groups} = "
                      f"{_size(request['kv_bytes'])}{fits}")
     cross = report["cross_kv"]
     if cross["max_request_bytes"]:
         held = ", ".join(f"{count} {modality}" for modality, count in cross["items_per_request"].items())
-        lines.append(f"cross-attention K/V (a pool of their own, held for a request's life): {cross['request_blocks']} "
-                     f"blocks = {_size(cross['request_bytes'])} for these items; the pool holds --max-num-seqs "
-                     f"{cross['max_num_seqs']} requests of {held}: {cross['num_blocks']} blocks = {_size(cross['bytes'])}")
+        lines.append(f"cross-attention K/V (held for a request's life, from the same pool): {cross['request_blocks']} "
+                     f"blocks = {_size(cross['request_bytes'])} for these items; a request of {held} "
+                     f"{_size(cross['max_request_bytes'])}")
     cache = report["cache"]
-    groups = "".join(f" + {group['num_blocks']} blocks of the {group['window']}-token window's layers"
-                     for group in cache.get("window_groups", ()))
-    lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks{groups} = {_size(cache['kv_bytes'])}; "
-                 f"holds {cache['requests_held']} such requests, {cache['full_length_requests']} of max_model_len")
+    lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks of {cache['layer_slots']} layer slots "
+                 f"= {_size(cache['kv_bytes'])}; holds {cache['requests_held']} such requests; maximum concurrency "
+                 f"for {report['max_model_len']} tokens per request: {cache['max_concurrency']}x")
     if cache["source"] == "utilization":
         lines.append(f"  plan: {_size(cache['memory_bytes'])} x {cache['utilization']} - weights {_size(cache['weight_bytes'])}"
                      f" - activations {_size(cache['activation_bytes'])} - encoder cache {_size(cache['encoder_cache_bytes'])}"
-                     f" ({cache['encoder_cache_tokens']} tokens)"
-                     f" - cross-attention pool {_size(cache['cross_kv_bytes'])}")
+                     f" ({cache['encoder_cache_tokens']} tokens)")
     return "\n".join(lines)
+
+
+def _group_label(group: dict) -> str:
+    if "window" in group:
+        return f"{group['window']}-token window [group {group['group']}]"
+    return f"{group['kind'].replace('_', ' ')} [group {group['group']}]"
 
 
 def _size(count: int) -> str:

@@ -94,12 +94,13 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     # Each layer's sliding window in tokens (None: full attention), or empty: every layer is
-    # full. The KV manager gives windowed layers their own block tables and KV tensors
-    # (docs/decisions.md D91); the family's layers pass the same window to the attention.
+    # full. The KV model groups windowed layers apart, keeping only their window's blocks
+    # (vlmd/sched/kv_spec.py, docs/decisions.md D91, D95); the family's layers pass the same
+    # window to the attention.
     layer_windows: tuple[int | None, ...] = ()
     # Cross-attention layers (an encoder-decoder's): their K/V, of the same kv_heads x head_dim,
-    # are computed once per request from its encoder output and held in the cross pool's
-    # blocks (docs/decisions.md D93); not among ``num_layers``.
+    # are computed once per request from its encoder output and held in the blocks of their
+    # KV group (docs/decisions.md D93, D95); not among ``num_layers``.
     num_cross_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -132,6 +133,19 @@ class KVSpec:
     def cross_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one encoder token in every cross-attention layer."""
         return 2 * self.num_cross_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_cache_config(self, block_size: int, dtype_bytes: int, max_model_len: int, max_num_batched_tokens: int,
+                        num_blocks: int | None = None):
+        """The KV model of these layers (``vlmd/sched/kv_spec.py``): its groups over one pool of
+        ``num_blocks`` pages (default: what one request of max_model_len holds at its most)."""
+        from vlmd.sched.kv_spec import build_kv_cache_config, layer_kinds
+
+        kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len)
+        slot = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+        config = build_kv_cache_config(kinds, block_size, 1, slot)
+        if num_blocks is None:
+            num_blocks = sum(config.peak_request_blocks(max_model_len, max_num_batched_tokens))
+        return config.with_blocks(num_blocks)
 
 
 @dataclass

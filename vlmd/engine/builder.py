@@ -28,15 +28,12 @@ from vlmd.processing.cache import ProcessorCache
 from vlmd.processing.preprocess import InputPreprocessor
 from vlmd.processing.speech import SpeechToTextProcessor
 from vlmd.processing.transcription import TranscriptionPreprocessor
-from vlmd.engine.memory_plan import (
-    MemoryPlan, cross_items_per_request, cross_pool_blocks, cross_tokens_per_request, kv_group_sizes,
-)
+from vlmd.engine.memory_plan import MemoryPlan, cross_items_per_request, cross_tokens_per_request
 from vlmd.engine.profile import profile_peak, unprofiled, worst_case_runs
 from vlmd.host import last_level_cache_bytes
 from vlmd.engine.sizing import check_items_fit, drop_unused_encoders, plan_kv_cache, weight_bytes_of
 from vlmd.runner.device import make_current_on_this_thread, resolve_device
 from vlmd.runner.model_runner import ModelRunner
-from vlmd.sched.kv_groups import WindowGroup
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.structured.compiler import GrammarCompiler
 
@@ -205,8 +202,9 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
-        block_size=config.block_size,
-        num_kv_blocks=-(-max_model_len // config.block_size),  # the profile's; sized below
+        # The KV model (sched/kv_spec.py) with the profile's blocks; the memory plan sizes it below.
+        kv_cache=model.kv_spec.kv_cache_config(config.block_size, dtype.itemsize, max_model_len,
+                                               config.max_num_batched_tokens),
         max_num_encoder_input_tokens=encoder_budget,
         encoder_cache_size=encoder_cache_size,
         disable_chunked_mm_input=keep_items_whole,
@@ -221,33 +219,30 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         profile = unprofiled()
     width = processor.info.encoder_output_width()  # values in one cached encoder vector
     weight_bytes = weight_bytes_of(model)
-    # The cross-attention pool: --max-num-seqs requests of the items a prompt may carry (D93); a
-    # tensor-parallel rank's blocks hold its shard of the heads (the model's spec is the shard's).
+    # The most cross-attention tokens one request brings (the items a prompt may carry, D93),
+    # for the plan's full-length figures; its blocks come from the one pool like every group's.
     cross_tokens = cross_tokens_per_request(
         info, cross_items_per_request({m: supported[m] for m in modalities}, config.limit_mm_per_prompt))
-    cross = (cross_pool_blocks(cross_tokens, config.block_size, config.max_num_seqs),
-             model.kv_spec.cross_bytes_per_token(dtype.itemsize) * config.block_size)
-    # Sliding-window layers get KV groups of their own, at their worst case (D91).
-    main_bytes_per_block, windows = kv_group_sizes(model.kv_spec, dtype.itemsize, config.block_size,
-                                                   config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    plan = plan_kv_cache(config, device, profile, weight_bytes, main_bytes_per_block,
-                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross, windows)
+    # A tensor-parallel rank's pages hold its shard of the heads (the model's spec is the shard's).
+    plan = plan_kv_cache(config, device, profile, weight_bytes, scheduler_config.kv_cache,
+                         encoder_cache_size * width * dtype.itemsize, max_model_len, cross_tokens)
     num_blocks = plan.num_kv_blocks
-    window_blocks = {window: blocks for window, blocks, _ in plan.window_groups}
-    scheduler_config = dataclasses.replace(scheduler_config, num_kv_blocks=num_blocks, window_groups=tuple(
-        WindowGroup(window, blocks) for window, blocks in window_blocks.items()), cross_kv_blocks=plan.cross_kv_blocks)
-    runner = ModelRunner(model, num_blocks, config.block_size, dtype, seed=config.seed, device=device,
-                         attention_kernels=config.attention_kernels, window_blocks=window_blocks,
-                         cross_blocks=plan.cross_kv_blocks)
+    scheduler_config = dataclasses.replace(scheduler_config, kv_cache=plan.kv_cache)
+    runner = ModelRunner(model, plan.kv_cache, dtype, seed=config.seed, device=device,
+                         attention_kernels=config.attention_kernels)
     if tensor_parallel is None:
         executor, torch_threads = InProcessExecutor(runner), config.torch_threads
         if torch_threads is None:
             torch_threads = default_engine_threads(weight_bytes, device)
     else:
-        executor = tensor_parallel.executor(runner, num_blocks, config.block_size, config.seed)
+        executor = tensor_parallel.executor(runner, plan.kv_cache, config.seed)
         torch_threads = tensor_parallel.pin.threads
     log.info("memory plan", **{k: v for k, v in plan.fields().items()}, profile_method=profile.method,
              profile_seconds=round(profile.seconds, 2), dropped_encoders=dropped or None)
+    # Capacity as vLLM states it: requests of max_model_len tokens the pool holds at once,
+    # every group's blocks counted (a window group's as it holds them decoding).
+    log.info(f"maximum concurrency for {max_model_len} tokens per request: {plan.fields()['max_concurrency']}x",
+             kv_blocks=num_blocks, kv_groups=plan.group_rows())
     policy = MediaPolicy(
         allowed_local_media_path=config.allowed_local_media_path,
         allow_private_urls=config.allow_private_media_urls,

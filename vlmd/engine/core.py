@@ -38,12 +38,10 @@ class EngineStats:
     num_requests_failed: int = 0  # requests a failed step was traced to
     num_prompt_tokens: int = 0  # prompt tokens of every request added (placeholders included)
     decode_steps: dict[str, int] = field(default_factory=dict)  # steps of decodes alone, by path
-    # Per sliding-window KV group: window, num_blocks, used_blocks, peak_request_blocks
-    # (KVCacheManager.window_stats); the num_kv_blocks / kv_usage above are the main group's.
-    kv_window_groups: list[dict] = field(default_factory=list)
-    # The cross-attention pool (an encoder-decoder's): num_blocks, used_blocks,
-    # peak_request_blocks (KVCacheManager.cross_stats); None without cross-attention.
-    kv_cross: dict | None = None
+    # Per KV group (sched/kv_spec.py; the blocks above are the one pool they share): group,
+    # kind, layers, window (a sliding window's), used_blocks, peak_request_blocks
+    # (KVCacheManager.group_stats).
+    kv_groups: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -174,6 +172,5 @@ class EngineCore:
             num_failed_steps=self.num_failed_steps,
             num_requests_failed=self.num_requests_failed,
             num_prompt_tokens=self.num_prompt_tokens,
-            kv_window_groups=kv.window_stats(),
-            kv_cross=kv.cross_stats(),
+            kv_groups=kv.group_stats(),
         )

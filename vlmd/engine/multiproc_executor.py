@@ -29,6 +29,7 @@ import structlog
 from vlmd.distributed.channel import Kind, StepChannel
 from vlmd.distributed.world import bind_thread
 from vlmd.engine.executor import RankFailure
+from vlmd.sched.kv_spec import KVCacheConfig
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -67,12 +68,9 @@ def for_other_ranks(message: StepMessage) -> StepMessage:
 class StartupPlan:
     """What rank 0 decides after loading and every rank must agree on."""
 
-    num_blocks: int
-    block_size: int
+    kv_cache: KVCacheConfig  # the pool and its groups (sched/kv_spec.py), the same on every rank
     kv_spec: tuple[int, int, int]  # (layers, kv heads per rank, head dim): checked by each rank
     seed: int
-    window_blocks: dict[int, int] = field(default_factory=dict)  # window -> its KV group's blocks
-    cross_blocks: int = 0  # the cross-attention pool's blocks (sched/cross_kv.py)
 
 
 def is_collective_error(exc: BaseException) -> bool:

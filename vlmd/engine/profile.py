@@ -23,7 +23,6 @@ import torch
 from vlmd.engine.core import EngineCore
 from vlmd.runner.device import DeviceMemory
 from vlmd.runner.model_runner import ModelRunner
-from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.cross_kv import cross_tokens_of
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
 from vlmd.types import EngineRequest, MultiModalItem, SamplingParams
@@ -96,20 +95,19 @@ def _filler(tokens: int, longest: int, filler_token: int, prefix: str) -> list[E
 def profile_peak(model, runs: list[ProfileRun], config: SchedulerConfig, dtype: torch.dtype,
                  device: torch.device, attention_kernels: str = "auto") -> ProfileResult:
     started = time.perf_counter()
-    block = config.block_size
-    needed = max((sum(-(-(len(r.prompt_token_ids) + 1) // block) for r in run.requests) for run in runs), default=1)
-    # Cross-attention blocks for every request of the largest run at once (an encoder-decoder's).
-    cross = max((sum(blocks_needed(cross_tokens_of(r.mm_items), block) for r in run.requests) for run in runs),
-                default=0) if model.kv_spec.num_cross_layers else 0
-    scratch = dataclasses.replace(config, num_kv_blocks=max(needed, -(-config.max_model_len // block)),
-                                  enable_prefix_caching=False, cross_kv_blocks=cross)
-    runner = ModelRunner(model, scratch.num_kv_blocks, block, dtype, device=device, attention_kernels=attention_kernels,
-                         cross_blocks=cross)
-    scratch_caches = runner.kv_caches + (runner.cross_cache.layers if runner.cross_cache is not None else [])
-    for k_cache, v_cache in scratch_caches:  # resident now, so the baseline holds it
+    kv = config.kv_cache
+    # Every request of the largest run at once, each at its most in every group (its
+    # cross-attention table included, an encoder-decoder's).
+    needed = max((sum(sum(kv.peak_request_blocks(len(r.prompt_token_ids) + 1, len(r.prompt_token_ids) + 1,
+                                                  cross_tokens_of(r.mm_items)))
+                      for r in run.requests) for run in runs), default=1)
+    scratch = dataclasses.replace(config, kv_cache=kv.with_blocks(max(needed, config.num_kv_blocks)),
+                                  enable_prefix_caching=False)
+    runner = ModelRunner(model, scratch.kv_cache, dtype, device=device, attention_kernels=attention_kernels)
+    for k_cache, v_cache in runner.kv_slots:  # resident now, so the baseline holds it
         k_cache.zero_()
         v_cache.zero_()
-    scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch_caches)
+    scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_slots)
     memory = DeviceMemory(device)
     gc.collect()
     if device.type == "cuda":

@@ -62,11 +62,10 @@ def run(spec) -> int:
     if channel.ack(failed=mismatch) or mismatch:
         return 1
     serving_timeouts(world, world_spec.timeout_s)
-    runner = ModelRunner(model, plan.num_blocks, plan.block_size, DTYPES[spec.dtype], seed=plan.seed, samples=False,
-                         attention_kernels=spec.attention_kernels, window_blocks=plan.window_blocks,
-                         cross_blocks=plan.cross_blocks)
+    runner = ModelRunner(model, plan.kv_cache, DTYPES[spec.dtype], seed=plan.seed, samples=False,
+                         attention_kernels=spec.attention_kernels)
     log.info("tensor-parallel rank ready", rank=world.rank, cores=cores, threads=threads,
-             kv_blocks=plan.num_blocks, seconds=round(time.perf_counter() - started, 2))
+             kv_blocks=plan.kv_cache.num_blocks, seconds=round(time.perf_counter() - started, 2))
     out = None  # the step being run (re-runs of a failed step reuse it)
     while True:
         try:

@@ -8,17 +8,10 @@ import structlog
 import torch
 
 from vlmd.config import DEFAULT_CPU_KV_CACHE_GB, ServeConfig
-from vlmd.engine.memory_plan import (
-    GIB,
-    MemoryPlan,
-    WindowLayers,
-    check_holds_one_sequence,
-    kv_budget_bytes,
-    split_kv_blocks,
-    window_blocks_for,
-)
+from vlmd.engine.memory_plan import GIB, MemoryPlan, blocks_for_bytes, check_holds_one_sequence, kv_budget_bytes
 from vlmd.engine.profile import ProfileResult
 from vlmd.runner.device import DeviceMemory
+from vlmd.sched.kv_spec import KVCacheConfig
 
 log = structlog.get_logger(__name__)
 
@@ -79,25 +72,22 @@ def weight_bytes_of(model: torch.nn.Module) -> int:
 
 
 def plan_kv_cache(
-    config: ServeConfig, device: torch.device, profile: ProfileResult, weight_bytes: int, kv_bytes_per_block: int,
-    encoder_cache_bytes: int, max_model_len: int, cross: tuple[int, int] = (0, 0),
-    windows: tuple[WindowLayers, ...] = (),
+    config: ServeConfig, device: torch.device, profile: ProfileResult, weight_bytes: int, kv_cache: KVCacheConfig,
+    encoder_cache_bytes: int, max_model_len: int, max_cross_tokens: int = 0,
 ) -> MemoryPlan:
-    """KV blocks from, in order: --num-kv-blocks, --kv-cache-gb, the utilisation of the
-    device's memory (CUDA: --gpu-memory-utilization; CPU: --memory-utilization), else 4 GiB.
-    ``cross``: the cross-attention pool's (blocks, bytes a block), which the utilisation pays
-    for first (memory_plan.cross_pool_blocks; the other sources size the self-attention cache).
-    ``kv_bytes_per_block``: a block of the main group; ``windows``: the sliding-window layers
-    with groups of their own, which a byte budget pays for first (--num-kv-blocks counts
-    the main group's blocks: memory_plan.split_kv_blocks)."""
+    """The pool's pages from, in order: --num-kv-blocks, --kv-cache-gb, the utilisation of
+    the device's memory (CUDA: --gpu-memory-utilization; CPU: --memory-utilization), else
+    4 GiB. ``kv_cache``: the KV model's groups and page size (its block count is set here);
+    every group (cross-attention included) takes its blocks from that one budget (D95).
+    ``max_cross_tokens``: the most cross-attention tokens a request may bring, for the plan's
+    full-length figures."""
     memory = DeviceMemory(device)
     total, utilization, base = 0, 0.0, profile.base_bytes
+    page = kv_cache.page_bytes
     if config.num_kv_blocks is not None:
         source, blocks = "num-kv-blocks", config.num_kv_blocks
-        window_blocks = window_blocks_for(blocks, windows)
     elif config.kv_cache_gb is not None:
-        source = "kv-cache-gb"
-        blocks, window_blocks = split_kv_blocks(config.kv_cache_gb * GIB, kv_bytes_per_block, windows)
+        source, blocks = "kv-cache-gb", blocks_for_bytes(config.kv_cache_gb * GIB, page)
     elif device.type == "cuda" or config.memory_utilization is not None:
         source = "utilization"
         total = memory.total_bytes()
@@ -109,18 +99,16 @@ def plan_kv_cache(
             utilization = config.memory_utilization
             # The processed-media cache shares the host's memory with the KV cache.
             base += int(config.mm_processor_cache_gb * GIB)
-        budget = kv_budget_bytes(total, utilization, base, profile.activation_bytes, encoder_cache_bytes,
-                                 cross[0] * cross[1])
-        blocks, window_blocks = split_kv_blocks(budget, kv_bytes_per_block, windows)
+        budget = kv_budget_bytes(total, utilization, base, profile.activation_bytes, encoder_cache_bytes)
+        blocks = blocks_for_bytes(budget, page)
     else:
-        source = "kv-cache-gb"
-        blocks, window_blocks = split_kv_blocks(DEFAULT_CPU_KV_CACHE_GB * GIB, kv_bytes_per_block, windows)
-    check_holds_one_sequence(blocks, config.block_size, max_model_len, source)
+        source, blocks = "kv-cache-gb", blocks_for_bytes(DEFAULT_CPU_KV_CACHE_GB * GIB, page)
+    sized = kv_cache.with_blocks(max(blocks, 1))
+    check_holds_one_sequence(sized if blocks >= 1 else kv_cache.with_blocks(1), max_model_len,
+                             config.max_num_batched_tokens, source)
     return MemoryPlan(
         device=str(device), source=source, total_bytes=total, utilization=utilization, weight_bytes=weight_bytes,
         base_bytes=base, activation_bytes=profile.activation_bytes, encoder_peak_bytes=profile.encoder_peak_bytes,
-        encoder_cache_bytes=encoder_cache_bytes, cross_kv_blocks=cross[0], cross_kv_bytes_per_block=cross[1],
-        max_num_seqs=config.max_num_seqs, kv_bytes_per_block=kv_bytes_per_block,
-        block_size=config.block_size, num_kv_blocks=blocks, max_model_len=max_model_len,
-        window_groups=tuple((group.window, count, group.bytes_per_block) for group, count in zip(windows, window_blocks)),
+        encoder_cache_bytes=encoder_cache_bytes, kv_cache=sized, max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_cross_tokens=max_cross_tokens,
     )

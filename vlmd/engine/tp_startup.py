@@ -49,7 +49,7 @@ class TensorParallelStart:
 
         return TPGroup(self.world.size, 0)
 
-    def executor(self, runner, num_blocks: int, block_size: int, seed: int):
+    def executor(self, runner, kv_cache, seed: int):
         from vlmd.distributed.channel import Kind, StepChannel
         from vlmd.distributed.world import init_world, serving_timeouts
         from vlmd.engine.multiproc_executor import MultiprocExecutor, StartupPlan
@@ -57,9 +57,7 @@ class TensorParallelStart:
         world = init_world(self.world, 0)
         channel = StepChannel(world.control, 0)
         spec = runner.model.kv_spec
-        channel.send(Kind.STARTUP, StartupPlan(num_blocks, block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim),
-                                               seed, dict(runner.window_blocks),
-                                               runner.cross_cache.num_blocks if runner.cross_cache is not None else 0))
+        channel.send(Kind.STARTUP, StartupPlan(kv_cache, (spec.num_layers, spec.num_kv_heads, spec.head_dim), seed))
         failed = channel.ack()
         if failed:
             raise ValueError(f"{failed} tensor-parallel rank(s) refused the start-up plan (see their log lines)")

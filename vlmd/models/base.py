@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vlmd.layers.attention import AttentionMetadata, OutputRows
+from vlmd.layers.attention import AttentionMetadata, LayerCache, OutputRows
 from vlmd.types import KVSpec  # torch-free, so `vlmd cost` sizes caches without models
 
 __all__ = ["KVSpec", "MultimodalModel"]
@@ -27,12 +27,12 @@ class MultimodalModel(Protocol):
     Optional, for encoder-decoder models (Whisper), whose items have no placeholders:
     - ``is_encoder_decoder = True``;
     - ``kv_spec.num_cross_layers``: its cross-attention layers, whose K/V (the spec's heads
-      and head size) live in the cross pool's blocks (docs/decisions.md D93);
+      and head size) live in the blocks of their KV group (docs/decisions.md D93, D95);
     - ``prepare_cross_attention(encoder_output) -> [(K, V), ...]``: every cross-attention
       layer's K and V ``[kv_heads, tokens, head_dim]``, computed once per request; the runner
       writes them into the request's cross blocks (``runner/cross_cache.py``) and lets go of
       them; their tokens per item are what the family's processing info declares
-      (``cross_kv_tokens_per_item``, the item's ``num_encoder_tokens``: the plan sizes the pool);
+      (``cross_kv_tokens_per_item``, the item's ``num_encoder_tokens``: what the scheduler takes);
       ``prepare_request_cross_attention(outputs, family_state)`` instead where several items
       of a request are attended to together (Llama 3.2 Vision);
     - ``forward(..., cross_states=[(first row, end row, CrossKV or None), ...])``, one per
@@ -76,7 +76,7 @@ class MultimodalModel(Protocol):
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerCache],  # per layer: its (K, V) pool tensors and its KV group
         outputs: OutputRows | None = None,
     ) -> torch.Tensor: ...
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.activation import check_activation, gated_activation
-from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
+from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention, store_kv
 from vlmd.layers.decoder_structure import DecoderStructure, PreNormLayer
 from vlmd.layers.linear import (
     SINGLE,
@@ -64,7 +64,7 @@ class LlamaAttention(nn.Module):
             # Every row's K/V go to the cache (later tokens attend to them); only the used
             # rows' queries attend. The q columns of the other rows are still computed: a
             # separate K/V product would need a second copy of the fused weight.
-            write_kv(kv_cache, k, v, meta.slot_mapping)
+            store_kv(k, v, kv_cache, meta)
             rows = outputs.rows
             if outputs.meta is None:  # no row of this step is used (chunks that sample nothing)
                 return hidden.new_empty(0, hidden.shape[1])

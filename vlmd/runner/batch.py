@@ -73,7 +73,7 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
         positions.append(start)
         slices.append(ScheduledSlice(state, start, 1, row))
         spans = _chunk_spans(state, start, 1, attention_spans)
-        chunks.append(SequenceChunk(state.block_ids, start, 1, spans, state.window_block_ids or None))
+        chunks.append(SequenceChunk.of(state.block_tables, start, 1, spans))
         row += 1
     for state, count in prefills:
         start = state.num_computed_tokens
@@ -81,7 +81,7 @@ def build_batch(scheduled: list[tuple[RunnerRequestState, int]], attention: Atte
         positions.extend(range(start, start + count))
         slices.append(ScheduledSlice(state, start, count, row))
         spans = _chunk_spans(state, start, count, attention_spans)
-        chunks.append(SequenceChunk(state.block_ids, start, count, spans, state.window_block_ids or None))
+        chunks.append(SequenceChunk.of(state.block_tables, start, count, spans))
         row += count
     meta = attention.prepare_metadata(chunks, num_decodes=len(decodes))
     sampled = [(piece, chunk) for piece, chunk in zip(slices, chunks) if piece.samples]

@@ -1,12 +1,13 @@
-"""Cross-attention K/V in the cross pool's blocks: written once per request, read every step.
+"""Cross-attention K/V in the shared KV pool: written once per request, read every step.
 
 An encoder-decoder's prepare step (``prepare_cross_attention`` /
 ``prepare_request_cross_attention``) turns a request's encoder output into every
-cross-attention layer's K and V; the runner writes them into the request's cross table
-(``NewRequestData.cross_block_ids``, allocated whole by the scheduler: sched/cross_kv.py) and
-lets go of them. Each step the model gets them back as a :class:`CrossKV` read through the
-table: a view of the pool's tensors where the table is one run of blocks (the usual case: the
-pool hands out runs first), a gather otherwise (docs/decisions.md D93).
+cross-attention layer's K and V; the runner writes them into the request's table in the
+cross-attention group (``NewRequestData.block_tables``, taken whole by the scheduler from the
+pool every group shares: sched/kv_managers.py) and lets go of them. Each step the model gets
+them back as a :class:`CrossKV` read through the table: ``[kv_heads, tokens, head_dim]`` views
+of the layer slots' tensors where the table is one run of blocks (the usual case: the pool
+hands out runs first), a gather otherwise (docs/decisions.md D93, D95).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any
 
 import torch
 
-from vlmd.models.base import KVSpec
-from vlmd.runner.kv_cache import allocate_cross_caches
 from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.cross_kv import is_consecutive
 
@@ -37,17 +36,13 @@ class CrossKV:
 
 
 class CrossCache:
-    """The cross pool's K/V tensors, one pair per cross-attention layer."""
+    """The cross-attention layers' K/V: each layer's slot tensors of the shared pool
+    (``[blocks * block_size, kv_heads, head_dim]``), addressed by the cross group's tables."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | None = None):
+    def __init__(self, layers: Sequence[LayerKV], block_size: int, group: int):
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.layers = allocate_cross_caches(spec, num_blocks, block_size, dtype, device)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        self.group = group  # the cross-attention KV group whose tables these are
+        self.layers = list(layers)
 
     def write(self, table: Sequence[int], num_tokens: int, layers: Sequence[LayerKV]) -> None:
         """Store a request's K/V (per layer ``[kv_heads, num_tokens, head_dim]``) in its table."""
@@ -61,21 +56,23 @@ class CrossCache:
                                    f"of {num_tokens}")
             if slots is None:
                 start = table[0] * self.block_size
-                k_cache[:, start:start + num_tokens].copy_(k)
-                v_cache[:, start:start + num_tokens].copy_(v)
+                k_cache[start:start + num_tokens].copy_(k.transpose(0, 1))
+                v_cache[start:start + num_tokens].copy_(v.transpose(0, 1))
             else:
-                k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
-                v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
+                k_cache.index_copy_(0, slots, k.transpose(0, 1).to(k_cache.dtype))
+                v_cache.index_copy_(0, slots, v.transpose(0, 1).to(v_cache.dtype))
 
     def read(self, table: Sequence[int], num_tokens: int, family_state: Any = None) -> CrossKV:
         """The request's K/V of every layer: views where its table is one run, else gathered."""
         self._check_table(table, num_tokens)
         if is_consecutive(table):
             start = table[0] * self.block_size
-            kv = [(k[:, start:start + num_tokens], v[:, start:start + num_tokens]) for k, v in self.layers]
+            kv = [(k[start:start + num_tokens].transpose(0, 1), v[start:start + num_tokens].transpose(0, 1))
+                  for k, v in self.layers]
         else:
             slots = self._slots(table, num_tokens)
-            kv = [(k.index_select(1, slots), v.index_select(1, slots)) for k, v in self.layers]
+            kv = [(k.index_select(0, slots).transpose(0, 1), v.index_select(0, slots).transpose(0, 1))
+                  for k, v in self.layers]
         return CrossKV(kv, family_state)
 
     def _check_table(self, table: Sequence[int], num_tokens: int) -> None:
@@ -119,18 +116,19 @@ def cross_states(batch, cache: CrossCache | None, encoder_outputs: Mapping[str, 
             outputs.append(output)
         if outputs:
             if cache is None:
-                raise RuntimeError("cross-attention items reached a runner without a cross-attention pool")
-            cache.write(state.cross_block_ids, state.num_cross_tokens, prepare(outputs, state.family_state))
+                raise RuntimeError("cross-attention items reached a runner without cross-attention layers")
+            table = state.block_tables.get(cache.group, [])
+            cache.write(table, state.num_cross_tokens, prepare(outputs, state.family_state))
             state.cross_ready = True
             # A table of one run reads as views of the pool, the same every step: kept, so a
             # decode step does not check and slice the table again. A gathered one is a copy,
             # made per step rather than held for the request's life.
-            state.cross_views = (cache.read(state.cross_block_ids, state.num_cross_tokens, state.family_state)
-                                 if is_consecutive(state.cross_block_ids) else None)
+            state.cross_views = (cache.read(table, state.num_cross_tokens, state.family_state)
+                                 if is_consecutive(table) else None)
         if not state.cross_ready and (every_request_attends or any(item.length == 0 for item in state.mm_items)):
             raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
         cross = state.cross_views
         if cross is None and state.cross_ready:
-            cross = cache.read(state.cross_block_ids, state.num_cross_tokens, state.family_state)
+            cross = cache.read(state.block_tables[cache.group], state.num_cross_tokens, state.family_state)
         spans.append((piece.row, piece.row + piece.count, cross))
     return spans

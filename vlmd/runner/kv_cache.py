@@ -1,37 +1,25 @@
-"""Allocating the paged KV tensors: per layer, sized by its KV group's blocks."""
+"""The KV tensors of the one pool every KV group shares (``vlmd/sched/kv_spec.py``).
+
+A page (block id) has ``num_slots`` layer slots: slot ``j`` is a pair of tensors ``[blocks *
+block_size, kv_heads, head_dim]`` (K and V), and the ``j``-th layer of every group keeps its
+K/V there, at the rows of its group's blocks. So a block a window gave back is rows of the
+same tensors that a full-attention or cross-attention group writes next.
+"""
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import numpy as np
 import torch
 
+from vlmd.layers.attention.backend import LayerCache
 from vlmd.models.base import KVSpec
+from vlmd.sched.kv_spec import KVCacheConfig
 
 
-def bytes_per_block(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
-    """A block in every layer."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
-
-
-def group_bytes_per_block(spec: KVSpec, block_size: int, dtype: torch.dtype, window: int | None) -> int:
-    """A block in the layers of ``window`` (None: the full-attention layers)."""
-    return spec.layer_bytes_per_token(torch.empty((), dtype=dtype).element_size(), window) * block_size
-
-
-def num_blocks_for(spec: KVSpec, block_size: int, dtype: torch.dtype, cache_bytes: float) -> int:
-    return int(cache_bytes // bytes_per_block(spec, block_size, dtype))
-
-
-def allocate_kv_caches(
-    spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | None = None,
-    window_blocks: Mapping[int, int] | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each ``[blocks * block_size, kv_heads, head_dim]``: a layer
-    whose window has a group of its own (``window_blocks``: window -> its pool's blocks) has
-    that group's blocks, every other layer ``num_blocks``.
+def allocate_kv_slots(spec: KVSpec, config: KVCacheConfig, dtype: torch.dtype,
+                      device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pool's tensors: one (K, V) pair per layer slot, each ``[num_blocks * block_size,
+    kv_heads, head_dim]``.
 
     Zeroed, not empty: padded gather positions are masked out of softmax, but a NaN left
     in an unused slot would still poison the weighted sum (0 * NaN). On the CPU numpy's
@@ -39,30 +27,17 @@ def allocate_kv_caches(
     memset up front: a large cache costs nothing until it is used. On CUDA the cache is
     allocated (and zeroed) on the device at once: the memory plan gave it that memory.
     """
-    window_blocks = window_blocks or {}
-    caches = []
-    for layer in range(spec.num_layers):
-        blocks = window_blocks.get(spec.window_of(layer), num_blocks)
-        shape = (blocks * block_size, spec.num_kv_heads, spec.head_dim)
-        if device is not None and device.type != "cpu":
-            caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
-        else:
-            caches.append((_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)))
-    return caches
-
-
-def allocate_cross_caches(
-    spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per cross-attention layer over the cross pool, each ``[kv_heads,
-    blocks * block_size, head_dim]``: heads first, so a request's consecutive blocks are one
-    strided view ``[kv_heads, tokens, head_dim]`` that attention reads as it is (no copy).
-    Zeroed like the paged cache, lazily on the CPU."""
-    shape = (spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
+    shape = (config.num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim)
     if device is not None and device.type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(spec.num_cross_layers)]
-    return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(spec.num_cross_layers)]
+                for _ in range(config.num_slots)]
+    return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(config.num_slots)]
+
+
+def layer_caches(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]],
+                 layers: range) -> list[LayerCache]:
+    """The caches of KV-model layers ``layers``: each its slot's tensors and its group."""
+    return [LayerCache(*slots[config.layer_slot[layer]], config.layer_group[layer]) for layer in layers]
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -14,41 +14,47 @@ from vlmd.runner.batch import StepBatch, build_batch
 from vlmd.runner.cross_cache import CrossCache, cross_states
 from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.host_staging import HostStaging
-from vlmd.runner.kv_cache import allocate_kv_caches
+from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
+from vlmd.sched.kv_spec import CrossAttention, KVCacheConfig
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.types import MultiModalItem
 
 
 class ModelRunner:
     def __init__(
-        self, model: MultimodalModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0,
+        self, model: MultimodalModel, kv_cache: KVCacheConfig, dtype: torch.dtype, seed: int = 0,
         device: torch.device | None = None, samples: bool = True, attention_kernels: str = "auto",
-        window_blocks: dict[int, int] | None = None, cross_blocks: int = 0,
     ):
-        """``samples=False``: a tensor-parallel rank other than 0, which runs the forward
+        """``kv_cache``: the KV model (the scheduler's: its pool's blocks and the layer groups
+        sharing them, sched/kv_spec.py), whose layer slots this runner allocates.
+        ``samples=False``: a tensor-parallel rank other than 0, which runs the forward
         (its collectives) but neither computes logits nor samples; it learns the tokens
-        rank 0 sampled through :meth:`append_sampled` before the next step.
-        ``window_blocks``: window -> blocks of that window group's pool (the scheduler's
-        ``window_groups``), whose layers get KV tensors of that size.
-        ``cross_blocks``: the cross-attention pool's blocks (the scheduler's ``cross_kv_blocks``),
-        for a model with cross-attention layers (``KVSpec.num_cross_layers``)."""
+        rank 0 sampled through :meth:`append_sampled` before the next step."""
         self.model = model
         self.samples = samples
         # The one device of this runner: weights, KV cache, encoder outputs, sampler state
         # and each step's tensors live there (default: where the weights are).
         self.device = device if device is not None else next(model.parameters()).device
-        self.block_size = block_size
+        self.kv_config = kv_cache
+        self.block_size = kv_cache.block_size
         # The backend for the runner's device reads the paged cache in place.
-        self.attention = attention_backend_for(self.device.type, block_size, attention_kernels)
-        self.window_blocks = dict(window_blocks or {})
-        self.kv_caches = allocate_kv_caches(model.kv_spec, num_blocks, block_size, dtype, self.device,
-                                            self.window_blocks)
-        # None where no request can bring cross-attention items (a text-only Llama 3.2 Vision).
+        self.attention = attention_backend_for(self.device.type, self.block_size, attention_kernels)
+        spec = model.kv_spec
+        # The pool's layer slots; every layer's cache is its slot's tensors and its group.
+        self.kv_slots = allocate_kv_slots(spec, kv_cache, dtype, self.device)
+        self.kv_caches = layer_caches(kv_cache, self.kv_slots, range(spec.num_layers))
+        # The cross-attention layers come after the self-attention ones in the KV model.
         self.cross_cache = None
-        if model.kv_spec.num_cross_layers and cross_blocks:
-            self.cross_cache = CrossCache(model.kv_spec, cross_blocks, block_size, dtype, self.device)
+        cross_groups = kv_cache.groups_of(CrossAttention)
+        if spec.num_cross_layers:
+            if len(cross_groups) != 1:
+                raise ValueError(f"{spec.num_cross_layers} cross-attention layers need one KV group of their own "
+                                 f"(the KV model has {len(cross_groups)}): more cross than self-attention layers?")
+            cross_layers = layer_caches(kv_cache, self.kv_slots,
+                                        range(spec.num_layers, spec.num_layers + spec.num_cross_layers))
+            self.cross_cache = CrossCache(cross_layers, self.block_size, cross_groups[0].index)
         self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -158,9 +164,8 @@ class ModelRunner:
             self.requests[data.request_id] = RunnerRequestState.from_new(data)
         for data in out.cached_requests:
             state = self.requests[data.request_id]
-            state.block_ids.extend(data.new_block_ids)
-            for window, new_blocks in data.new_window_block_ids.items():
-                state.window_block_ids[window].extend(new_blocks)
+            for group, new_blocks in data.new_block_ids.items():
+                state.block_tables[group].extend(new_blocks)
             state.num_computed_tokens = data.num_computed_tokens
 
     def _run_encoders(self, out: SchedulerOutput, request_ids: list[str]) -> None:

@@ -22,14 +22,15 @@ class RunnerRequestState:
     num_prompt_tokens: int
     mm_items: list[MultiModalItem]
     sampling: SamplingParams
-    block_ids: list[int]
+    # KV group index -> the request's table there (sched/kv_spec.py). A window group's entries
+    # the window has left behind may name blocks given to others since: attention never reads them.
+    block_tables: dict[int, list[int]]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
     family_state: Any = None  # the family's per-request object (the model reads it)
-    # Encoder-decoder models: the request's table in the cross pool (runner/cross_cache.py),
-    # its cross tokens, and whether its cross-attention K/V are written there yet (derived once
-    # from the encoder output, in the first chunk that reaches its items).
-    cross_block_ids: list[int] = field(default_factory=list)
+    # Encoder-decoder models: its cross tokens (its table is the cross-attention group's), and
+    # whether its cross-attention K/V are written there yet (derived once from the encoder
+    # output, in the first chunk that reaches its items: runner/cross_cache.py).
     num_cross_tokens: int = 0
     cross_ready: bool = False
     cross_views: Any = None  # its CrossKV where its table is one run (views of the pool), else None
@@ -37,9 +38,6 @@ class RunnerRequestState:
     token_counts: TokenCounts | None = None
     # Structured output: the matcher, in the state this request's generated tokens lead to.
     grammar: GrammarState | None = None
-    # Window -> the request's table in that window group (sched/kv_groups.py). Entries the
-    # window has left behind may name blocks given to others since: attention never reads them.
-    window_block_ids: dict[int, list[int]] = field(default_factory=dict)
     # Derived once from what never changes for the request (``__post_init__``):
     # no chunk from this position on reads an encoder output (the largest ``use_end`` of its
     # items), so a decode skips the item walks;
@@ -63,12 +61,10 @@ class RunnerRequestState:
             num_prompt_tokens=data.num_prompt_tokens,
             mm_items=data.mm_items,
             sampling=data.sampling,
-            block_ids=list(data.block_ids),
+            block_tables={group: list(table) for group, table in data.block_tables.items()},
             num_computed_tokens=data.num_computed_tokens,
             stop_token_ids=data.stop_token_ids,
             family_state=data.family_state,
-            window_block_ids={window: list(table) for window, table in data.window_block_ids.items()},
-            cross_block_ids=list(data.cross_block_ids),
             num_cross_tokens=cross_tokens_of(data.mm_items),
             # Rebuilt from scratch on every (re)admission: after a preemption the request
             # brings back the tokens it generated, and the matcher replays them.

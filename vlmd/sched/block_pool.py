@@ -7,7 +7,7 @@ is taken for reuse, so a later request with the same prefix can pick it up again
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -22,10 +22,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self._ref_counts = [0] * num_blocks
-        self._hash_of: list[bytes | None] = [None] * num_blocks
-        self._by_hash: dict[bytes, int] = {}
+        # A cached block's key: (its KV group, the block hash), so one group never finds
+        # another's block (a block id holds different layers' K/V in each group).
+        self._hash_of: list[tuple[int, bytes] | None] = [None] * num_blocks
+        self._by_hash: dict[tuple[int, bytes], int] = {}
         # Free blocks, least recently freed first: the next to be reused or evicted.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The KV group each block was last allocated to, and how many referenced blocks each
+        # group holds (a block serves one group at a time: its prefix key names that group).
+        self._owner = [0] * num_blocks
+        self.held_by: Counter[int] = Counter()
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,16 +41,41 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, owner: int = 0) -> list[int]:
+        """``count`` free blocks for group ``owner``, least recently freed first."""
         if count > len(self._free):
             raise ValueError(f"asked for {count} blocks, {len(self._free)} free")
         blocks = []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
-            self.forget_hash(block_id)
-            self._ref_counts[block_id] = 1
+            self._take(block_id, owner)
             blocks.append(block_id)
         return blocks
+
+    def _take(self, block_id: int, owner: int) -> None:
+        self.forget_hash(block_id)
+        self._ref_counts[block_id] = 1
+        self._owner[block_id] = owner
+        self.held_by[owner] += 1
+
+    def allocate_run(self, count: int, owner: int = 0) -> list[int]:
+        """``count`` consecutive block ids where the free blocks have such a run (the lowest),
+        else any ``count`` free blocks: a table taken whole and read as one view of the cache
+        (a request's cross-attention K/V) needs no gather then."""
+        if count > len(self._free):
+            raise ValueError(f"asked for {count} blocks, {len(self._free)} free")
+        ordered = sorted(self._free)
+        run_start = 0
+        for index in range(1, len(ordered) + 1):
+            if index - run_start >= count:
+                blocks = ordered[run_start:run_start + count]
+                for block_id in blocks:
+                    del self._free[block_id]
+                    self._take(block_id, owner)
+                return blocks
+            if index < len(ordered) and ordered[index] != ordered[index - 1] + 1:
+                run_start = index
+        return self.allocate(count, owner)
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; unreferenced ones become reusable, in order."""
@@ -52,11 +83,13 @@ class BlockPool:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
+                self.held_by[self._owner[block_id]] -= 1
 
     # ---- prefix cache -----------------------------------------------------------------
 
-    def lookup(self, block_hash: bytes) -> int | None:
-        return self._by_hash.get(block_hash) if self.enable_caching else None
+    def lookup(self, key: tuple[int, bytes]) -> int | None:
+        """The free or held block cached under ``key`` (group, block hash), if any."""
+        return self._by_hash.get(key) if self.enable_caching else None
 
     def count_unreferenced(self, block_ids: list[int]) -> int:
         return sum(1 for block_id in block_ids if self._ref_counts[block_id] == 0)
@@ -66,15 +99,17 @@ class BlockPool:
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
+                self.held_by[self._owner[block_id]] += 1
             self._ref_counts[block_id] += 1
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Make a full block findable by its hash (the first block with a hash keeps it)."""
+    def cache(self, block_id: int, key: tuple[int, bytes]) -> None:
+        """Make a full block findable by its key (group, block hash); the first block with a
+        key keeps it."""
         if not self.enable_caching or self._hash_of[block_id] is not None:
             return
-        if block_hash not in self._by_hash:
-            self._by_hash[block_hash] = block_id
-            self._hash_of[block_id] = block_hash
+        if key not in self._by_hash:
+            self._by_hash[key] = block_id
+            self._hash_of[block_id] = key
 
     def forget_hash(self, block_id: int) -> None:
         block_hash = self._hash_of[block_id]

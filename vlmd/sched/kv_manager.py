@@ -1,70 +1,43 @@
-"""Which KV blocks each request holds, per KV group, and prefix-cache hits for new requests.
+"""The KV coordinator: every group's tables over one pool, asked once per allocation.
 
-The main group (the full-attention layers, or every layer of a model without windows) is
-the table every request has always had. A window group (``kv_groups.py``) has its own pool
-and tables; its blocks that the request's window has left behind are given back as the
-request advances (``release_out_of_window``), their entries kept as ``FREED``. An
-encoder-decoder's cross-attention layers have a pool of their own (``cross_kv.py``): a
-request's cross table is taken whole with its first allocation and freed with the rest.
+The scheduler talks to this one object: it finds the longest prefix hit that every group
+can serve, grows a request's tables in every group together (or in none: the pool must have
+the blocks that all groups want at once), gives back the blocks windows have left behind,
+and frees a request's blocks in every group. Each group's own rules live in its manager
+(``kv_managers.py``); the groups and their layers in ``kv_spec.py``. Tables and new blocks
+travel keyed by group index (``dict[int, list[int]]``), one field in the step records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vlmd.sched.block_hash import extend_block_hashes
-from vlmd.sched.block_pool import BlockPool, blocks_needed
-from vlmd.sched.cross_kv import CrossPool
-from vlmd.sched.kv_groups import FREED, WindowGroup, first_visible_block, window_hit_lengths
+from vlmd.sched.block_pool import BlockPool
+from vlmd.sched.kv_managers import FREED, GroupManager, manager_for
+from vlmd.sched.kv_spec import KVCacheConfig
 from vlmd.sched.request import Request
 
 
 @dataclass
 class PrefixHit:
-    """Cached blocks a request adopts at admission: the main group's leading run and, for
-    each window group, the entries of the same length (``FREED`` before the window)."""
+    """Cached blocks a request adopts at admission: per group, the entries of a hit of
+    ``num_blocks`` blocks (a window group's are ``FREED`` before the window)."""
 
-    blocks: list[int] = field(default_factory=list)
-    windows: dict[int, list[int]] = field(default_factory=dict)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-
-class _Group:
-    """One pool and every request's table in it (``window`` None: the main group)."""
-
-    def __init__(self, window: int | None, num_blocks: int, caching: bool):
-        self.window = window
-        self.pool = BlockPool(num_blocks, enable_caching=caching)
-        self.tables: dict[str, list[int]] = {}
-        self.num_cached: dict[str, int] = {}  # leading entries already registered by hash
-        self.first_live: dict[str, int] = {}  # entries before it are FREED (window groups)
-        self.last_new: dict[str, list[int]] = {}  # what the last allocation appended
-        self.peak_request_blocks = 0  # the most blocks one request has held here at once
-
-    def live(self, request_id: str) -> list[int]:
-        table = self.tables.get(request_id, [])
-        return table[self.first_live.get(request_id, 0):]
+    num_blocks: int = 0
+    tables: dict[int, list[int]] = field(default_factory=dict)
 
 
 class KVCacheManager:
-    """Maps requests to block ids and grows their tables as they get longer."""
+    """Maps requests to block ids in every KV group and grows their tables as they get longer."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window_groups: Sequence[WindowGroup] = (), cross_blocks: int = 0):
-        """``cross_blocks``: the cross-attention pool's size (0: the model has no cross-attention)."""
-        self.block_size = block_size
+    def __init__(self, config: KVCacheConfig, enable_prefix_caching: bool = True):
+        self.config = config
+        self.block_size = config.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._main = _Group(None, num_blocks, enable_prefix_caching)
-        self._windows = [_Group(group.window, group.num_blocks, enable_prefix_caching) for group in window_groups]
-        if len({group.window for group in self._windows}) != len(self._windows):
-            raise ValueError(f"two KV groups with one window: {list(window_groups)}")
-        self._groups = [self._main, *self._windows]
-        self.pool = self._main.pool
-        self.cross = CrossPool(cross_blocks) if cross_blocks else None
+        self.pool = BlockPool(config.num_blocks, enable_caching=enable_prefix_caching)
+        self.groups: list[GroupManager] = [manager_for(spec, self.pool, config.block_size) for spec in config.groups]
+        self._windowed = [group for group in self.groups if group.spec.window is not None]
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -76,66 +49,37 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return self._main.tables.get(request_id, [])
+    def tables(self, request_id: str) -> dict[int, list[int]]:
+        """The request's table in every group (``FREED`` where a window gave a block back), copied."""
+        return {group.spec.index: list(group.tables.get(request_id, [])) for group in self.groups}
 
-    def window_block_ids(self, request_id: str) -> dict[int, list[int]]:
-        """Each window group's table of the request (``FREED`` where given back), copied."""
-        return {group.window: list(group.tables.get(request_id, [])) for group in self._windows}
+    def new_blocks(self, request_id: str) -> dict[int, list[int]]:
+        """What the last ``allocate_slots`` of the request appended to each group's table
+        (groups it appended nothing to are left out)."""
+        return {group.spec.index: list(group.last_new[request_id]) for group in self.groups
+                if group.last_new.get(request_id)}
 
-    def new_window_blocks(self, request_id: str) -> dict[int, list[int]]:
-        """What the last ``allocate_slots`` of the request appended to each window table."""
-        return {group.window: list(group.last_new.get(request_id, [])) for group in self._windows}
-
-    def window_stats(self) -> list[dict]:
-        """Per window group: its pool, the blocks requests hold now, the most one request held."""
-        return [{"window": group.window, "num_blocks": group.pool.num_blocks,
-                 "used_blocks": group.pool.num_blocks - group.pool.num_free_blocks,
-                 "peak_request_blocks": group.peak_request_blocks} for group in self._windows]
-
-    def cross_block_ids(self, request_id: str) -> list[int]:
-        """The request's cross-attention table (empty: none, or no cross pool), copied."""
-        return list(self.cross.tables.get(request_id, [])) if self.cross is not None else []
-
-    def cross_blocks_needed(self, request: Request) -> int:
-        """Cross-attention blocks the request's items need (0 without a cross pool)."""
-        return blocks_needed(request.num_cross_tokens, self.block_size) if self.cross is not None else 0
-
-    def cross_stats(self) -> dict | None:
-        """The cross pool: its size, the blocks requests hold now, the most one request held."""
-        if self.cross is None:
-            return None
-        return {"num_blocks": self.cross.num_blocks, "used_blocks": self.cross.num_used_blocks,
-                "peak_request_blocks": self.cross.peak_request_blocks}
+    def group_stats(self) -> list[dict]:
+        """Per group: its kind, layers, the blocks requests hold now, the most one request held."""
+        return [group.stats() for group in self.groups]
 
     def computed_blocks(self, request: Request) -> PrefixHit:
         """The longest run of cached blocks that starts the request's tokens and that every
-        group can serve: a window group needs the blocks of the window before the hit's end
-        (else a shorter hit where it has them, or none).
+        group can serve (else a shorter one, or none).
 
         At least the last token is always left to compute: its logits are needed.
         """
         if not self.enable_prefix_caching:
             return PrefixHit()
         self._update_hashes(request)
-        limit = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in request.block_hashes[:limit]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        hashes = request.block_hashes[:len(hits)]
-        valid = [True] * (len(hits) + 1)
-        for group in self._windows:
-            cached = [group.pool.lookup(block_hash) is not None for block_hash in hashes]
-            valid = [a and b for a, b in zip(valid, window_hit_lengths(cached, group.window, self.block_size))]
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        valid = [True] * (len(hashes) + 1)
+        for group in self.groups:
+            valid = [a and b for a, b in zip(valid, group.hit_lengths(hashes))]
+            if not any(valid[1:]):
+                return PrefixHit()
         length = max(k for k, ok in enumerate(valid) if ok)
-        windows = {}
-        for group in self._windows:
-            first = first_visible_block(length * self.block_size, group.window, self.block_size)
-            windows[group.window] = [FREED] * first + [group.pool.lookup(h) for h in hashes[first:length]]
-        return PrefixHit(hits[:length], windows)
+        return PrefixHit(length, {group.spec.index: group.hit_entries(hashes[:length]) for group in self.groups})
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once, when its request is admitted (not at every retry)."""
@@ -143,107 +87,62 @@ class KVCacheManager:
             self.prefix_queries += num_tokens
             self.prefix_hits += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_total_tokens: int, computed: PrefixHit | None = None) -> list[int] | None:
-        """Grow the request's tables to hold ``num_total_tokens``; None if blocks run out in
-        any group (then nothing is taken).
+    def allocate_slots(self, request: Request, num_total_tokens: int,
+                       computed: PrefixHit | None = None) -> dict[int, list[int]] | None:
+        """Grow the request's tables in every group to hold ``num_total_tokens``; None if the
+        pool cannot give every group what it wants at once (then nothing is taken).
 
-        A request without a cross table yet (first scheduled, or resumed after preemption)
-        takes its whole table in the cross pool too, or waits with nothing taken.
-        ``computed``: a prefix hit to adopt first (a request being admitted). Window blocks
-        the request's next query (``request.num_computed_tokens``) cannot see are given back
-        first. Returns only the main group's newly added block ids (the runner appends them;
-        ``new_window_blocks`` has the window groups').
+        A group taken whole (cross-attention, recurrent state) takes its table with the
+        request's first allocation (or its first after a preemption). ``computed``: a prefix
+        hit to adopt first (a request being admitted). Window blocks the request's next query
+        (``request.num_computed_tokens``) cannot see are given back first. Returns the new
+        block ids per group (``new_blocks`` has them too).
         """
-        request_id = request.request_id
         computed = computed or PrefixHit()
-        if self._windows:
-            self.release_out_of_window(request_id, request.num_computed_tokens)
-        needed = blocks_needed(num_total_tokens, self.block_size)
+        if self._windowed:
+            self.release_out_of_window(request.request_id, request.num_computed_tokens)
         plans = []
-        for group in self._groups:
-            adopted = computed.blocks if group is self._main else computed.windows.get(group.window, [])
-            live_hits = [block for block in adopted if block != FREED]
-            missing = needed - len(group.tables.get(request_id, [])) - len(adopted)
-            # Hit blocks that nobody holds sit on the free list: they cannot also be new blocks.
-            if missing > group.pool.num_free_blocks - group.pool.count_unreferenced(live_hits):
-                return None
-            plans.append((group, adopted, live_hits, missing))
-        cross_missing = 0
-        if self.cross is not None and request_id not in self.cross.tables:
-            cross_missing = self.cross_blocks_needed(request)
-            if not self.cross.can_allocate(cross_missing):
-                return None
-        if cross_missing:
-            self.cross.allocate(request_id, cross_missing)
-        for group, adopted, live_hits, missing in plans:
-            group.pool.touch(live_hits)
-            new_blocks = adopted + group.pool.allocate(max(missing, 0))
-            table = group.tables.setdefault(request_id, [])
-            if not table and adopted:  # a hit: its leading FREED entries were never held
-                group.first_live[request_id] = len(adopted) - len(live_hits)
-                group.num_cached[request_id] = len(adopted)
-            table.extend(new_blocks)
-            group.last_new[request_id] = new_blocks
-            if group.window is not None:
-                held = len(table) - group.first_live.get(request_id, 0)
-                group.peak_request_blocks = max(group.peak_request_blocks, held)
-            self._cache_full_blocks(group, request, num_total_tokens)
-        return self._main.last_new[request_id]
+        wanted = 0
+        hit_blocks: list[int] = []
+        for group in self.groups:
+            adopted = computed.tables.get(group.spec.index, [])
+            hit_blocks.extend(block for block in adopted if block != FREED)
+            count = group.blocks_wanted(request, num_total_tokens, adopted)
+            wanted += count
+            plans.append((group, adopted, count))
+        # Hit blocks that nobody holds sit on the free list: they cannot also be new blocks.
+        if wanted > self.pool.num_free_blocks - self.pool.count_unreferenced(hit_blocks):
+            return None
+        self.pool.touch(hit_blocks)
+        if self.enable_prefix_caching:
+            self._update_hashes(request)
+        for group, adopted, count in plans:
+            group.grow(request, num_total_tokens, adopted, count)
+            if self.enable_prefix_caching:
+                group.cache_full_blocks(request, num_total_tokens)
+        return self.new_blocks(request.request_id)
 
     def release_out_of_window(self, request_id: str, next_position: int) -> None:
         """Give back each window group's blocks that no query at ``next_position`` or later
         can read (the scheduler calls this for every running request before allocating)."""
-        for group in self._windows:
-            table = group.tables.get(request_id)
-            if not table:
-                continue
-            first = group.first_live.get(request_id, 0)
-            dead = min(first_visible_block(next_position, group.window, self.block_size), len(table))
-            if dead <= first:
-                continue
-            # Oldest first: the least likely to start another request's hit is evicted first.
-            group.pool.free(table[first:dead])
-            table[first:dead] = [FREED] * (dead - first)
-            group.first_live[request_id] = dead
-
-    def _cache_full_blocks(self, group: _Group, request: Request, num_total_tokens: int) -> None:
-        """Register the blocks that this step fills, so later requests can share them."""
-        if not self.enable_prefix_caching:
-            return
-        self._update_hashes(request)
-        table = group.tables[request.request_id]
-        full = min(num_total_tokens // self.block_size, len(request.block_hashes))
-        start = group.num_cached.get(request.request_id, 0)
-        for index in range(start, full):
-            if table[index] != FREED:
-                group.pool.cache(table[index], request.block_hashes[index])
-        group.num_cached[request.request_id] = max(start, full)
+        for group in self._windowed:
+            group.release_out_of_window(request_id, next_position)
 
     def _update_hashes(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, request.mm_items, self.block_size)
 
-    def forget_hashes_from(self, request_id: str, first_block: int) -> set[tuple[int | None, int]]:
+    def forget_hashes_from(self, request_id: str, first_block: int) -> set[int]:
         """Make the request's blocks from ``first_block`` on unfindable by prefix hash (their
-        contents are suspect), in every group; returns them as (window, block id) keys."""
-        suspect = set()
-        for group in self._groups:
-            for block_id in group.tables.get(request_id, [])[first_block:]:
-                if block_id != FREED:
-                    group.pool.forget_hash(block_id)
-                    suspect.add((group.window, block_id))
+        contents are suspect), in every group; returns their ids (one pool: ids are unique)."""
+        suspect: set[int] = set()
+        for group in self.groups:
+            suspect |= group.forget_hashes_from(request_id, first_block)
         return suspect
 
-    def held_blocks(self, request_id: str) -> set[tuple[int | None, int]]:
-        """The request's blocks in every group, as (window, block id) keys."""
-        return {(group.window, block_id) for group in self._groups for block_id in group.live(request_id)}
+    def held_blocks(self, request_id: str) -> set[int]:
+        """The request's live blocks in every group."""
+        return {block_id for group in self.groups for block_id in group.live(request_id)}
 
     def free(self, request_id: str) -> None:
-        if self.cross is not None:
-            self.cross.free(request_id)
-        for group in self._groups:
-            live = group.live(request_id)
-            for mapping in (group.tables, group.num_cached, group.first_live, group.last_new):
-                mapping.pop(request_id, None)
-            if live:
-                # Tail blocks first: a prefix's head is shared more often, so it is evicted last.
-                group.pool.free(live[::-1])
+        for group in self.groups:
+            group.free(request_id)

@@ -17,16 +17,13 @@ class NewRequestData:
     num_prompt_tokens: int
     mm_items: list[MultiModalItem]
     sampling: SamplingParams
-    block_ids: list[int]
+    # KV group index -> the request's table in that group (sched/kv_spec.py): full attention's
+    # grows, a window's has kv_managers.FREED where it gave a block back, a cross-attention
+    # table is whole from the start.
+    block_tables: dict[int, list[int]]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]  # eos + stop ids, masked out until min_tokens
     family_state: Any = None  # the family's per-request object, for the model
-    # Window -> the request's table in that window group (kv_groups.FREED where no block is
-    # held: before its window); empty for a model without window groups.
-    window_block_ids: dict[int, list[int]] = field(default_factory=dict)
-    # The request's whole table in the cross-attention pool (sched/cross_kv.py), unchanged for
-    # its life (no deltas follow); empty without cross-attention items.
-    cross_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -34,11 +31,10 @@ class CachedRequestData:
     """A request the runner already tracks: only what changed."""
 
     request_id: str
-    new_block_ids: list[int]
+    # KV group index -> block ids appended to the request's table there (groups with none
+    # left out). Blocks a window left behind are not sent: the runner never reads them.
+    new_block_ids: dict[int, list[int]]
     num_computed_tokens: int
-    # Window -> block ids appended to the request's table in that window group. Blocks the
-    # window left behind are not sent: the runner never reads them (masked.py reads a window).
-    new_window_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

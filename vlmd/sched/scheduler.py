@@ -3,9 +3,9 @@
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting
 requests in arrival order while budget, sequence slots and KV blocks last. When blocks
 run out for a running request, the most recently admitted request is preempted: its
-blocks are freed (its cross-attention blocks too) and it later recomputes from scratch. A
-request whose cross-attention table does not fit the cross pool now waits like one whose
-blocks do not fit the main pool. No torch here.
+blocks are freed in every KV group and it later recomputes from scratch. Every group (full
+attention, sliding windows, cross-attention) takes its blocks from one pool (``kv_spec.py``),
+so a request whose cross-attention table does not fit now waits like any other. No torch here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from vlmd.sched.encoder_cache import EncoderCacheManager
-from vlmd.sched.kv_groups import WindowGroup
 from vlmd.sched.kv_manager import KVCacheManager
+from vlmd.sched.kv_spec import KVCacheConfig
 from vlmd.sched.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from vlmd.sched.request import Request, RequestStatus
 from vlmd.errors import ENGINE_REJECTED, RequestRejected
@@ -27,35 +27,39 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    block_size: int
-    num_kv_blocks: int
+    # The KV model: the pool's blocks and the layer groups that share them (kv_spec.py).
+    kv_cache: KVCacheConfig
     max_num_encoder_input_tokens: int
     encoder_cache_size: int
     disable_chunked_mm_input: bool = False
     enable_prefix_caching: bool = True
-    # The sliding-window layers' KV groups (kv_groups.py); empty: one table for every layer.
-    window_groups: tuple[WindowGroup, ...] = ()
-    # Blocks of the cross-attention pool (sched/cross_kv.py); 0: the model has no cross-attention.
-    cross_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         # A request that may grow to max_model_len must fit alone, or it would preempt
-        # itself forever.
-        if self.num_kv_blocks * self.block_size < self.max_model_len:
+        # itself forever (its cross-attention table is checked per request, at admission).
+        alone = sum(self.kv_cache.peak_request_blocks(self.max_model_len, self.max_num_batched_tokens))
+        if alone > self.num_kv_blocks:
             raise ValueError(
-                f"the KV cache holds {self.num_kv_blocks * self.block_size} tokens, "
-                f"less than max_model_len {self.max_model_len}"
+                f"the KV cache has {self.num_kv_blocks} blocks, but one request of max_model_len "
+                f"{self.max_model_len} tokens can hold {alone} at once"
             )
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.window_groups, config.cross_kv_blocks)
+        self.kv = KVCacheManager(config.kv_cache, config.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -95,14 +99,17 @@ class Scheduler:
                 f"a media item of {largest_run} tokens does not fit one step: each item is scheduled in one "
                 f"step, and --max-num-batched-tokens is {self.config.max_num_batched_tokens}"
             )
-        cross_blocks = self.kv.cross_blocks_needed(request)
-        if cross_blocks > self.config.cross_kv_blocks:
-            # It could never be scheduled: it would wait at the head of the queue forever.
+        # Its largest moment alone (cross-attention table included) must fit the whole pool: it
+        # could never be scheduled, and would wait at the head of the queue forever.
+        longest = min(self.config.max_model_len, request.num_tokens + request.sampling.max_tokens)
+        alone = sum(self.config.kv_cache.peak_request_blocks(longest, self.config.max_num_batched_tokens,
+                                                             request.num_cross_tokens))
+        if request.num_cross_tokens and alone > self.config.num_kv_blocks:
             raise RequestRejected(
-                f"the media items of this request need {request.num_cross_tokens} cross-attention tokens "
-                f"({cross_blocks} blocks), more than the server's whole cross-attention pool of "
-                f"{self.config.cross_kv_blocks} blocks: send fewer items, or start the server with a higher "
-                "--limit-mm-per-prompt (the pool holds --max-num-seqs requests of that many items)"
+                f"the media items of this request need {request.num_cross_tokens} cross-attention tokens, which "
+                f"with its text take {alone} KV blocks, more than the server's whole KV cache of "
+                f"{self.config.num_kv_blocks} blocks: send fewer items, or give the KV cache more memory "
+                "(--kv-cache-gb)"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -186,10 +193,7 @@ class Scheduler:
             preempted = preempted or preempted_any
             if new_blocks is None:  # the request preempted itself
                 break
-            out.cached_requests.append(CachedRequestData(
-                request.request_id, new_blocks, request.num_computed_tokens,
-                self.kv.new_window_blocks(request.request_id),
-            ))
+            out.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
             index += 1
 
@@ -269,10 +273,10 @@ class Scheduler:
             planned.add(item.identifier)
         return num_new, to_encode, hits
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[dict[int, list[int]] | None, bool]:
         """Allocate blocks, preempting from the back of ``running`` until they fit.
 
-        Returns the new block ids (None if ``request`` itself was preempted) and whether
+        Returns the new block ids per group (None if ``request`` itself was preempted) and whether
         anything was preempted.
         """
         preempted_any = False
@@ -316,9 +320,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             mm_items=request.mm_items,
             sampling=request.sampling,
-            block_ids=list(self.kv.block_ids(request.request_id)),
-            window_block_ids=self.kv.window_block_ids(request.request_id),
-            cross_block_ids=self.kv.cross_block_ids(request.request_id),
+            block_tables=self.kv.tables(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids=stop_ids + tuple(request.sampling.stop_token_ids),
             family_state=request.family_state,

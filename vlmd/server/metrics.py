@@ -23,9 +23,7 @@ _PLAN_BYTES = {
     "activation_bytes": "activations",
     "encoder_peak_bytes": "encoder_peak",
     "encoder_cache_bytes": "encoder_cache",
-    "kv_bytes": "kv_cache",
-    "window_kv_bytes": "window_kv_cache",  # of which the sliding-window layers' KV groups (D91)
-    "cross_kv_bytes": "cross_kv",  # an encoder-decoder's cross-attention K/V, reserved for --max-num-seqs requests
+    "kv_bytes": "kv_cache",  # every KV group's, cross-attention included: one pool (D95)
     "planned_bytes": "planned",
     "total_bytes": "total",
 }
@@ -45,7 +43,7 @@ class _EngineCollector:
         fields = self.memory_plan.fields()
         family = GaugeMetricFamily(
             "vlmd_memory_plan_bytes", "Start-up memory plan: weights, base (process or card), activation and "
-            "encoder peaks of the profile, encoder cache, KV cache, cross-attention K/V, what they come to, "
+            "encoder peaks of the profile, encoder cache, KV cache (every group's), what they come to, "
             "total the utilisation applies to",
             labels=["part", "device", "source"])
         for key, part in _PLAN_BYTES.items():
@@ -53,8 +51,12 @@ class _EngineCollector:
         yield family
         yield GaugeMetricFamily("vlmd_memory_plan_kv_blocks", "KV blocks the memory plan gave", value=fields["num_kv_blocks"])
         yield GaugeMetricFamily("vlmd_memory_plan_max_full_length_requests",
-                                "Requests of max_model_len tokens the KV cache holds at once",
+                                "Requests of max_model_len tokens the KV cache holds at once, decoding",
                                 value=fields["max_full_length_requests"])
+        yield GaugeMetricFamily("vlmd_memory_plan_max_concurrency",
+                                "Requests of max_model_len tokens the KV cache holds at once, decoding, as vLLM "
+                                "states it (a fraction where the last one fits in part)",
+                                value=fields["max_concurrency"])
 
     def collect(self):
         stats = self.engine.stats
@@ -116,8 +118,7 @@ class _EngineCollector:
             counters["vlmd_preprocess_timeouts"] = ("Requests past --preprocess-timeout", admission.num_timeouts)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
-        yield from _window_group_metrics(stats.kv_window_groups)
-        yield from _cross_pool_metrics(stats.kv_cross)
+        yield from _kv_group_metrics(stats.kv_groups, stats.num_kv_blocks)
         paths = CounterMetricFamily(
             "vlmd_decode_steps", "Steps of decodes alone, by path: fused (every layer in one native call, "
             "layers/cpu/fused_step.py) or modules (the model's layers one by one)", labels=["path"])
@@ -128,34 +129,24 @@ class _EngineCollector:
             yield from self._plan_metrics()
 
 
-def _window_group_metrics(groups: list[dict]):
-    """Per sliding-window KV group (label ``window``, in tokens): its blocks, those held now,
-    and the most one request has held (bounded by the window, whatever the context)."""
+def _kv_group_metrics(groups: list[dict], num_blocks: int):
+    """Per KV group (labels ``group``, ``kind``, ``window``: its tokens for a sliding window,
+    else empty): the blocks its tables hold now, their share of the pool every group shares,
+    and the most one request has held at once there."""
     if not groups:
         return
-    for name, key, doc in (
-        ("vlmd_kv_cache_window_total_blocks", "num_blocks", "KV blocks of a sliding-window layers' group"),
-        ("vlmd_kv_cache_window_blocks", "used_blocks", "KV blocks that sliding-window layers hold now"),
-        ("vlmd_kv_cache_window_peak_request_blocks", "peak_request_blocks",
-         "The most KV blocks one request has held at once in a sliding-window group"),
+    for name, doc, value in (
+        ("vlmd_kv_cache_group_blocks", "KV blocks a group's tables hold now (one pool: they sum to the used blocks)",
+         lambda group: group["used_blocks"]),
+        ("vlmd_kv_cache_group_usage_perc", "Fraction of the KV pool a group holds now",
+         lambda group: group["used_blocks"] / num_blocks if num_blocks else 0.0),
+        ("vlmd_kv_cache_group_peak_request_blocks", "The most KV blocks one request has held at once in a group",
+         lambda group: group["peak_request_blocks"]),
     ):
-        family = GaugeMetricFamily(name, doc, labels=["window"])
+        family = GaugeMetricFamily(name, doc, labels=["group", "kind", "window"])
         for group in groups:
-            family.add_metric([str(group["window"])], group[key])
+            family.add_metric([str(group["group"]), group["kind"], str(group.get("window", ""))], value(group))
         yield family
-
-
-def _cross_pool_metrics(cross: dict | None):
-    """The cross-attention pool (an encoder-decoder's encoder-side K/V, sched/cross_kv.py)."""
-    if cross is None:
-        return
-    for name, key, doc in (
-        ("vlmd_kv_cache_cross_total_blocks", "num_blocks", "Blocks of the cross-attention K/V pool"),
-        ("vlmd_kv_cache_cross_blocks", "used_blocks", "Cross-attention K/V blocks that requests hold now"),
-        ("vlmd_kv_cache_cross_peak_request_blocks", "peak_request_blocks",
-         "The most cross-attention K/V blocks one request has held"),
-    ):
-        yield GaugeMetricFamily(name, doc, value=cross[key])
 
 
 class Metrics:

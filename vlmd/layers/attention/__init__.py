@@ -8,8 +8,27 @@ from __future__ import annotations
 
 import torch
 
-from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, SequenceChunk, write_kv
+from vlmd.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    OutputRows,
+    SequenceChunk,
+    layer_group,
+    write_kv,
+)
 from vlmd.layers.attention.registry import attention_backend_for, register_attention_backend
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D] this step's keys, every row
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+) -> None:
+    """Write this step's K/V into the layer's cache without attending (a layer whose queries
+    attend for some rows only, ``OutputRows``): through the tables of the layer's KV group."""
+    write_kv(kv_cache, k, v, meta.for_group(layer_group(kv_cache, meta)).slot_mapping)
 
 
 def paged_attention(
@@ -29,10 +48,12 @@ def paged_attention(
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "LayerCache",
     "OutputRows",
     "SequenceChunk",
     "attention_backend_for",
     "paged_attention",
     "register_attention_backend",
+    "store_kv",
     "write_kv",
 ]

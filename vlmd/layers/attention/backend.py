@@ -8,13 +8,16 @@ segments of the block table, masks) is the backend's business: the model code ne
 inside it, it only passes it along (``vlmd.layers.attention.paged_attention``).
 
 A layer's KV cache is a pair of tensors ``[num_blocks * block_size, kv_heads, head_dim]``;
-slot = block_id * block_size + offset.
+slot = block_id * block_size + offset. Each layer belongs to a KV group (``vlmd/sched/kv_spec.py``:
+full attention, a sliding window, ...) whose block tables address its tensors
+(``runner/kv_cache.LayerCache.group``): ``forward`` reads the step's metadata for that group
+(``AttentionMetadata.for_group``), built once per step and group, shared by its layers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,27 +26,40 @@ if TYPE_CHECKING:
     from vlmd.layers.decoder_structure import DecoderStructure
 
 
+# The group every step's metadata is built for first: full attention's, the decoder's main
+# table (kv_spec.build_kv_cache_config lists full-attention groups first).
+MAIN_GROUP = 0
+
+
 @dataclass(frozen=True)
 class SequenceChunk:
     """One sequence's share of a step: ``count`` new tokens at positions ``start..``."""
 
-    block_ids: list[int]  # the sequence's block table (it covers at least start + count)
+    block_ids: list[int]  # the sequence's table in ``group`` (it covers at least start + count)
     start: int  # tokens already in the cache (its context)
     count: int
     # Bidirectional spans: [first, end) positions whose tokens attend to each other in both
     # directions (an image's tokens in some VLMs), the rest causally. A span that reaches this
     # chunk's queries must end inside it: its later keys are not in the cache otherwise.
     spans: tuple[tuple[int, int], ...] = ()
-    # Window -> the sequence's table in that window group (its layers' own KV tensors:
-    # vlmd/sched/kv_groups.py); entries before the window are FREED and never read. A layer
-    # whose window has no table here uses ``block_ids`` (no group of its own).
-    window_block_ids: Mapping[int, list[int]] | None = None
+    # KV group -> the sequence's table there, where the model has more than one group (a
+    # window group's entries before its window are FREED and never read); None: one group.
+    tables: Mapping[int, list[int]] | None = None
+    group: int = MAIN_GROUP  # whose table ``block_ids`` is
 
-    def table_for(self, window: int | None) -> list[int]:
-        """The block table that layers of ``window`` (None: full attention) read and write."""
-        if window is None or not self.window_block_ids:
-            return self.block_ids
-        return self.window_block_ids.get(window, self.block_ids)
+    @classmethod
+    def of(cls, tables: Mapping[int, list[int]], start: int, count: int,
+           spans: tuple[tuple[int, int], ...] = ()) -> "SequenceChunk":
+        """A chunk from a request's tables by group, described in the main group."""
+        return cls(tables[MAIN_GROUP], start, count, spans, tables if len(tables) > 1 else None)
+
+    def for_group(self, group: int) -> "SequenceChunk":
+        """The same chunk described in ``group``'s table."""
+        if group == self.group:
+            return self
+        if self.tables is None or group not in self.tables:
+            raise ValueError(f"a sequence without a table in KV group {group}")
+        return replace(self, block_ids=self.tables[group], group=group)
 
 
 @dataclass
@@ -53,6 +69,38 @@ class AttentionMetadata:
     backend: "AttentionBackend"
     slot_mapping: torch.Tensor  # [T] the cache slot each new token's K/V is written to
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    chunks: list[SequenceChunk]  # in batch order, described in ``group``'s tables
+    group: int = field(default=MAIN_GROUP, kw_only=True)
+    # Other groups' metadata, built on first use.
+    _groups: dict = field(default_factory=dict, repr=False, kw_only=True)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """This step's metadata for layers of KV group ``group``: itself, or built from the
+        chunks' tables there on first use, then shared by that group's layers."""
+        if group == self.group:
+            return self
+        if group not in self._groups:
+            chunks = [chunk.for_group(group) for chunk in self.chunks]
+            self._groups[group] = self.backend.prepare_metadata(chunks, self.num_decodes)
+        return self._groups[group]
+
+
+class LayerCache(tuple):
+    """A layer's (K, V) cache tensors, which unpack as a pair, and the KV group whose block
+    tables address them (``runner/kv_cache.py`` makes them from the pool's layer slots)."""
+
+    group: int
+
+    def __new__(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> "LayerCache":
+        pair = super().__new__(cls, (k_cache, v_cache))
+        pair.group = group
+        return pair
+
+
+def layer_group(kv_cache, meta: AttentionMetadata) -> int:
+    """The KV group of a layer's cache; a bare (K, V) pair, as kernels' tests pass, is taken
+    as the metadata's own group."""
+    return kv_cache.group if isinstance(kv_cache, LayerCache) else meta.group
 
 
 @dataclass
@@ -127,8 +175,7 @@ class AttentionBackend:
         rows = torch.tensor([row for row, _ in used], dtype=torch.long)
         if not used:
             return OutputRows(rows, None)
-        as_decodes = [SequenceChunk(chunk.block_ids, chunk.start + chunk.count - 1, 1,
-                                    window_block_ids=chunk.window_block_ids) for _, chunk in used]
+        as_decodes = [replace(chunk, start=chunk.start + chunk.count - 1, count=1, spans=()) for _, chunk in used]
         return OutputRows(rows, self.prepare_metadata(as_decodes, num_decodes=len(as_decodes)))
 
     def slot_mapping(self, chunks: list[SequenceChunk]) -> torch.Tensor:

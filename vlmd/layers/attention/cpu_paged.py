@@ -46,14 +46,21 @@ the first implementation's gather did for every decode in every layer (47 ms aga
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from vlmd.config import ATTENTION_KERNEL_MODES
 from vlmd.host import last_level_cache_bytes
-from vlmd.layers.attention.backend import AttentionBackend, AttentionMetadata, SequenceChunk, write_kv
+from vlmd.layers.attention.backend import (
+    MAIN_GROUP,
+    AttentionBackend,
+    AttentionMetadata,
+    SequenceChunk,
+    layer_group,
+    write_kv,
+)
 from vlmd.layers.attention.decode_plan import DecodePlan, plan_decodes, shared_groups
 from vlmd.layers.attention.masked import WindowPlan, attend_windowed, check_spans, plan_window, span_mask
 from vlmd.layers.attention.segments import ContextSegments, context_segments
@@ -145,7 +152,6 @@ class CPUPagedMetadata(AttentionMetadata):
     decode_chunks: list[SequenceChunk]
     prefill_chunks: list[SequenceChunk]
     _window_plans: dict[int, WindowPlan] | None = None
-    _window_slots: dict[int, torch.Tensor] | None = None
     _decode_plan: DecodePlan | None = None
     _shares: bool | None = None
     _decode_batch: DecodeBatch | None = None
@@ -210,31 +216,16 @@ class CPUPagedMetadata(AttentionMetadata):
         plan = self.decode_plan
         return len(plan.views) == 1 and not plan.gathers and not plan.leftover_rows and not plan.shared
 
-    def window_slot_mapping(self, window: int) -> torch.Tensor:
-        """Where layers of ``window`` write this step's K/V: their own KV tensors' slots
-        where the sequences have a table in that window group, else ``slot_mapping``.
-        Built on first use, then shared by those layers."""
-        if self._window_slots is None:
-            self._window_slots = {}
-        if window not in self._window_slots:
-            chunks = self.decode_chunks + self.prefill_chunks
-            slots = self.slot_mapping
-            if any(chunk.window_block_ids and window in chunk.window_block_ids for chunk in chunks):
-                tables = [replace(chunk, block_ids=chunk.table_for(window)) for chunk in chunks]
-                slots = self.backend.slot_mapping(tables).to(self.slot_mapping.device)
-            self._window_slots[window] = slots
-        return self._window_slots[window]
-
     def window_decode_tables(self, window: int) -> DecodeTables:
-        """The decodes' tables for layers of ``window`` as the native kernel reads them (their
-        window group's, whose entries before the window may be FREED; no shared prefix):
-        built on first use, then shared by those layers."""
+        """The decodes' tables for layers of ``window`` as the native kernel reads them (this
+        group's, whose entries before the window may be FREED in a window group; no shared
+        prefix): built on first use, then shared by those layers."""
         if self._window_decode_tables is None:
             self._window_decode_tables = {}
         if window not in self._window_decode_tables:
             chunks = self.decode_chunks
             self._window_decode_tables[window] = DecodeTables.of(
-                [chunk.table_for(window) for chunk in chunks], [chunk.start + 1 for chunk in chunks],
+                [chunk.block_ids for chunk in chunks], [chunk.start + 1 for chunk in chunks],
                 self.backend.block_size)
         return self._window_decode_tables[window]
 
@@ -293,8 +284,9 @@ class CPUPagedBackend(AttentionBackend):
         slot_mapping = self.slot_mapping(chunks)
         decodes = chunks[:num_decodes]
         return CPUPagedMetadata(
-            backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, plans=plans, decode_chunks=decodes,
-            prefill_chunks=chunks[num_decodes:],
+            backend=self, slot_mapping=slot_mapping, num_decodes=num_decodes, chunks=chunks, plans=plans,
+            decode_chunks=decodes, prefill_chunks=chunks[num_decodes:],
+            group=chunks[0].group if chunks else MAIN_GROUP,
         )
 
     def decodes_natively(self, meta: CPUPagedMetadata, k_cache: torch.Tensor, heads: int) -> bool:
@@ -305,17 +297,21 @@ class CPUPagedBackend(AttentionBackend):
 
     def run_decode_step(self, structure, embeds, cos, sin, meta: CPUPagedMetadata, kv_caches) -> torch.Tensor | None:
         """Every layer in one native call (``layers/cpu/fused_step.py``) where this
-        backend's own kernel would serve the step's attention; else None."""
+        backend's own kernel would serve the step's attention and every layer reads the main
+        group's tables; else None."""
+        if any(layer_group(cache, meta) != meta.group for cache in kv_caches):
+            return None
         if not self.decodes_natively(meta, kv_caches[0][0], structure.heads):
             return None
         return self.fused_steps.run(structure, embeds, cos, sin, meta.slot_mapping, meta.decode_tables, kv_caches)
 
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        meta = meta.for_group(layer_group(kv_cache, meta))
         if window is not None:
             if window < 1:
                 raise ValueError(f"a sliding window must be >= 1 token, got {window}")
-            write_kv(kv_cache, k, v, meta.window_slot_mapping(window))
+            write_kv(kv_cache, k, v, meta.slot_mapping)
             return self._attend_windowed(q, kv_cache, meta, scale, window)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         heads, kv_heads = q.shape[1], k.shape[1]

@@ -117,12 +117,12 @@ class WindowPlan:
 def plan_window(decodes: list[SequenceChunk], prefills: list[SequenceChunk], block_size: int,
                 window: int) -> WindowPlan:
     """The keys each sequence's queries can reach in a layer of ``window``, through the
-    window group's table where it has one (only entries inside the window are read: those
+    chunks' tables (the layer's group's: only entries inside the window are read, those
     before it may have been given back)."""
     decode_slots = decode_mask = None
     if decodes:
         firsts = [max(0, chunk.start - window + 1) for chunk in decodes]
-        parts = [key_slots(chunk.table_for(window), first, chunk.start + 1, block_size)
+        parts = [key_slots(chunk.block_ids, first, chunk.start + 1, block_size)
                  for chunk, first in zip(decodes, firsts)]
         width = max(part.numel() for part in parts)
         decode_slots = torch.zeros(len(parts), width, dtype=torch.long)
@@ -138,7 +138,7 @@ def plan_window(decodes: list[SequenceChunk], prefills: list[SequenceChunk], blo
         first = max(0, chunk.start - window + 1)
         allowed = visibility(torch.arange(chunk.start, end), torch.arange(first, end), chunk.spans, window)
         plan.chunks.append(WindowedChunk(
-            (row, row + chunk.count), key_slots(chunk.table_for(window), first, end, block_size),
+            (row, row + chunk.count), key_slots(chunk.block_ids, first, end, block_size),
             allowed.view(1, 1, chunk.count, -1),
         ))
         row += chunk.count

@@ -1,0 +1,218 @@
+"""One manager per kind of KV group: which blocks each request holds in the group's tables.
+
+Every manager draws its blocks from the same ``BlockPool`` (``kv_spec.py``); the coordinator
+(``kv_manager.py``) asks each, once per allocation, how many new blocks it wants, takes them
+only where the pool has enough for all, and registers full blocks for prefix hits under the
+group's own key. One interface, four behaviours:
+
+- ``FullAttentionManager``: a table that grows a block at a time, every block kept.
+- ``SlidingWindowManager``: the same, but blocks wholly before the window of the request's
+  next query are given back (``release_out_of_window``) and their entries kept as ``FREED``,
+  so an entry's index keeps naming the same tokens (docs/decisions.md D91).
+- ``WholeRequestManager``: a table taken whole at the request's first allocation and never
+  grown: cross-attention K/V (its encoder tokens' blocks, a run of consecutive ids where the
+  pool has one) and recurrent state (a fixed number of pages). Never prefix-cached: a
+  request computes them again after a hit or a preemption (D93; D95 for recurrent state).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from vlmd.sched.block_pool import BlockPool, blocks_needed
+from vlmd.sched.kv_spec import CrossAttention, FullAttention, KVGroupSpec, SlidingWindow, first_visible_block
+from vlmd.sched.request import Request
+
+# A window table's entry whose block was given back (or never adopted after a prefix hit):
+# no query of the request can read it. Negative, so a read of it fails loudly.
+FREED = -1
+
+
+class GroupManager:
+    """A group's tables: the shared bookkeeping; subclasses decide how tables grow and hit."""
+
+    caches_blocks = True  # full blocks are registered for prefix hits
+
+    def __init__(self, spec: KVGroupSpec, pool: BlockPool, block_size: int):
+        self.spec = spec
+        self.pool = pool
+        self.block_size = block_size
+        self.tables: dict[str, list[int]] = {}
+        self.num_cached: dict[str, int] = {}  # leading entries already registered by hash
+        self.first_live: dict[str, int] = {}  # entries before it are FREED (window groups)
+        self.last_new: dict[str, list[int]] = {}  # what the last allocation appended
+        self.peak_request_blocks = 0  # the most blocks one request has held here at once
+
+    def key(self, block_hash: bytes) -> tuple[int, bytes]:
+        return (self.spec.index, block_hash)
+
+    def live(self, request_id: str) -> list[int]:
+        table = self.tables.get(request_id, [])
+        return table[self.first_live.get(request_id, 0):]
+
+    @property
+    def used_blocks(self) -> int:
+        """Distinct blocks the group's tables hold now (a shared prefix block counts once)."""
+        return self.pool.held_by[self.spec.index]
+
+    # ---- prefix hits --------------------------------------------------------------------
+
+    def hit_lengths(self, hashes: list[bytes]) -> list[bool]:
+        """For each hit of ``k`` leading blocks (0 to ``len(hashes)``), whether this group
+        can serve it."""
+        valid = [True]
+        for block_hash in hashes:
+            valid.append(valid[-1] and self.pool.lookup(self.key(block_hash)) is not None)
+        return valid
+
+    def hit_entries(self, hashes: list[bytes]) -> list[int]:
+        """The table entries a request adopts for a hit of ``len(hashes)`` blocks."""
+        return [self.pool.lookup(self.key(block_hash)) for block_hash in hashes]
+
+    # ---- growth -------------------------------------------------------------------------
+
+    def blocks_wanted(self, request: Request, num_total_tokens: int, adopted: list[int]) -> int:
+        """New blocks the request's table needs to hold ``num_total_tokens`` (after adopting
+        ``adopted``, a prefix hit's entries)."""
+        return max(0, blocks_needed(num_total_tokens, self.block_size)
+                   - len(self.tables.get(request.request_id, [])) - len(adopted))
+
+    def take(self, request: Request, count: int) -> list[int]:
+        return self.pool.allocate(count, self.spec.index)
+
+    def grow(self, request: Request, num_total_tokens: int, adopted: list[int], count: int) -> None:
+        """Adopt the hit's entries (their live blocks referenced already), then ``count`` new blocks."""
+        request_id = request.request_id
+        new_blocks = adopted + self.take(request, count)
+        table = self.tables.setdefault(request_id, [])
+        if not table and adopted:  # a hit: its leading FREED entries were never held
+            live = sum(1 for block in adopted if block != FREED)
+            self.first_live[request_id] = len(adopted) - live
+            self.num_cached[request_id] = len(adopted)
+        table.extend(new_blocks)
+        self.last_new[request_id] = new_blocks
+        self.peak_request_blocks = max(self.peak_request_blocks, len(table) - self.first_live.get(request_id, 0))
+
+    def release_out_of_window(self, request_id: str, next_position: int) -> None:
+        """Blocks no query at ``next_position`` or later can read go back (window groups)."""
+
+    def cache_full_blocks(self, request: Request, num_total_tokens: int) -> None:
+        """Register the blocks that this step fills, so later requests can share them."""
+        if not self.caches_blocks:
+            return
+        table = self.tables[request.request_id]
+        full = min(num_total_tokens // self.block_size, len(request.block_hashes), len(table))
+        start = self.num_cached.get(request.request_id, 0)
+        for index in range(start, full):
+            if table[index] != FREED:
+                self.pool.cache(table[index], self.key(request.block_hashes[index]))
+        self.num_cached[request.request_id] = max(start, full)
+
+    def forget_hashes_from(self, request_id: str, first_block: int) -> set[int]:
+        """Make the request's blocks from ``first_block`` on unfindable (their contents are suspect)."""
+        suspect = set()
+        for block_id in self.tables.get(request_id, [])[first_block:]:
+            if block_id != FREED:
+                self.pool.forget_hash(block_id)
+                suspect.add(block_id)
+        return suspect
+
+    def free(self, request_id: str) -> None:
+        live = self.live(request_id)
+        for mapping in (self.tables, self.num_cached, self.first_live, self.last_new):
+            mapping.pop(request_id, None)
+        if live:
+            # Tail blocks first: a prefix's head is shared more often, so it is evicted last.
+            self.pool.free(live[::-1])
+
+    def stats(self) -> dict:
+        row = self.spec.describe()
+        row.update(used_blocks=self.used_blocks, peak_request_blocks=self.peak_request_blocks)
+        return row
+
+
+class FullAttentionManager(GroupManager):
+    pass
+
+
+class SlidingWindowManager(GroupManager):
+    def __init__(self, spec: KVGroupSpec, pool: BlockPool, block_size: int):
+        super().__init__(spec, pool, block_size)
+        self.window = spec.kind.window
+
+    def hit_lengths(self, hashes: list[bytes]) -> list[bool]:
+        """A hit of ``k`` blocks needs blocks ``first_visible_block(k * size) .. k - 1`` here
+        (the window of the first query it leaves to compute)."""
+        cached = [self.pool.lookup(self.key(block_hash)) is not None for block_hash in hashes]
+        return window_hit_lengths(cached, self.window, self.block_size)
+
+    def hit_entries(self, hashes: list[bytes]) -> list[int]:
+        first = first_visible_block(len(hashes) * self.block_size, self.window, self.block_size)
+        return [FREED] * first + [self.pool.lookup(self.key(block_hash)) for block_hash in hashes[first:]]
+
+    def release_out_of_window(self, request_id: str, next_position: int) -> None:
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        first = self.first_live.get(request_id, 0)
+        dead = min(first_visible_block(next_position, self.window, self.block_size), len(table))
+        if dead <= first:
+            return
+        # Oldest first: the least likely to start another request's hit is evicted first.
+        self.pool.free(table[first:dead])
+        table[first:dead] = [FREED] * (dead - first)
+        self.first_live[request_id] = dead
+
+
+class WholeRequestManager(GroupManager):
+    """Cross-attention K/V or recurrent state: the whole table at the first allocation."""
+
+    caches_blocks = False
+
+    def request_blocks(self, request: Request) -> int:
+        if isinstance(self.spec.kind, CrossAttention):
+            return blocks_needed(request.num_cross_tokens, self.block_size)
+        return self.spec.blocks_per_request
+
+    def hit_lengths(self, hashes: list[bytes]) -> list[bool]:
+        # Cross K/V are derived again from the encoder output by the hit's first chunk, so
+        # any hit serves; a recurrent state at a block boundary is not kept (D95): none does.
+        if isinstance(self.spec.kind, CrossAttention):
+            return [True] * (len(hashes) + 1)
+        return [True] + [False] * len(hashes)
+
+    def hit_entries(self, hashes: list[bytes]) -> list[int]:
+        return []
+
+    def blocks_wanted(self, request: Request, num_total_tokens: int, adopted: list[int]) -> int:
+        return 0 if request.request_id in self.tables else self.request_blocks(request)
+
+    def take(self, request: Request, count: int) -> list[int]:
+        return self.pool.allocate_run(count, self.spec.index)
+
+    def grow(self, request: Request, num_total_tokens: int, adopted: list[int], count: int) -> None:
+        if request.request_id in self.tables:
+            self.last_new[request.request_id] = []
+            return
+        super().grow(request, num_total_tokens, [], count)
+
+
+def manager_for(spec: KVGroupSpec, pool: BlockPool, block_size: int) -> GroupManager:
+    if isinstance(spec.kind, FullAttention):
+        return FullAttentionManager(spec, pool, block_size)
+    if isinstance(spec.kind, SlidingWindow):
+        return SlidingWindowManager(spec, pool, block_size)
+    return WholeRequestManager(spec, pool, block_size)
+
+
+def window_hit_lengths(cached: list[bool], window: int, block_size: int) -> list[bool]:
+    """For each prefix hit of ``k`` blocks (0 to ``len(cached)``), whether a window group can
+    serve it: ``cached[i]``: block ``i`` is findable in the group; a hit of ``k`` blocks needs
+    blocks ``first_visible_block(k * block_size, ...) .. k - 1`` there. No hit always serves."""
+    valid = [True]
+    last_missing = -1  # the last block before k that the group does not have
+    for k in range(1, len(cached) + 1):
+        if not cached[k - 1]:
+            last_missing = k - 1
+        valid.append(last_missing < first_visible_block(k * block_size, window, block_size))
+    return valid
