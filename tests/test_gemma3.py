@@ -17,6 +17,9 @@ chunk need, and `vlmd cost` sizes the same cache.
 
 from __future__ import annotations
 
+import json
+import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
@@ -239,3 +242,70 @@ def test_a_long_prompt_holds_only_its_window(tiny_gemma3_dir, tmp_path):
     assert windowed["blocks"] < full["blocks"] == blocks_needed(request["kv_tokens"], 16)
     assert request["kv_bytes"] == (full["blocks"] + windowed["blocks"]) * cache["block_bytes"] \
         < 2 * full["blocks"] * cache["block_bytes"]
+
+
+def _relayered(tiny_dir, out, layer_types: list[str], window: int):
+    """The same weights with other layer kinds (Gemma 3's ``layer_types`` in its config)."""
+    shutil.copytree(tiny_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"].update(layer_types=layer_types, sliding_window=window)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _most_running(model_dir, text: str, requests: int, log_dir) -> tuple[int, dict, int]:
+    """``requests`` concurrent chats of ``text`` on a 0.02 GiB KV cache: the most /metrics
+    showed running at once (polled while they run), the final metrics, one prompt's tokens."""
+    server = Server(model_dir, "--max-model-len", "2048", "--max-num-seqs", "256", kv_cache_gb="0.02",
+                    log_dir=log_dir)
+    most, done = 0, threading.Event()
+
+    def poll():
+        nonlocal most
+        while not done.is_set():
+            most = max(most, server.metrics()["vlmd_num_requests_running"])
+
+    # Each prompt its own first words: no two share a prefix block.
+    bodies = [{"model": server.model, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+               "messages": [{"role": "user", "content": f"{index} {text}"}]} for index in range(requests)]
+    try:
+        watcher = threading.Thread(target=poll)
+        watcher.start()
+        try:
+            answers = _concurrently(server, bodies)
+        finally:
+            done.set()
+            watcher.join()
+        return int(most), server.metrics(), answers[0]["usage"]["prompt_tokens"]
+    finally:
+        server.stop()
+
+
+def test_windows_hold_more_concurrent_requests_than_the_same_layers_all_full(tiny_gemma3_dir, tmp_path):
+    """The KV model (D95) through the front door: the same weights with three of four layers
+    windowed (window 32) and with every layer full attention, each on the same --kv-cache-gb,
+    30 concurrent ~1,450-token chats: the windowed server runs ~3.5x as many at once (its
+    windows' blocks serve any group), as many as `vlmd cost` says the pool holds (a prompt's
+    first chunk takes its blocks in every group before the windows give them back: up to a
+    few short; one admitted on a chunk's blocks may be preempted later: up to one over), and
+    every block is back at the end."""
+    windowed = _relayered(tiny_gemma3_dir, tmp_path / "windowed", ["sliding_attention"] * 3 + ["full_attention"], 32)
+    all_full = _relayered(tiny_gemma3_dir, tmp_path / "all-full", ["full_attention"] * 4, 32)
+    text = "the " * 1440
+    full_most, full_metrics, prompt_tokens = _most_running(all_full, text, 30, tmp_path)
+    window_most, window_metrics, _ = _most_running(windowed, text, 30, tmp_path)
+    assert 1400 < prompt_tokens < 1500
+    options = CostOptions(prompt=f"0 {text}", max_tokens=32, max_model_len=2048, max_num_seqs=256, kv_cache_gb=0.02)
+    held = {}
+    for name, model_dir, metrics in (("full", all_full, full_metrics), ("windowed", windowed, window_metrics)):
+        report = compute_cost(str(model_dir), [], options)
+        assert report["requests"][0]["prompt_tokens"] == prompt_tokens
+        assert report["cache"]["num_kv_blocks"] == metrics["vlmd_memory_plan_kv_blocks"]
+        assert metrics["vlmd_kv_cache_free_blocks"] == metrics["vlmd_kv_cache_total_blocks"]
+        held[name] = report["cache"]["requests_held"]
+    # Running counts a request from its first chunk: one more may be admitted on a chunk's
+    # blocks before the others' growth preempts it.
+    figures = (full_most, held["full"], window_most, held["windowed"])
+    assert held["full"] <= full_most <= held["full"] + 1, figures
+    assert held["windowed"] - 3 <= window_most <= held["windowed"] + 1, figures
+    assert held["windowed"] >= 3.5 * held["full"] and window_most >= 3 * held["full"], figures
