@@ -181,3 +181,21 @@ def test_without_cross_attention_layers_there_is_no_cross_group():
     sched.add_request(make_request("a", 2, items=(audio("x"),), max_tokens=2))
     out, _ = runner.step()
     assert set(out.new_requests[0].block_tables) == {0} and len(sched.kv.group_stats()) == 1
+
+
+def test_a_cross_table_is_a_run_where_the_free_blocks_have_one():
+    """The runner reads a consecutive cross table as a view (no gather every step): the
+    manager takes the lowest run of free blocks, not the least recently freed ones."""
+    from vlmd.sched.kv_manager import KVCacheManager
+    from vlmd.sched.kv_spec import build_kv_cache_config
+    from vlmd.sched.request import Request
+
+    kv = KVCacheManager(build_kv_cache_config(WITH_CROSS, 4, 8), enable_prefix_caching=False)
+    for name in ("r1", "r2"):  # blocks 0-3 and 4-7, given back tail first: free 3 2 1 0 7 6 5 4
+        assert kv.allocate_slots(Request(make_request(name, 16)), 16) is not None
+    kv.free("r1")
+    kv.free("r2")
+    speech = Request(make_request("a", 2, items=(audio("x"),)))
+    new = kv.allocate_slots(speech, 2)
+    assert new[0] == [3]  # text takes the block freed longest ago
+    assert new[CROSS] == [4, 5, 6, 7] and is_consecutive(new[CROSS])  # not [2, 1, 0, 7]
