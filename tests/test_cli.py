@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import fields
 
 import pytest
@@ -81,12 +80,13 @@ def test_version():
     ],
 )
 def test_bad_invocations_fail_fast_with_one_clear_line(args, message):
-    started = time.monotonic()
     result = vlmd(*args)
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
-    assert time.monotonic() - started < 10  # nothing was loaded
+    # Nothing was loaded: the start-up's first log line ("loading") never came (a bound on the
+    # wall time instead failed on a loaded 2-core host: 10.7 s for an argument error).
+    assert "loading" not in result.stderr and "weights read" not in result.stderr
     if "unrecognized" in message:
         assert result.stderr.startswith("usage: vlmd serve")  # serve's usage, not the top level's
 
@@ -96,12 +96,11 @@ def test_a_port_in_use_is_found_before_the_model_loads(tiny_llava_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        started = time.monotonic()
         result = vlmd("serve", str(tiny_llava_dir), "--port", str(port))
     assert result.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "choose another --port" in result.stderr
+    # Found before the model loads: no weights were read (a wall-time bound is a loaded host's to miss).
     assert "Traceback" not in result.stderr and "weights read" not in result.stderr
-    assert time.monotonic() - started < 10
 
 
 def test_chat_template_flag_replaces_the_checkpoints_template(tiny_llava_dir, tmp_path):
