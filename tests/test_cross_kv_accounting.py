@@ -69,9 +69,13 @@ def _prefill(model_dir: Path, modality: str, count: int):
 
 
 def _assert_read_back(runner, prepared, state) -> None:
-    cross = runner.cross_cache.read(state.block_tables[runner.cross_cache.group], state.num_cross_tokens)
-    assert len(cross.kv) == len(prepared)
-    for (k, v), (k_ref, v_ref) in zip(cross.kv, prepared):
+    from vlmd.layers.attention import cross_kv
+
+    cache = runner.cross_cache
+    table = state.block_tables[cache.group]
+    assert len(cache.layers) == len(prepared)
+    for layer, (k_ref, v_ref) in zip(cache.layers, prepared):
+        k, v = cross_kv(layer, table, state.num_cross_tokens, cache.block_size)
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
@@ -111,6 +115,7 @@ def test_mllama_holds_the_cross_blocks_of_two_images(tiny_mllama_dir):
 
 
 def test_a_fragmented_table_is_gathered_and_reads_back_the_same():
+    from vlmd.layers.attention import cross_kv
     from vlmd.runner.cross_cache import CrossCache
 
     slots = [(torch.zeros(6 * 4, 2, 3), torch.zeros(6 * 4, 2, 3)) for _ in range(2)]  # 6 blocks of 4
@@ -118,17 +123,43 @@ def test_a_fragmented_table_is_gathered_and_reads_back_the_same():
     layers = [(torch.randn(2, 10, 3), torch.randn(2, 10, 3)) for _ in range(2)]
     for table in ([1, 2, 3], [5, 0, 3]):
         cache.write(table, 10, layers)
-        cross = cache.read(table, 10, family_state="layout")
-        assert cross.family_state == "layout"
-        for (k, v), (k_ref, v_ref) in zip(cross.kv, layers):
+        for slot, (k_ref, v_ref) in zip(slots, layers):
+            k, v = cross_kv(slot, table, 10, 4)
             assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
     # A run is read in place: a [heads, tokens, dim] view of the slot's rows, no copy.
-    view = cache.read([1, 2, 3], 10).kv[0][0]
+    view = cross_kv(slots[0], [1, 2, 3], 10, 4)[0]
     assert view.shape == (2, 10, 3) and view.data_ptr() == slots[0][0][4:].data_ptr()
     with pytest.raises(RuntimeError, match="table of 2 blocks for 10 tokens"):
-        cache.read([1, 2], 10)
+        cross_kv(slots[0], [1, 2], 10, 4)
     with pytest.raises(RuntimeError, match="K/V of 10 tokens for a request of 9"):
         cache.write([1, 2, 3], 9, layers)
+
+
+def test_the_backend_attends_each_span_to_its_own_table():
+    """``cross_attention`` (the backend's): per span its table's K/V, GQA, a mask, a gathered
+    table, rows no span covers zero; equal to plain attention over each request's K/V."""
+    import torch.nn.functional as F
+
+    from vlmd.layers.attention import CrossSpan, attention_backend_for, cross_attention
+
+    torch.manual_seed(0)
+    block, heads, kv_heads, dim = 4, 6, 2, 8
+    k_cache, v_cache = torch.randn(12 * block, kv_heads, dim), torch.randn(12 * block, kv_heads, dim)
+    backend = attention_backend_for("cpu", block, "torch")
+    meta = backend.prepare_metadata([], 0)
+    q = torch.randn(9, heads, dim)
+    mask = torch.rand(3, 7) > 0.3
+    mask[:, 0] = True  # every row sees something
+    spans = [CrossSpan(0, 3, [2, 3], 7, mask), CrossSpan(4, 9, [9, 5, 1], 10)]
+    out = cross_attention(q, (k_cache, v_cache), meta, 0.3, spans)
+    assert torch.equal(out[3], torch.zeros(heads, dim))
+    for span in spans:
+        slots = torch.tensor([b * block + i for b in span.table for i in range(block)])[:span.num_tokens]
+        k = k_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        v = v_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[span.first:span.end].transpose(0, 1), k, v, scale=0.3,
+                                                  attn_mask=span.mask).transpose(0, 1)
+        torch.testing.assert_close(out[span.first:span.end], expected)
 
 
 def test_cost_counts_cross_attention_in_the_pool(tiny_whisper_dir, tiny_mllama_dir):

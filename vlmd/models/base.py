@@ -35,9 +35,14 @@ class MultimodalModel(Protocol):
       (``cross_kv_tokens_per_item``, the item's ``num_encoder_tokens``: what the scheduler takes);
       ``prepare_request_cross_attention(outputs, family_state)`` instead where several items
       of a request are attended to together (Llama 3.2 Vision);
-    - ``forward(..., cross_states=[(first row, end row, CrossKV or None), ...])``, one per
-      request in batch order: its K/V read through its table (``CrossKV.kv``, per layer) and
-      its family state; None for a request without cross-attention items.
+    - ``forward(..., cross_states=[(first row, end row, CrossSource or None), ...])``, one
+      per request in batch order: its table in the cross-attention KV group, its encoder
+      tokens and its family state (``runner/cross_cache.py``); None for a request without
+      cross-attention items. ``kv_caches`` then holds the cross-attention layers' caches after
+      the self-attention ones (the KV model's layer order), and a cross-attention layer calls
+      ``cross_attention(q, its cache, meta, scale, spans)`` with a ``CrossSpan`` per request
+      (``CrossSource.span``: its rows, and a mask where not every row sees every token): the
+      attention backend reads the K/V through the table and attends.
     - ``align_tokens(encoder_output, token_ids, first_row, num_frames) -> [rows, frames]``
       (numpy): how the output tokens fed after a prompt of ``first_row`` tokens attend to the
       audio's frames (word timestamps); the runner calls it on the engine thread between steps.

@@ -4,10 +4,11 @@ An encoder-decoder's prepare step (``prepare_cross_attention`` /
 ``prepare_request_cross_attention``) turns a request's encoder output into every
 cross-attention layer's K and V; the runner writes them into the request's table in the
 cross-attention group (``NewRequestData.block_tables``, taken whole by the scheduler from the
-pool every group shares: sched/kv_managers.py) and lets go of them. Each step the model gets
-them back as a :class:`CrossKV` read through the table: ``[kv_heads, tokens, head_dim]`` views
-of the layer slots' tensors where the table is one run of blocks (the usual case: the pool
-hands out runs first), a gather otherwise (docs/decisions.md D93, D95).
+pool every group shares: sched/kv_managers.py) and lets go of them. Each step the model gets a
+:class:`CrossSource` per request (its table, its encoder tokens, its family state) and the
+cross-attention layers' caches; the attention backend reads the K/V through the table
+(``layers/attention/backend.py:cross_kv``: a view where the table is one run of blocks, the
+usual case, a gather otherwise) and attends (``cross_attention``; docs/decisions.md D93, D95).
 """
 
 from __future__ import annotations
@@ -18,21 +19,26 @@ from typing import Any
 
 import torch
 
+from vlmd.layers.attention import CrossSpan
 from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.cross_kv import is_consecutive
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
-@dataclass
-class CrossKV:
-    """One request's cross-attention memory as the model reads it in a step: per
-    cross-attention layer, K and V ``[kv_heads, tokens, head_dim]`` (views of the pool, or
-    gathered), and the request's family state (where its tokens sit: Llama 3.2 Vision's
-    layout)."""
+@dataclass(frozen=True)
+class CrossSource:
+    """One request's cross-attention memory as a step reads it: its table in the
+    cross-attention group, its encoder tokens, and its family state (where its tokens sit:
+    Llama 3.2 Vision's layout)."""
 
-    kv: list[LayerKV]
+    table: Sequence[int]
+    num_tokens: int
     family_state: Any = None
+
+    def span(self, first: int, end: int, mask: torch.Tensor | None = None) -> CrossSpan:
+        """Rows ``[first, end)`` of a layer's queries attending to this request's tokens."""
+        return CrossSpan(first, end, self.table, self.num_tokens, mask)
 
 
 class CrossCache:
@@ -48,8 +54,13 @@ class CrossCache:
         """Store a request's K/V (per layer ``[kv_heads, num_tokens, head_dim]``) in its table."""
         if len(layers) != len(self.layers):
             raise RuntimeError(f"the model prepared {len(layers)} cross-attention layers, the cache has {len(self.layers)}")
-        self._check_table(table, num_tokens)
-        slots = None if is_consecutive(table) else self._slots(table, num_tokens)
+        if len(table) != blocks_needed(num_tokens, self.block_size) or not table:
+            raise RuntimeError(f"a cross-attention table of {len(table)} blocks for {num_tokens} tokens")
+        slots = None
+        if not is_consecutive(table):
+            blocks = torch.tensor(list(table), dtype=torch.long)
+            slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
+            slots = slots.to(self.layers[0][0].device)
         for (k_cache, v_cache), (k, v) in zip(self.layers, layers):
             if k.shape[1] != num_tokens or v.shape[1] != num_tokens:
                 raise RuntimeError(f"the model prepared cross-attention K/V of {k.shape[1]} tokens for a request "
@@ -62,42 +73,20 @@ class CrossCache:
                 k_cache.index_copy_(0, slots, k.transpose(0, 1).to(k_cache.dtype))
                 v_cache.index_copy_(0, slots, v.transpose(0, 1).to(v_cache.dtype))
 
-    def read(self, table: Sequence[int], num_tokens: int, family_state: Any = None) -> CrossKV:
-        """The request's K/V of every layer: views where its table is one run, else gathered."""
-        self._check_table(table, num_tokens)
-        if is_consecutive(table):
-            start = table[0] * self.block_size
-            kv = [(k[start:start + num_tokens].transpose(0, 1), v[start:start + num_tokens].transpose(0, 1))
-                  for k, v in self.layers]
-        else:
-            slots = self._slots(table, num_tokens)
-            kv = [(k.index_select(0, slots).transpose(0, 1), v.index_select(0, slots).transpose(0, 1))
-                  for k, v in self.layers]
-        return CrossKV(kv, family_state)
-
-    def _check_table(self, table: Sequence[int], num_tokens: int) -> None:
-        if len(table) != blocks_needed(num_tokens, self.block_size) or not table:
-            raise RuntimeError(f"a cross-attention table of {len(table)} blocks for {num_tokens} tokens")
-
-    def _slots(self, table: Sequence[int], num_tokens: int) -> torch.Tensor:
-        blocks = torch.tensor(list(table), dtype=torch.long)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
-        return slots.to(self.layers[0][0].device)
-
 
 def cross_states(batch, cache: CrossCache | None, encoder_outputs: Mapping[str, torch.Tensor],
                  prepare: Callable[[list[torch.Tensor], Any], Sequence[LayerKV]],
-                 every_request_attends: bool) -> list[tuple[int, int, CrossKV | None]]:
-    """(first row, end row, cross K/V) per request of a step (a ``runner/batch.py`` batch),
-    for an encoder-decoder model.
+                 every_request_attends: bool) -> list[tuple[int, int, CrossSource | None]]:
+    """(first row, end row, cross source) per request of a step (a ``runner/batch.py``
+    batch), for an encoder-decoder model.
 
     A request's cross-attention K/V (every cross layer's) are derived once, by ``prepare``
     from the encoder outputs of its items without placeholders (all of them at once, in
     prompt order, with the request's family state), in the chunk that covers the items'
     offset, and written into its cross table, where they stay until the request is dropped
     (finished, aborted or preempted: the scheduler frees the blocks), so the encoder output
-    itself may be evicted. Each step reads them back through the table. A request without
-    such items has no cross K/V (None: the model skips cross-attention for its rows), which
+    itself may be evicted. Each step the backend reads them back through the table. A request
+    without such items has no cross K/V (None: the model skips cross-attention for its rows), which
     only a model that attends to several optional items allows (``every_request_attends``
     False: Llama 3.2 Vision; Whisper needs its audio).
     """
@@ -120,15 +109,10 @@ def cross_states(batch, cache: CrossCache | None, encoder_outputs: Mapping[str, 
             table = state.block_tables.get(cache.group, [])
             cache.write(table, state.num_cross_tokens, prepare(outputs, state.family_state))
             state.cross_ready = True
-            # A table of one run reads as views of the pool, the same every step: kept, so a
-            # decode step does not check and slice the table again. A gathered one is a copy,
-            # made per step rather than held for the request's life.
-            state.cross_views = (cache.read(table, state.num_cross_tokens, state.family_state)
-                                 if is_consecutive(table) else None)
         if not state.cross_ready and (every_request_attends or any(item.length == 0 for item in state.mm_items)):
             raise RuntimeError(f"request {state.request_id} has no encoder input for the decoder to attend to")
-        cross = state.cross_views
-        if cross is None and state.cross_ready:
-            cross = cache.read(state.block_tables[cache.group], state.num_cross_tokens, state.family_state)
+        cross = None
+        if state.cross_ready:
+            cross = CrossSource(state.block_tables[cache.group], state.num_cross_tokens, state.family_state)
         spans.append((piece.row, piece.row + piece.count, cross))
     return spans

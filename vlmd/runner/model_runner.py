@@ -44,17 +44,16 @@ class ModelRunner:
         spec = model.kv_spec
         # The pool's layer slots; every layer's cache is its slot's tensors and its group.
         self.kv_slots = allocate_kv_slots(spec, kv_cache, dtype, self.device)
-        self.kv_caches = layer_caches(kv_cache, self.kv_slots, range(spec.num_layers))
-        # The cross-attention layers come after the self-attention ones in the KV model.
+        # Every layer of the KV model, in its order: the self-attention layers, then the
+        # cross-attention ones (the model's forward gets them all).
+        self.kv_caches = layer_caches(kv_cache, self.kv_slots, range(spec.num_layers + spec.num_cross_layers))
         self.cross_cache = None
         cross_groups = kv_cache.groups_of(CrossAttention)
         if spec.num_cross_layers:
             if len(cross_groups) != 1:
                 raise ValueError(f"{spec.num_cross_layers} cross-attention layers need one KV group of their own "
                                  f"(the KV model has {len(cross_groups)}): more cross than self-attention layers?")
-            cross_layers = layer_caches(kv_cache, self.kv_slots,
-                                        range(spec.num_layers, spec.num_layers + spec.num_cross_layers))
-            self.cross_cache = CrossCache(cross_layers, self.block_size, cross_groups[0].index)
+            self.cross_cache = CrossCache(self.kv_caches[spec.num_layers:], self.block_size, cross_groups[0].index)
         self.staging = HostStaging(self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}

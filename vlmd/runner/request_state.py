@@ -33,7 +33,6 @@ class RunnerRequestState:
     # output, in the first chunk that reaches its items: runner/cross_cache.py).
     num_cross_tokens: int = 0
     cross_ready: bool = False
-    cross_views: Any = None  # its CrossKV where its table is one run (views of the pool), else None
     # Penalized requests only: counts of the tokens seen, built at the first sample.
     token_counts: TokenCounts | None = None
     # Structured output: the matcher, in the state this request's generated tokens lead to.

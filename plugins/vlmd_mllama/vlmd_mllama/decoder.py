@@ -6,12 +6,13 @@ with a per-head RMSNorm against the request's image K/V (keys per-head RMSNormed
 rotary), ``o_proj``, added through ``tanh(attn_gate)``; then RMSNorm, the Llama MLP, zeroed on
 rows no image covers, added through ``tanh(mlp_gate)``. Its K/V depend only on the images, so
 they are computed once per request (:meth:`MllamaTextDecoder.cross_attention_state`) and
-written by the runner into the request's blocks of the cross pool
-(``vlmd/runner/cross_cache.py``); each step hands them back as ``cross_states``: ``(first row,
-end row, CrossKV)`` per request in the flattened batch (the K/V read through its table, its
-layout as the family state), None for a request without images, whose rows skip these layers
-(as transformers skips them for a text-only prompt). Which vision tokens each row may attend
-to is ``layout.py``'s.
+written by the runner into the request's blocks of the cross-attention KV group
+(``vlmd/runner/cross_cache.py``); each step hands back ``cross_states``: ``(first row, end row,
+CrossSource)`` per request in the flattened batch (its table, its layout as the family state),
+None for a request without images, whose rows skip these layers (as transformers skips them for
+a text-only prompt), and the cross layers' caches after the self-attention ones in
+``kv_caches``. Which vision tokens each row may attend to is ``layout.py``'s; the attention
+backend reads the K/V through the table and attends (``cross_attention``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vlmd.layers.attention import AttentionMetadata, OutputRows
+from vlmd.layers.attention import AttentionMetadata, CrossSpan, OutputRows, cross_attention
 from vlmd.layers.linear import (
     SINGLE,
     ColumnParallelLinear,
@@ -35,7 +35,6 @@ from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import RotaryEmbedding, rope_parameters
 from vlmd.models.base import KVSpec
 from vlmd.models.llama import LlamaDecoderLayer, LlamaMLP
-from vlmd.runner.cross_cache import CrossKV
 from vlmd_mllama.layout import row_masks
 
 
@@ -47,11 +46,11 @@ CrossState = list[tuple[torch.Tensor, torch.Tensor]]
 @dataclass
 class CrossRows:
     """This step's rows that run the cross-attention layers: their batch rows ``[m]``, per
-    request its slice of them with its state and allowed vision tokens, and which rows an
-    image covers (``[m, 1]``, 0.0 or 1.0: the MLP's row mask)."""
+    request its slice of them (rows of the ``m``) with its table and allowed vision tokens,
+    and which rows an image covers (``[m, 1]``, 0.0 or 1.0: the MLP's row mask)."""
 
     rows: torch.Tensor
-    pieces: list[tuple[int, int, CrossKV, torch.Tensor]]
+    spans: list[CrossSpan]
     covered: torch.Tensor
 
 
@@ -77,24 +76,10 @@ class MllamaCrossAttention(nn.Module):
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
         return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
-    def forward(self, hidden: torch.Tensor, cross: CrossRows, slot: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cross: CrossRows, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         q = self.q_norm(self.q_proj(hidden).view(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
-        out = torch.empty_like(q)
-        groups = self.num_heads // self.num_kv_heads
-        for start, end, state, allowed in cross.pieces:
-            k, v = state.kv[slot]
-            rows = end - start
-            # Each key-value head serves ``groups`` consecutive query heads: their queries go
-            # in as one longer run against that head's K/V, which are never copied (an image's
-            # K/V are MBs a layer; the repeated mask is a bool a query row).
-            queries = q[start:end].view(rows, self.num_kv_heads, groups, self.head_dim).permute(1, 2, 0, 3)
-            queries = queries.reshape(1, self.num_kv_heads, groups * rows, self.head_dim)
-            mask = allowed.repeat(groups, 1) if groups > 1 else allowed
-            attended = F.scaled_dot_product_attention(queries, k.unsqueeze(0), v.unsqueeze(0),
-                                                      attn_mask=mask[None, None], scale=self.scale)
-            out[start:end] = attended.view(self.num_kv_heads, groups, rows, self.head_dim).permute(2, 0, 1, 3) \
-                .reshape(rows, self.num_heads, self.head_dim)
+        out = cross_attention(q, kv_cache, meta, self.scale, cross.spans)
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -108,10 +93,10 @@ class MllamaCrossAttentionLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
 
-    def forward(self, hidden: torch.Tensor, cross: CrossRows, slot: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cross: CrossRows, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] (the running sum) -> the same with ``cross.rows`` updated."""
         rows = hidden[cross.rows]
-        attended = self.cross_attn(self.input_layernorm(rows), cross, slot)
+        attended = self.cross_attn(self.input_layernorm(rows), cross, kv_cache, meta)
         rows = rows + self.cross_attn_attn_gate.tanh() * attended
         mlp = self.mlp(self.post_attention_layernorm(rows)) * cross.covered
         rows = rows + self.cross_attn_mlp_gate.tanh() * mlp
@@ -166,14 +151,17 @@ class MllamaTextDecoder(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         cross = self._cross_rows(positions, cross_states)
         hidden, residual = inputs_embeds, None
-        caches = iter(kv_caches)
+        # The self-attention layers' caches, then the cross-attention ones (the KV model's order).
+        caches = iter(kv_caches[:self.kv_spec.num_layers])
+        cross_caches = kv_caches[self.kv_spec.num_layers:]
         last = len(self.layers) - 1
         selected = False
         for index, layer in enumerate(self.layers):
             if isinstance(layer, MllamaCrossAttentionLayer):
                 if cross is None:
                     continue  # no request of this step has images
-                hidden = layer(hidden if residual is None else residual + hidden, cross, self.cross_layers.index(index))
+                hidden = layer(hidden if residual is None else residual + hidden, cross,
+                               cross_caches[self.cross_layers.index(index)], meta)
                 residual = None
                 continue
             rows = outputs if index == last else None
@@ -187,21 +175,21 @@ class MllamaTextDecoder(nn.Module):
         return self.norm.add_forward(residual, hidden)[0]
 
     def _cross_rows(self, positions: torch.Tensor, cross_states) -> CrossRows | None:
-        rows, pieces, covered = [], [], []
+        rows, spans, covered = [], [], []
         used = 0
-        for start, end, state in cross_states:
-            if state is None or end == start:
+        for start, end, source in cross_states:
+            if source is None or end == start:
                 continue
-            allowed, row_covered = row_masks(state.family_state, positions[start:end], self.max_tiles,
+            allowed, row_covered = row_masks(source.family_state, positions[start:end], self.max_tiles,
                                              self.tokens_per_tile)
             rows.append(torch.arange(start, end, device=positions.device))
-            pieces.append((used, used + end - start, state, allowed))
+            spans.append(source.span(used, used + end - start, allowed))
             covered.append(row_covered)
             used += end - start
-        if not pieces:
+        if not spans:
             return None
         dtype = self.embed_tokens.weight.dtype
-        return CrossRows(torch.cat(rows), pieces, torch.cat(covered).to(dtype).unsqueeze(1))
+        return CrossRows(torch.cat(rows), spans, torch.cat(covered).to(dtype).unsqueeze(1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -5,11 +5,11 @@ the token embeddings, a final LayerNorm and the output projection tied to the to
 embeddings. Self-attention K/V live in the paged cache like any decoder's. Cross-attention
 K/V depend only on the request's encoder output: :meth:`WhisperDecoder.cross_attention_state`
 computes them once per request (every layer), the runner writes them into the request's blocks
-of the cross pool (``vlmd/runner/cross_cache.py``) and hands them back each step as
-``cross_states``: ``(first row, end row, CrossKV)`` per request in the flattened batch, K and V
-``[heads, frames, head_dim]`` per layer (a view of the pool where the request's blocks are one
-run). Cross-attention then runs per request (every Whisper window has the same 1,500 encoder
-frames, but requests differ in how many rows they bring).
+of the cross-attention KV group (``vlmd/runner/cross_cache.py``) and hands back each step
+``cross_states``: ``(first row, end row, CrossSource)`` per request in the flattened batch, and
+the cross-attention layers' caches after the self-attention ones in ``kv_caches``. The
+attention backend reads each request's K/V through its table and attends
+(``vlmd.layers.attention.cross_attention``): model code names rows, never kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention
+from vlmd.layers.attention import AttentionMetadata, CrossSpan, OutputRows, cross_attention, paged_attention
 from vlmd.layers.linear import (
     SINGLE,
     ColumnParallelLinear,
@@ -72,15 +72,10 @@ class WhisperCrossAttention(nn.Module):
         k, v = kv.permute(1, 2, 0, 3).unbind(0)  # each [heads, frames, head_dim]
         return k, v
 
-    def forward(self, hidden: torch.Tensor, spans: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache, meta: AttentionMetadata, spans: list[CrossSpan]) -> torch.Tensor:
         tokens = hidden.shape[0]
         q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        out = torch.empty_like(q)
-        for start, end, (k, v) in spans:
-            queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-            # K, V: [heads, frames, head_dim] views of the cross pool (strided by its size).
-            attended = F.scaled_dot_product_attention(queries, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale)
-            out[start:end] = attended[0].transpose(0, 1)
+        out = cross_attention(q, kv_cache, meta, self.scale, spans)
         return self.out_proj(out.reshape(tokens, -1))
 
 
@@ -95,9 +90,9 @@ class WhisperDecoderLayer(nn.Module):
         self.fc1 = ColumnParallelLinear(d_model, ffn_dim, bias=True, tp=tp)
         self.fc2 = RowParallelLinear(ffn_dim, d_model, bias=True, tp=tp)
 
-    def forward(self, hidden, kv_cache, meta, spans) -> torch.Tensor:
+    def forward(self, hidden, kv_cache, cross_cache, meta, spans) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), kv_cache, meta)
-        hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), spans)
+        hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), cross_cache, meta, spans)
         return hidden + self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden))))
 
 
@@ -142,9 +137,12 @@ class WhisperDecoder(nn.Module):
         every row: a transcription's prompt is a few tokens, so pruning the last layer to
         the used rows (and its cross-attention spans with them) would save next to nothing."""
         hidden = inputs_embeds + self.embed_positions(positions)
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            spans = [(start, end, cross.kv[index]) for start, end, cross in cross_states]
-            hidden = layer(hidden, kv_cache, meta, spans)
+        # Every request's rows attend to its audio, the same rows in every layer; the
+        # cross-attention layers' caches follow the self-attention ones (the KV model's order).
+        spans = [cross.span(start, end) for start, end, cross in cross_states]
+        layers = len(self.layers)
+        for layer, kv_cache, cross_cache in zip(self.layers, kv_caches[:layers], kv_caches[layers:]):
+            hidden = layer(hidden, kv_cache, cross_cache, meta, spans)
         if outputs is not None:
             hidden = hidden[outputs.rows]
         return self.layer_norm(hidden)

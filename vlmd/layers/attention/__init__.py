@@ -11,9 +11,11 @@ import torch
 from vlmd.layers.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
+    CrossSpan,
     LayerCache,
     OutputRows,
     SequenceChunk,
+    cross_kv,
     layer_group,
     write_kv,
 )
@@ -29,6 +31,18 @@ def store_kv(
     """Write this step's K/V into the layer's cache without attending (a layer whose queries
     attend for some rows only, ``OutputRows``): through the tables of the layer's KV group."""
     write_kv(kv_cache, k, v, meta.for_group(layer_group(kv_cache, meta)).slot_mapping)
+
+
+def cross_attention(
+    q: torch.Tensor,  # [R, H, D]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # a cross-attention layer's (its KV group's slot)
+    meta: AttentionMetadata,
+    scale: float,
+    spans: list[CrossSpan],
+) -> torch.Tensor:
+    """Cross-attention to each span's sequence's encoder K/V, which the runner wrote into the
+    sequence's table of the cross-attention group; returns [R, H, D] (rows no span covers: 0)."""
+    return meta.backend.cross_forward(q, kv_cache, scale, spans)
 
 
 def paged_attention(
@@ -48,10 +62,13 @@ def paged_attention(
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "CrossSpan",
     "LayerCache",
     "OutputRows",
     "SequenceChunk",
     "attention_backend_for",
+    "cross_attention",
+    "cross_kv",
     "paged_attention",
     "register_attention_backend",
     "store_kv",

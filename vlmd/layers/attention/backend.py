@@ -16,11 +16,12 @@ full attention, a sliding window, ...) whose block tables address its tensors
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from vlmd.layers.decoder_structure import DecoderStructure
@@ -83,6 +84,35 @@ class AttentionMetadata:
             chunks = [chunk.for_group(group) for chunk in self.chunks]
             self._groups[group] = self.backend.prepare_metadata(chunks, self.num_decodes)
         return self._groups[group]
+
+
+@dataclass(frozen=True)
+class CrossSpan:
+    """Rows of a step's queries that cross-attend to one sequence's encoder tokens (an
+    encoder-decoder's: Whisper's audio, Llama 3.2 Vision's images), whose K/V sit in the
+    sequence's table of the layer's cross-attention KV group."""
+
+    first: int  # [first, end) rows of the queries
+    end: int
+    table: Sequence[int]  # the sequence's cross-attention table
+    num_tokens: int  # its encoder tokens
+    mask: torch.Tensor | None = None  # [end - first, num_tokens] bool, True = may attend; None: all
+
+
+def cross_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], table: Sequence[int], num_tokens: int,
+             block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's cross-attention K and V ``[kv_heads, num_tokens, head_dim]`` read through
+    its table: a view of the layer slot's rows where the table is one run of blocks (the pool
+    hands those out first), else gathered."""
+    k_cache, v_cache = kv_cache
+    if len(table) * block_size < num_tokens or not table:
+        raise RuntimeError(f"a cross-attention table of {len(table)} blocks for {num_tokens} tokens")
+    if all(b == a + 1 for a, b in zip(table, table[1:])):
+        start = table[0] * block_size
+        return k_cache[start:start + num_tokens].transpose(0, 1), v_cache[start:start + num_tokens].transpose(0, 1)
+    blocks = torch.tensor(list(table), dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens].to(k_cache.device)
+    return k_cache.index_select(0, slots).transpose(0, 1), v_cache.index_select(0, slots).transpose(0, 1)
 
 
 class LayerCache(tuple):
@@ -164,6 +194,30 @@ class AttentionBackend:
         """``decode_step`` for a step of decodes alone: a backend with a fused kernel for the
         structure overrides this; this base has none."""
         return None
+
+    def cross_forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float,
+                      spans: Sequence[CrossSpan]) -> torch.Tensor:
+        """Cross-attention of ``q`` [R, H, D]: each span's rows attend to its sequence's
+        encoder tokens (every one, or those its mask allows), read in place through its
+        table; rows no span covers come back zero. One call per span: the key-value heads'
+        ``G`` query heads go in as one longer run against that head's K/V, which are never
+        copied (a request's encoder K/V are megabytes a layer)."""
+        heads, dim = q.shape[1], q.shape[2]
+        out = torch.zeros_like(q)
+        for span in spans:
+            k, v = cross_kv(kv_cache, span.table, span.num_tokens, self.block_size)
+            kv_heads, rows = k.shape[0], span.end - span.first
+            groups = heads // kv_heads
+            queries = q[span.first:span.end].view(rows, kv_heads, groups, dim).permute(1, 2, 0, 3)
+            queries = queries.reshape(1, kv_heads, groups * rows, dim)
+            mask = None
+            if span.mask is not None:
+                mask = (span.mask.repeat(groups, 1) if groups > 1 else span.mask)[None, None]
+            attended = F.scaled_dot_product_attention(queries, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                                      scale=scale)
+            out[span.first:span.end] = attended.view(kv_heads, groups, rows, dim).permute(2, 0, 1, 3) \
+                .reshape(rows, heads, dim)
+        return out
 
     def prepare_output_rows(self, used: list[tuple[int, SequenceChunk]], num_rows: int) -> OutputRows | None:
         """``used``: (row, its chunk) for each row whose output is used, the row being its
