@@ -191,14 +191,17 @@ def test_sliding_window(window):
 
 def test_bidirectional_spans():
     rng = random.Random(5)
-    # A span wholly in a fresh chunk; one in a chunk with context; one begun in the context.
-    chunks = prefills(rng, [(0, 12), (6, 14), (10, 10)], spans=[((2, 9),), ((8, 15),), ((8, 15), (16, 20))])
+    # A span wholly in a fresh chunk; one in a chunk with context; one begun in the context;
+    # one across two query tiles (its later keys are listed for the first tile by the span alone).
+    chunks = prefills(rng, [(0, 12), (6, 14), (10, 10), (5, QUERY_TILE + 22)],
+                      spans=[((2, 9),), ((8, 15),), ((8, 15), (16, 20)), ((QUERY_TILE - 3, QUERY_TILE + 12),)])
     assert_close(*run_both(chunks, 0)[:3])
 
 
 def test_spans_under_a_window():
     rng = random.Random(6)
-    chunks = prefills(rng, [(0, 20), (7, 16)], spans=[((3, 14),), ((9, 21),)], window=6)
+    chunks = prefills(rng, [(0, 20), (7, 16), (5, QUERY_TILE + 22)],
+                      spans=[((3, 14),), ((9, 21),), ((QUERY_TILE - 3, QUERY_TILE + 12),)], window=6)
     assert_close(*run_both(chunks, 0, window=6)[:3])
 
 
@@ -344,8 +347,10 @@ def test_decode_step_body_equals_the_modules(tiny_llava_dir):
 
 @pytest.fixture(scope="module")
 def flex_server(tiny_llava_dir, tmp_path_factory):
+    # Steps of 128 tokens: an image's 576 are prefilled in chunks after cached context.
     server = Server(tiny_llava_dir, "--attention-kernels", "flex", "--max-model-len", "2048",
-                    "--num-kv-blocks", "256", log_dir=tmp_path_factory.mktemp("flex-logs"))
+                    "--num-kv-blocks", "256", "--max-num-batched-tokens", "128",
+                    log_dir=tmp_path_factory.mktemp("flex-logs"))
     yield server
     server.stop()
 
