@@ -7,10 +7,15 @@ against the mask_mod evaluated densely (every visible key's block listed, every 
 block wholly visible). Then the graph-bucket choice (torch-free), the graphs' buffer
 refill and their step body (CPU: no capture), and one tiny LLaVA served with the backend
 forced against the default server's greedy tokens.
+
+With ``VLMD_TEST_DEVICE=cuda`` (contrib/device/check.sh) the parity cases run on the GPU,
+through the compiled kernel, against the same float64 reference (blocks of 16 there: the
+kernel's smallest KV tile).
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -35,7 +40,9 @@ from vlmd.layers.attention.graph_buckets import bucket_for, graph_buckets
 from vlmd.layers.attention.masked import visibility
 from vlmd.sched.kv_groups import FREED
 
-BLOCK = 4
+DEVICE = torch.device(os.environ["VLMD_TEST_DEVICE"] if os.environ.get("VLMD_TEST_DEVICE", "").startswith("cuda")
+                      else "cpu")
+BLOCK = 16 if DEVICE.type == "cuda" else 4
 CACHE_BLOCKS = 96
 
 
@@ -59,12 +66,13 @@ def step_inputs(chunks, heads, kv_heads, dim, dtype, seed):
     k = torch.randn(rows, kv_heads, dim, generator=generator).to(dtype)
     v = torch.randn(rows, kv_heads, dim, generator=generator).to(dtype)
     cache = tuple(torch.randn(CACHE_BLOCKS * BLOCK, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
-    return q, k, v, cache
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), tuple(part.to(DEVICE) for part in cache)
 
 
 def reference(q, cache, chunks, scale, window):
     """Float64 attention of every row, keys read through each chunk's table (cache already written)."""
-    k_cache, v_cache = (part.double() for part in cache)
+    k_cache, v_cache = (part.cpu().double() for part in cache)
+    q = q.cpu()
     out = torch.empty(q.shape, dtype=torch.float64)
     row = 0
     for chunk in chunks:
@@ -90,10 +98,11 @@ def block_mask_agrees(group, window) -> None:
     visible key of a tile is listed; a block listed full is visible to every query of the tile."""
     mask = group.block_mask
     count, query_length = len(group.rows), group.query_length
-    b = torch.arange(count).view(-1, 1, 1)
-    q = torch.arange(query_length).view(1, -1, 1)
-    kv = torch.arange(group.cache_tokens).view(1, 1, -1)
-    dense = mask.mask_mod(b, torch.zeros_like(b), q, kv)  # [B, n, keys]
+    device = mask.kv_indices.device
+    b = torch.arange(count, device=device).view(-1, 1, 1)
+    q = torch.arange(query_length, device=device).view(1, -1, 1)
+    kv = torch.arange(group.cache_tokens, device=device).view(1, 1, -1)
+    dense = mask.mask_mod(b, torch.zeros_like(b), q, kv).cpu()  # [B, n, keys]
     for member, (first, end) in enumerate(group.rows):
         real = end - first
         for tile in range(-(-real // QUERY_TILE)):
@@ -116,12 +125,13 @@ def run_both(chunks, num_decodes, *, heads=4, kv_heads=2, dim=16, dtype=torch.fl
     flex_cache = tuple(part.clone() for part in cache)
     meta = flex.prepare_metadata(chunks, num_decodes)
     flex_out = flex.forward(q, k, v, flex_cache, meta, scale, window)
+    # The paged backend's torch path on the CPU (its prefill kernel is the CPU's flash attention).
     torch_path = CPUPagedBackend(BLOCK, "torch")
-    torch_cache = tuple(part.clone() for part in cache)
-    torch_out = torch_path.forward(q, k, v, torch_cache, torch_path.prepare_metadata(chunks, num_decodes), scale,
-                                   window)
-    assert torch.equal(flex_cache[0], torch_cache[0]) and torch.equal(flex_cache[1], torch_cache[1])
-    plan = meta.plan(window, CACHE_BLOCKS, torch.device("cpu"))
+    torch_cache = tuple(part.cpu().clone() for part in cache)
+    torch_out = torch_path.forward(q.cpu(), k.cpu(), v.cpu(), torch_cache, torch_path.prepare_metadata(chunks, num_decodes),
+                                   scale, window)
+    assert torch.equal(flex_cache[0].cpu(), torch_cache[0]) and torch.equal(flex_cache[1].cpu(), torch_cache[1])
+    plan = meta.plan(window, CACHE_BLOCKS, DEVICE)
     for group in (plan.decodes, plan.prefills):
         if group is not None:
             block_mask_agrees(group, window)
@@ -130,7 +140,8 @@ def run_both(chunks, num_decodes, *, heads=4, kv_heads=2, dim=16, dtype=torch.fl
 
 def assert_close(flex_out, torch_out, expected, dtype=torch.float32):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert flex_out.dtype == dtype
+    assert flex_out.dtype == dtype and flex_out.device == DEVICE
+    flex_out = flex_out.cpu()
     assert torch.allclose(flex_out.double(), expected, atol=tolerance, rtol=tolerance), \
         float((flex_out.double() - expected).abs().max())
     assert torch.allclose(flex_out.float(), torch_out.float(), atol=tolerance, rtol=tolerance)
@@ -174,7 +185,7 @@ def test_mixed_step():
     mixed = decodes(rng, [3, 30]) + prefills(rng, [(9, 14), (0, 11)])
     flex_out, torch_out, expected, meta = run_both(mixed, 2)
     assert_close(flex_out, torch_out, expected)
-    plan = meta.plan(None, CACHE_BLOCKS, torch.device("cpu"))
+    plan = meta.plan(None, CACHE_BLOCKS, DEVICE)
     # The chunk without context takes SDPA; the other two groups FlexAttention.
     assert [rows for rows, _ in plan.fresh] == [(16, 27)]
     assert plan.decodes.rows == [(0, 1), (1, 2)] and plan.prefills.rows == [(2, 16)]
@@ -237,7 +248,7 @@ def test_freed_window_entry_inside_the_window_is_refused():
     chunk = SequenceChunk([1, 2, 3], 9, 1, window_block_ids={8: [FREED, FREED, 3]})
     meta = FlexBackend(BLOCK).prepare_metadata([chunk], 1)
     with pytest.raises(ValueError, match="outside the cache"):
-        meta.plan(8, CACHE_BLOCKS, torch.device("cpu"))
+        meta.plan(8, CACHE_BLOCKS, DEVICE)
 
 
 def test_kernel_tile_for_the_cache_block():
@@ -289,7 +300,7 @@ def test_a_graph_buffer_refilled_from_a_step_attends_as_the_step():
     later step's narrower plan, padded rows copying the first decode."""
     rng = random.Random(8)
     first, later = decodes(rng, [3, 9, 14]), decodes(rng, [40, 21, 6])
-    device = torch.device("cpu")
+    device = DEVICE
     padded = later + [later[0]]
     members = [((row, row + 1), chunk) for row, chunk in enumerate(padded)]
     static = flex_group([((row, row + 1), chunk) for row, chunk in enumerate(first + [first[0]])], None, BLOCK,
@@ -301,14 +312,15 @@ def test_a_graph_buffer_refilled_from_a_step_attends_as_the_step():
     queries = q.new_empty(4, 4, 1, 16)
     fill(queries, q[:3].unsqueeze(2), 3)
     heads_first = lambda cache, tokens: cache[:tokens].permute(1, 0, 2).unsqueeze(0)
+    options = flex_kernel_options(BLOCK, DEVICE)
     replayed = run_flex(queries, heads_first(k_cache, static.cache_tokens), heads_first(v_cache, static.cache_tokens),
-                        static.block_mask, 0.25, None)
+                        static.block_mask, 0.25, options, static=True)
     stepped = run_flex(queries, heads_first(k_cache, step.cache_tokens), heads_first(v_cache, step.cache_tokens),
-                       step.block_mask, 0.25, None)
+                       step.block_mask, 0.25, options)
     assert torch.allclose(replayed, stepped, atol=1e-6)
     assert torch.equal(replayed[3], replayed[0])  # the padding row is the first decode again
     expected = reference(q[:3], (k_cache, v_cache), later, 0.25, None)
-    assert torch.allclose(replayed[:3, :, 0].double(), expected, atol=1e-5)
+    assert torch.allclose(replayed[:3, :, 0].cpu().double(), expected, atol=1e-5)
 
 
 def test_decode_step_body_equals_the_modules(tiny_llava_dir):
