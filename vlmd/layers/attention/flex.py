@@ -4,7 +4,7 @@ The default on CUDA (``--attention-kernels auto``, or ``flex`` on any device: on
 is the parity tests' way to run this same code). Nothing but CUDA torch is needed: the
 paged reads are FlexAttention's block-sparse kernel (Triton, compiled by
 ``torch.compile`` on first use of a shape), prefill chunks without cached context are
-SDPA's (its flash path on CUDA). docs/decisions.md D100 says why and what is unmeasured.
+SDPA's (its flash path on CUDA). docs/decisions.md D95 says why and what is unmeasured.
 
 How a step maps onto FlexAttention, for each group of sequences (the decodes; the prefill
 chunks that have cached context):
@@ -413,7 +413,7 @@ class DecodeGraphs:
     earlier step is never read: the kernel evaluates the mask only on the blocks the
     step's lists name, whose entries the step rewrote. Decoders with sliding windows or
     tensor parallelism (collectives inside a capture) are not captured. CUDA only; not
-    yet run on a GPU (docs/decisions.md D100)."""
+    yet run on a GPU (docs/decisions.md D95)."""
 
     def __init__(self, buckets: tuple[int, ...]):
         self.buckets = buckets

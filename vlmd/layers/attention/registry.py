@@ -26,7 +26,7 @@ def cpu_backend(block_size: int, kernels: str) -> AttentionBackend:
 def cuda_backend(block_size: int, kernels: str) -> AttentionBackend:
     """CUDA's: FlexAttention (``auto``, ``flex``), or with ``torch`` the paged backend's
     torch path (plain torch ops over the device's tensors; its native kernels read host
-    memory only). Neither has run on a GPU yet (docs/decisions.md D100)."""
+    memory only). Neither has run on a GPU yet (docs/decisions.md D95)."""
     return CPUPagedBackend(block_size, "torch") if kernels == "torch" else FlexBackend(block_size, kernels)
 
 
