@@ -5,8 +5,9 @@ with transformers: at 7B that is 30 GB drawn on one CPU thread and written in fl
 This builds the family's tiny checkpoint first (tokenizer, chat template, processor files,
 the saved weight names), then replaces its config with the real shape's and its weights
 with bfloat16 ones drawn on ``--device`` by the same per-name rule (``PARAM_STD``), saved as
-safetensors shards. The image processor's pixel limits become the real model's, so a
-1024 px image is ~1,369 tokens as in Qwen2.5-VL-7B. The tokenizer stays the tiny one
+safetensors shards. The image processor's pixel limits become a real deployment's (Qwen's
+own suggestion caps an image at 1,280 tokens; 2,048 here, so that a 1024 px image is its
+whole 1,369 tokens as in Qwen2.5-VL-7B, and the largest image fits a 4,096-token context). The tokenizer stays the tiny one
 (8k tokens, not 152k): the LM head is 29M parameters instead of 545M, about 7% of the
 real model's weight bytes, which ``weight_bytes`` in the summary counts as built.
 
@@ -33,11 +34,11 @@ SHAPES = {
         "rope_theta": 1000000.0,
         "window_size": 112,
         "min_pixels": 3136,
-        "max_pixels": 12845056,
+        "max_pixels": 2048 * 28 * 28,
     },
     # The tiny checkpoint's sizes through the same steps (the CPU dry run of
     # contrib/device/check.sh), with the real pixel limits.
-    "tiny": {"min_pixels": 3136, "max_pixels": 12845056},
+    "tiny": {"min_pixels": 3136, "max_pixels": 2048 * 28 * 28},
 }
 SHARD_BYTES = 4 << 30
 
