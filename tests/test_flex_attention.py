@@ -128,8 +128,8 @@ def run_both(chunks, num_decodes, *, heads=4, kv_heads=2, dim=16, dtype=torch.fl
     # The paged backend's torch path on the CPU (its prefill kernel is the CPU's flash attention).
     torch_path = CPUPagedBackend(BLOCK, "torch")
     torch_cache = tuple(part.cpu().clone() for part in cache)
-    torch_out = torch_path.forward(q.cpu(), k.cpu(), v.cpu(), torch_cache, torch_path.prepare_metadata(chunks, num_decodes),
-                                   scale, window)
+    torch_meta = torch_path.prepare_metadata(chunks, num_decodes)
+    torch_out = torch_path.forward(q.cpu(), k.cpu(), v.cpu(), torch_cache, torch_meta, scale, window)
     assert torch.equal(flex_cache[0].cpu(), torch_cache[0]) and torch.equal(flex_cache[1].cpu(), torch_cache[1])
     plan = meta.plan(window, CACHE_BLOCKS, DEVICE)
     for group in (plan.decodes, plan.prefills):

@@ -1,4 +1,4 @@
-"""A random-weight Qwen2.5-VL checkpoint of a real model's shape, built in seconds on a GPU.
+"""A random-weight Qwen2.5-VL checkpoint of a real model's shape, drawn on the GPU it runs on.
 
 The tiny builder (``vlmd_qwen2_5_vl.tiny``) makes float32 weights on the CPU and saves them
 with transformers: at 7B that is 30 GB drawn on one CPU thread and written in float32.
@@ -7,9 +7,10 @@ the saved weight names), then replaces its config with the real shape's and its 
 with bfloat16 ones drawn on ``--device`` by the same per-name rule (``PARAM_STD``), saved as
 safetensors shards. The image processor's pixel limits become a real deployment's (Qwen's
 own suggestion caps an image at 1,280 tokens; 2,048 here, so that a 1024 px image is its
-whole 1,369 tokens as in Qwen2.5-VL-7B, and the largest image fits a 4,096-token context). The tokenizer stays the tiny one
-(8k tokens, not 152k): the LM head is 29M parameters instead of 545M, about 7% of the
-real model's weight bytes, which ``weight_bytes`` in the summary counts as built.
+whole 1,369 tokens as in Qwen2.5-VL-7B, and the largest image fits a 4,096-token context).
+The tokenizer stays the tiny one (8k tokens, not 152k): the embeddings and the LM head are
+29M parameters each instead of 545M, so the checkpoint has 7.26B parameters (13.5 GiB)
+against the real model's 8.29B; ``weight_bytes`` in the summary counts what was built.
 
     python contrib/device/real_shape.py --out DIR [--shape qwen2.5-vl-7b|tiny] [--device cuda]
 

@@ -220,30 +220,37 @@ def flex_group(members: list[tuple[tuple[int, int], SequenceChunk]], window: int
     extent = cache_blocks if static else max(used_blocks, 1)
     widest = cache_blocks if static else max(1, max(len(tile) for physical in lists for kind in physical
                                                      for tile in kind))
-    num = torch.zeros(2, count, 1, tiles, dtype=torch.int32)
-    indices = torch.zeros(2, count, 1, tiles, widest, dtype=torch.int32)
-    logical = torch.full((count, extent), -1, dtype=torch.int32)
-    query_start = torch.zeros(count, dtype=torch.int32)
-    span_first = torch.zeros(count, query_length, dtype=torch.int32)
-    span_end = torch.zeros(count, query_length, dtype=torch.int32)
-    for member, ((_, chunk), physical) in enumerate(zip(members, lists)):
-        for kind, tiles_of_kind in enumerate(physical):
-            for tile, ids in enumerate(tiles_of_kind):
-                num[kind, member, 0, tile] = len(ids)
-                indices[kind, member, 0, tile, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    # One tensor each, built from lists (an element at a time through torch costs ~5 us).
+    num = torch.tensor([[[[len(kind[tile]) if tile < len(kind) else 0 for tile in range(tiles)]]
+                         for kind in (physical[0] for physical in lists)],
+                        [[[len(kind[tile]) if tile < len(kind) else 0 for tile in range(tiles)]]
+                         for kind in (physical[1] for physical in lists)]], dtype=torch.int32)
+    padded = [[[[ids + [0] * (widest - len(ids)) for ids in kind] + [[0] * widest] * (tiles - len(kind))]
+               for kind in (physical[which] for physical in lists)] for which in (0, 1)]
+    indices = torch.tensor(padded, dtype=torch.int32)
+    # The lookup physical block -> index in the table, scattered where it is used (on CUDA
+    # a [B, blocks] fill on the device, not a copy of it).
+    rows, columns, values = [], [], []
+    span_first = [[0] * query_length for _ in members]
+    span_end = [[0] * query_length for _ in members]
+    for member, (_, chunk) in enumerate(members):
         table = sequence_table(chunk, window)
-        reachable = -(-(chunk.start + chunk.count) // block_size)
-        for block in range(reachable):
+        for block in range(-(-(chunk.start + chunk.count) // block_size)):
             if 0 <= table[block] < extent:
-                logical[member, table[block]] = block
-        query_start[member] = chunk.start
+                rows.append(member)
+                columns.append(table[block])
+                values.append(block)
         for lo, hi in chunk.spans:  # each query's own span: keys in it are visible both ways
-            first, last = max(lo, chunk.start), min(hi, chunk.start + chunk.count)
-            if first < last:
-                span_first[member, first - chunk.start: last - chunk.start] = lo
-                span_end[member, first - chunk.start: last - chunk.start] = hi
-    moved = [tensor.to(device) for tensor in (num, indices, logical, query_start, span_first, span_end)]
-    num, indices, logical, query_start, span_first, span_end = moved
+            for position in range(max(lo, chunk.start), min(hi, chunk.start + chunk.count)):
+                span_first[member][position - chunk.start] = lo
+                span_end[member][position - chunk.start] = hi
+    logical = torch.full((count, extent), -1, dtype=torch.int32, device=device)
+    where = (torch.tensor(rows, dtype=torch.long).to(device), torch.tensor(columns, dtype=torch.long).to(device))
+    logical[where] = torch.tensor(values, dtype=torch.int32).to(device)
+    query_start = torch.tensor([chunk.start for _, chunk in members], dtype=torch.int32)
+    span_first, span_end = torch.tensor(span_first, dtype=torch.int32), torch.tensor(span_end, dtype=torch.int32)
+    num, indices, query_start, span_first, span_end = (
+        tensor.to(device) for tensor in (num, indices, query_start, span_first, span_end))
     mask_mod = paged_mask(logical, query_start, span_first, span_end, block_size, window)
     block_mask = BlockMask.from_kv_blocks(
         num[1], indices[1], num[0], indices[0], BLOCK_SIZE=(QUERY_TILE, block_size), mask_mod=mask_mod,
@@ -336,7 +343,8 @@ class FlexBackend(AttentionBackend):
             if group.query_length == 1:  # decodes: [B, H, 1, D] straight from their rows
                 first, end = group.rows[0][0], group.rows[-1][1]
                 queries = q[first:end].unsqueeze(2)
-                out[first:end] = run_flex(queries, keys, values, group.block_mask, scale, options, group.static)[:, :, 0]
+                attended = run_flex(queries, keys, values, group.block_mask, scale, options, group.static)
+                out[first:end] = attended[:, :, 0]
                 continue
             queries = q.new_zeros(len(group.rows), heads, group.query_length, q.shape[2])
             for member, (first, end) in enumerate(group.rows):

@@ -15,7 +15,8 @@ from __future__ import annotations
 SMALL_BUCKETS = (1, 2, 4, 8)
 
 
-def graph_buckets(max_batch: int, *, fine_step: int = 8, fine_until: int = 32, coarse_step: int = 16) -> tuple[int, ...]:
+def graph_buckets(max_batch: int, *, fine_step: int = 8, fine_until: int = 32,
+                  coarse_step: int = 16) -> tuple[int, ...]:
     """The batch sizes graphs are captured for, ascending, the last one ``max_batch``."""
     if max_batch < 1:
         raise ValueError(f"the largest decode batch must be >= 1, got {max_batch}")
