@@ -161,7 +161,14 @@ if memory_path.exists() and memory_path.stat().st_size:
 plan = [line for line in log_path.read_text(errors="replace").splitlines() if "memory plan" in line] \
     if log_path.exists() else []
 if plan:
-    print(f"  vlmd's memory plan: {plan[-1][-600:]}")
+    try:
+        fields = json.loads(plan[-1])
+        parts = ("weight_bytes", "activation_bytes", "encoder_peak_bytes", "kv_bytes", "planned_bytes")
+        print("  vlmd's memory plan (GiB): " + ", ".join(
+            f"{name.removesuffix('_bytes')} {fields[name] / 2**30:.2f}" for name in parts if name in fields)
+            + f"; {fields.get('num_kv_blocks')} KV blocks of {fields.get('block_size')}")
+    except ValueError:  # a text log line
+        print(f"  vlmd's memory plan: {plan[-1][-600:]}")
 PY
 fi
 
