@@ -1,7 +1,8 @@
 """transformers reference ("oracle") helpers for parity tests.  Not a test module.
 
-Everything runs in float32 on CPU with the PIL image-processing backend (torchvision is not
-installed and must not be), offline.
+Everything runs in float32 with the PIL image-processing backend (torchvision is not
+installed and must not be), offline; on the CPU, or where ``VLMD_ORACLE_DEVICE`` says
+(``cuda``: contrib/device/check.sh compares vlmd and transformers on one GPU; TF32 off).
 
     ref = hf_llava_generate(model_dir, messages, [image], max_new_tokens=16)
     assert_greedy_match(our_token_ids, ref)
@@ -64,10 +65,35 @@ def top2_gap(logits) -> float:
     return float(top[0] - top[1])
 
 
-def _greedy(model, inputs, max_new_tokens: int):
-    """transformers' greedy generate: (output ids, top-1/top-2 gap per step, step logits)."""
+ORACLE_DEVICE_ENV = "VLMD_ORACLE_DEVICE"
+
+
+def oracle_device() -> str:
+    """Where transformers' references run: ``$VLMD_ORACLE_DEVICE``, else the CPU."""
+    return os.environ.get(ORACLE_DEVICE_ENV, "cpu")
+
+
+def on_oracle_device(model):
+    """``model`` moved to ``oracle_device()`` (once: the loaders cache it), and that device.
+    On CUDA TF32 is turned off: float32 means float32, as vlmd's server sets it
+    (engine/builder.py)."""
     import torch
 
+    device = torch.device(oracle_device())
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model.to(device)
+    return device
+
+
+def _greedy(model, inputs, max_new_tokens: int):
+    """transformers' greedy generate: (output ids, top-1/top-2 gap per step, step logits on
+    the CPU), on ``oracle_device()``."""
+    import torch
+
+    device = on_oracle_device(model)
+    inputs = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
     config = model.generation_config
     prompt_len = inputs["input_ids"].shape[1]
     with torch.inference_mode():
@@ -85,10 +111,11 @@ def _greedy(model, inputs, max_new_tokens: int):
             return_dict_in_generate=True,
         )
     output_ids = out.sequences[0, prompt_len:].tolist()
-    gaps = [top2_gap(step_logits[0]) for step_logits in out.logits]
+    logits = tuple(step_logits.cpu() for step_logits in out.logits)
+    gaps = [top2_gap(step_logits[0]) for step_logits in logits]
     # generate() would pad finished rows in a batch; with batch 1 it stops right after eos.
     assert len(gaps) == len(output_ids), (len(gaps), len(output_ids))
-    return output_ids, gaps, out.logits
+    return output_ids, gaps, logits
 
 
 def hf_llava_generate(model_dir, messages: list[dict[str, Any]], images: list, max_new_tokens: int) -> dict:

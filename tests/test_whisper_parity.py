@@ -113,15 +113,18 @@ def test_tiny_whisper_matches_transformers(tiny_whisper_dir, regime):
 def test_language_detection_matches_transformers(tiny_whisper_dir):
     import torch
 
+    from oracle import on_oracle_device
     from whisper_support import load_hf_whisper
 
     built = _engine(tiny_whisper_dir)
     transcriber = built.transcriber
     model, processor = load_hf_whisper(str(tiny_whisper_dir.resolve()))
+    device = on_oracle_device(model)
     requests = [transcriber.detection_request(f"d{i}", transcriber.prepare_samples(clip).windows[0])
                 for i, clip in enumerate(CLIPS)]
     outputs = _run(built, requests)
     features = processor([clip for clip in CLIPS], sampling_rate=16000, return_tensors="pt").input_features
+    features = features.to(device)
     with torch.inference_mode():
         expected = model.detect_language(features).tolist()
     assert [outputs[f"d{i}"][0] for i in range(len(CLIPS))] == expected

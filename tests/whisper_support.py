@@ -117,15 +117,18 @@ def hf_whisper_generate(model_dir, samples: np.ndarray, **generate_kwargs) -> di
     """
     import torch
 
-    from oracle import top2_gap
+    from oracle import on_oracle_device, top2_gap
 
     model, processor = load_hf_whisper(str(Path(model_dir).resolve()))
-    features = processor(samples, sampling_rate=16000, return_tensors="pt").input_features
+    device = on_oracle_device(model)
+    features = processor(samples, sampling_rate=16000, return_tensors="pt").input_features.to(device)
+    generate_kwargs = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                       for name, value in generate_kwargs.items()}  # prompt_ids
     with torch.inference_mode():
         out = model.generate(features, do_sample=False, num_beams=1, output_logits=True,
                              return_dict_in_generate=True, **generate_kwargs)
     sequences = out["sequences"] if isinstance(out, dict) else out.sequences
-    tokens = sequences[0].tolist()
+    tokens = sequences[0].tolist()  # a list of ints: the same on any device
     logits = getattr(out, "logits", None) or ()
     prompt_length = len(tokens) - len(logits) if logits else 0
     generated = tokens[prompt_length:]

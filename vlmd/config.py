@@ -68,7 +68,7 @@ def _comma_list(text: str) -> tuple[str, ...] | None:
 # The values of --linear-kernels and --attention-kernels, defined once: the layers that
 # take them validate against these.
 LINEAR_KERNEL_MODES = ("auto", "plain", "packed", "native")
-ATTENTION_KERNEL_MODES = ("auto", "torch")
+ATTENTION_KERNEL_MODES = ("auto", "torch", "flex")
 # The values of --quantization (layers/linear/quantize.py).
 QUANTIZATIONS = ("none", "int8")
 
@@ -94,8 +94,9 @@ class ServeConfig:
         "(per output channel, symmetric, from float32 weights; CPU, --dtype float32; embeddings and encoders stay "
         "float; accuracy bound in docs/decisions.md)", choices=QUANTIZATIONS)
     attention_kernels: str = setting(
-        "auto", "how attention runs on the CPU: auto (vlmd's CPU kernels, where the install built them, for "
-        "decodes and float32 prefill chunks; else torch ops), torch (torch ops only)",
+        "auto", "how attention runs: auto (on the CPU vlmd's CPU kernels, where the install built them, for "
+        "decodes and float32 prefill chunks, else torch ops; on CUDA torch's FlexAttention, decodes under CUDA "
+        "graphs), torch (the paged backend's torch ops only), flex (FlexAttention; on the CPU run eagerly, for tests)",
         choices=ATTENTION_KERNEL_MODES)
     cpu_kernels: str = setting(
         "auto", "which build of vlmd's CPU kernels to load (they are built with the package, one library per "
