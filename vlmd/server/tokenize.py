@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, NotFoundError
-from vlmd.server.chat import read_json, read_text_body
+from vlmd.server.chat import read_text_body
 from vlmd.server.modality_tokens import multimodal_token_counts
 from vlmd.server.request_fields import RequestFields
 from vlmd.server.state import ServerState
@@ -74,7 +74,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    fields = RequestFields(await read_json(request))
+    fields = RequestFields(await read_text_body(request, state))
     _check_model(state, fields)
     tokens = fields.get("tokens", list)
     fields.finish()
