@@ -11,10 +11,13 @@ variable is set, e.g.
   uint8 pixels all equal this value (a solid-colour image stays solid through resizing);
 - ``forward_token_id``: the decoder forward raises for a batch holding this token id,
   *after* the real forward ran, so the failed step has already written K/V for every
-  request in it: the worst case for re-running the step without the culprit.
+  request in it: the worst case for re-running the step without the culprit;
+- ``nan_logits_token_id``: the decoder's final hidden state is NaN on each row whose input
+  is this token (its K/V stay sound), so a request whose prompt ends with it samples from
+  NaN logits, as a bad checkpoint or an overflow would make it.
 
-Both fail the whole batch, as a real shape bug or a bad input would: the engine must find
-the culprit itself.
+The first two fail the whole batch, as a real shape bug or a bad input would, and the third
+reaches the sampler beside good rows: the engine must find the culprit itself.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def install_from_env(model) -> None:
     token_id = settings.get("forward_token_id")
     if token_id is not None:
         _poison_forward(model, int(token_id))
+    nan_token_id = settings.get("nan_logits_token_id")
+    if nan_token_id is not None:
+        _poison_logits(model, int(nan_token_id))
 
 
 def _poison_encoder(model, pixel_value: int) -> None:
@@ -90,3 +96,26 @@ def _poison_forward(model, token_id: int) -> None:
 
     model.embed_input_ids = embed_input_ids
     model.forward = poisoned_forward
+
+
+def _poison_logits(model, token_id: int) -> None:
+    embed, forward = model.embed_input_ids, model.forward
+    batch = {"input_ids": None}
+
+    def embed_input_ids(input_ids):
+        batch["input_ids"] = input_ids
+        return embed(input_ids)
+
+    def nan_forward(*args, **kwargs):
+        hidden = forward(*args, **kwargs)
+        input_ids = batch["input_ids"]
+        outputs = kwargs.get("outputs")  # given, the model returns only the rows that sample
+        tokens = input_ids if outputs is None else input_ids[outputs.rows.to(input_ids.device)]
+        poisoned = tokens == token_id
+        if bool(poisoned.any()):
+            hidden = hidden.clone()
+            hidden[poisoned.to(hidden.device)] = float("nan")
+        return hidden
+
+    model.embed_input_ids = embed_input_ids
+    model.forward = nan_forward
