@@ -337,6 +337,14 @@ def llava_server(tiny_llava_dir, media_dir, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def llava_encoder_server(tiny_llava_dir, tmp_path_factory):
+    """A tiny LLaVA ``--encoder-only`` server (the encoder route alone), default bounds."""
+    server = Server(tiny_llava_dir, "--encoder-only", "--no-warmup", log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
 def qwen2_audio_flags(media_dir: Path) -> tuple[str, ...]:
     """The tiny Qwen2-Audio servers' flags: local files and a loopback http server, two clips
     a prompt, 3 MB a clip."""

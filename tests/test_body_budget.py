@@ -22,13 +22,6 @@ GIGABYTE = 2**30
 STALLED = 4  # as many as the old reservation needed to fill 4 x --max-request-bytes
 
 
-@pytest.fixture(scope="module")
-def encoder_only_server(tiny_llava_dir, tmp_path_factory):
-    server = Server(tiny_llava_dir, "--encoder-only", "--no-warmup", log_dir=tmp_path_factory.mktemp("logs"))
-    yield server
-    server.stop()
-
-
 def _good_chat(server: Server) -> int:
     status, body = server.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 200, body
@@ -54,7 +47,7 @@ ROUTES = {
     "chat": ("llava_server", "/v1/chat/completions", "application/json", 64 * 2**20, _good_chat),
     "transcriptions": ("whisper_server", "/v1/audio/transcriptions", "multipart/form-data; boundary=b", 3_000_000,
                        _good_transcription),
-    "encoder": ("encoder_only_server", "/v1/encoder_outputs", "application/json", 64 * 2**20, _good_encoding),
+    "encoder": ("llava_encoder_server", "/v1/encoder_outputs", "application/json", 64 * 2**20, _good_encoding),
 }
 
 

@@ -169,7 +169,7 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info", max
         built.preprocessor.remote_encoders = RemoteEncoders(
             config.encoder_urls, config.model_name, config.encoder_timeout_s, config.encoder_fallback,
             built.preprocessor.info.encoder_output_width(), config.encoder_api_key,
-            is_resident=lambda identifier: identifier in executor.encoder_outputs,
+            is_resident=lambda identifier: identifier in executor.encoder_outputs, observer=metrics,
         )
     worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step,
                           thread=engine_thread)

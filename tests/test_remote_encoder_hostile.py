@@ -1,0 +1,271 @@
+"""A remote encoder is an untrusted peer (issue 50, item 3): ``RemoteEncoders`` against a
+hostile encoder server on 127.0.0.1 that answers the wrong width, the wrong number of rows,
+NaN, a body dripped two bytes a second, headers dripped, or nothing at all.
+
+Each is a failure of that server, counted by reason, answered by the local fallback (the
+items keep no output: the runner encodes them) or, under ``--encoder-fallback fail``, a 503
+naming the server; a good answer is attached. The exchange is bounded as a whole by
+``--encoder-timeout-s``: a drip or a silence costs the thread the timeout, not the minute
+the hostile server would hold it (the bound "under 10 s" stands for that hang).
+"""
+
+from __future__ import annotations
+
+import collections
+import socketserver
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from vlmd.encoder_wire import MEDIA_TYPE, WireTensor, pack, unpack
+from vlmd.errors import ServiceUnavailableError
+from vlmd.processing.chat import MediaRef
+from vlmd.processing.remote_encoder import RemoteEncoders
+from vlmd.types import MultiModalItem
+
+MODEL, WIDTH, TOKENS = "tiny", 8, 4
+IDENTIFIER = "ab" * 32
+TIMEOUT_S = 1.0
+HANG_S = 60.0  # how long the hostile server would hold a connection
+
+
+def _body(rows: int = TOKENS, width: int = WIDTH, fill: float = 0.5, model: str = MODEL) -> bytes:
+    values = np.full((rows, width), fill, dtype=np.float32)
+    return pack({IDENTIFIER: WireTensor("image", "F32", (rows, width), values.tobytes())}, model)
+
+
+def _head(length: int) -> bytes:
+    return (f"HTTP/1.1 200 OK\r\nContent-Type: {MEDIA_TYPE}\r\nContent-Length: {length}\r\n"
+            "Connection: close\r\n\r\n").encode()
+
+
+def _read_request(sock) -> bytes:
+    """One HTTP request's body (headers up to the blank line, then Content-Length bytes)."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(1 << 16)
+    head, body = received.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(1 << 16)
+    return body
+
+
+def _corrupt(answer: bytes, mode: str) -> bytes:
+    """A real encoder server's answer, made hostile: one more column, a row less, or NaN."""
+    if mode == "proxy-good":
+        return answer
+    model, tensors = unpack(answer)
+    changed = {}
+    for identifier, tensor in tensors.items():
+        assert tensor.dtype == "F32", tensor.dtype  # the tiny LLaVA's encoder runs in float32
+        values = np.frombuffer(bytes(tensor.data), dtype=np.float32).reshape(tensor.shape)
+        values = {"proxy-wide": lambda v: np.concatenate([v, v[:, :1]], axis=1),
+                  "proxy-rows": lambda v: v[:-1],
+                  "proxy-nan": lambda v: np.where(np.arange(v.size).reshape(v.shape) == 7, np.nan, v)}[mode](values)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        changed[identifier] = WireTensor(tensor.modality, "F32", values.shape, values.tobytes())
+    return pack(changed, model)
+
+
+class Hostile:
+    """An encoder server whose next answers are set by the test (a mode per connection);
+    ``proxy-*`` modes forward the request to ``upstream`` (a real encoder server) and corrupt
+    its answer."""
+
+    def __init__(self, upstream: str | None = None):
+        self.modes: collections.deque[str] = collections.deque()
+        self.release = threading.Event()
+        self.upstream = upstream
+        hostile = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                request = _read_request(self.request)
+                mode = hostile.modes.popleft() if hostile.modes else "good"
+                if mode.startswith("proxy-"):
+                    hostile.forward(self.request, request, mode)
+                else:
+                    hostile.answer(self.request, mode)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def answer(self, sock, mode: str) -> None:
+        try:
+            if mode == "hang":
+                self.release.wait(HANG_S)
+            elif mode == "drip-body":  # headers at once, then two bytes a second
+                body = _body()
+                sock.sendall(_head(len(body)))
+                for start in range(0, len(body), 2):
+                    if self.release.wait(1.0):
+                        return
+                    sock.sendall(body[start:start + 2])
+            elif mode == "drip-headers":
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
+                    if self.release.wait(0.5):
+                        return
+                    sock.sendall(bytes([byte]))
+            else:
+                body = {"good": _body(), "wide": _body(width=WIDTH + 1), "narrow": _body(width=WIDTH - 1),
+                        "rows": _body(rows=TOKENS + 1), "nan": _body(fill=float("nan")),
+                        "inf": _body(fill=float("inf")), "model": _body(model="other")}[mode]
+                sock.sendall(_head(len(body)) + body)
+        except OSError:  # the client gave up: what the bound is for
+            pass
+
+    def forward(self, sock, request: bytes, mode: str) -> None:
+        status, answer = _post(self.upstream + "/v1/encoder_outputs", request)
+        assert status == 200, answer[:300]
+        body = _corrupt(answer, mode)
+        sock.sendall(_head(len(body)) + body)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Counts:
+    def __init__(self):
+        self.failures: collections.Counter[str] = collections.Counter()
+
+    def observe_encoder_server_failure(self, reason: str) -> None:
+        self.failures[reason] += 1
+
+
+def _post(url: str, body: bytes) -> tuple[int, bytes]:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status, response.read()
+
+
+@pytest.fixture
+def hostile():
+    server = Hostile()
+    yield server
+    server.close()
+
+
+def _attach(hostile: Hostile, mode: str, fallback: str = "local") -> tuple[int, MultiModalItem, Counts]:
+    hostile.modes.append(mode)
+    counts = Counts()
+    encoders = RemoteEncoders((hostile.url,), MODEL, TIMEOUT_S, fallback, WIDTH, observer=counts)
+    item = MultiModalItem("image", IDENTIFIER, offset=0, length=TOKENS)
+    attached = encoders.attach([item], [MediaRef("image", "data:image/png;base64,AAAA")], None)
+    return attached, item, counts
+
+
+def test_a_good_answer_is_attached(hostile):
+    attached, item, counts = _attach(hostile, "good")
+    assert attached == 1 and not counts.failures
+    assert tuple(item.encoder_output.shape) == (TOKENS, WIDTH) and float(item.encoder_output[0, 0]) == 0.5
+
+
+@pytest.mark.parametrize("mode, fragment", [
+    ("wide", f"shape [{TOKENS}, {WIDTH + 1}]; the item takes [{TOKENS}, {WIDTH}]"),
+    ("narrow", f"shape [{TOKENS}, {WIDTH - 1}]"),
+    ("rows", f"shape [{TOKENS + 1}, {WIDTH}]"),
+    ("nan", "not finite"),
+    ("inf", "not finite"),
+    ("model", "serves the model 'other'"),
+])
+def test_an_answer_that_does_not_fit_falls_back_and_is_counted(hostile, mode, fragment):
+    attached, item, counts = _attach(hostile, mode)
+    assert attached == 0 and item.encoder_output is None  # the runner encodes it here
+    assert counts.failures == {"invalid_answer": 1}
+    hostile.modes.append(mode)
+    with pytest.raises(ServiceUnavailableError, match="--encoder-fallback fail") as refused:
+        _attach(hostile, mode, fallback="fail")
+    assert fragment in refused.value.message
+
+
+@pytest.mark.parametrize("mode", ["hang", "drip-body", "drip-headers"])
+def test_a_silent_or_dripping_server_holds_the_thread_no_longer_than_the_timeout(hostile, mode):
+    started = time.monotonic()
+    attached, item, counts = _attach(hostile, mode)
+    seconds = time.monotonic() - started
+    assert attached == 0 and item.encoder_output is None
+    assert counts.failures == {"timeout": 1}
+    assert seconds < 10, seconds  # the server would hold it HANG_S (or the drip its ~4 minutes)
+
+
+def test_an_unreachable_server_is_counted_as_such():
+    from conftest import free_port
+
+    counts = Counts()
+    encoders = RemoteEncoders((f"http://127.0.0.1:{free_port()}",), MODEL, TIMEOUT_S, "local", WIDTH, observer=counts)
+    item = MultiModalItem("image", IDENTIFIER, offset=0, length=TOKENS)
+    assert encoders.attach([item], [MediaRef("image", "data:,")], None) == 0
+    assert counts.failures == {"unreachable": 1}
+
+
+# ---- through the front door: a language server whose only encoder server is hostile ----
+
+@pytest.fixture(scope="module")
+def hostile_for_a_server(llava_encoder_server):
+    server = Hostile(upstream=llava_encoder_server.url)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def language_server(tiny_llava_dir, hostile_for_a_server, tmp_path_factory):
+    from conftest import Server
+
+    server = Server(tiny_llava_dir, "--no-warmup", "--encoder-urls", hostile_for_a_server.url,
+                    "--encoder-timeout-s", "2", "--preprocess-timeout", "30", "--preprocess-threads", "4",
+                    log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+def _image_chat(server, seed: int) -> tuple[int, dict]:
+    from conftest import image_message, random_image
+
+    return server.chat({"messages": image_message("Which colour?", random_image(seed, 64, 64)), "max_tokens": 2,
+                        "temperature": 0, "return_token_ids": True})
+
+
+def _failures(server) -> dict[str, float]:
+    metrics = server.metrics()
+    return {reason: metrics.get(f'vlmd_encoder_server_failures_total{{reason="{reason}"}}', 0.0)
+            for reason in ("invalid_answer", "timeout")}
+
+
+def test_every_request_is_answered_by_the_local_encoder_beside_a_hostile_one(language_server, hostile_for_a_server):
+    server, hostile = language_server, hostile_for_a_server
+    before = _failures(server)
+    local_before = server.metrics()["vlmd_encoder_forwards_total"]
+    hostile.modes.append("proxy-good")  # the proxy itself is sound: an honest answer is used
+    status, honest = _image_chat(server, 39)
+    assert status == 200, honest
+    assert server.metrics()["vlmd_encoder_forwards_total"] == local_before
+    for seed, mode in enumerate(("proxy-wide", "proxy-nan", "proxy-rows"), start=40):
+        hostile.modes.append(mode)
+        status, body = _image_chat(server, seed)  # a new image each: none is resident yet
+        assert status == 200, (mode, body)
+    assert _failures(server)["invalid_answer"] - before["invalid_answer"] == 3
+    assert server.metrics()["vlmd_encoder_forwards_total"] - local_before == 3  # encoded here instead
+    # Four requests meet a drip or a silence; a plain chat beside them is answered, and so
+    # is each of them (by the local encoder, once the timeout has passed).
+    hostile.modes.extend(["drip-body", "hang", "drip-headers", "hang"])
+    results: dict[int, tuple[int, dict]] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _image_chat(server, 50 + i)))
+               for i in range(4)]
+    for thread in threads:
+        thread.start()
+    status, body = server.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200, body
+    for thread in threads:
+        thread.join(60)
+    assert [results[i][0] for i in range(4)] == [200] * 4, results
+    assert _failures(server)["timeout"] - before["timeout"] == 4
