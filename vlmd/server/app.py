@@ -23,6 +23,10 @@ from vlmd.server.state import ServerState
 
 log = structlog.get_logger(__name__)
 
+# Characters of an error's full text that the log keeps: a message may quote a client's
+# value (a library's parse error, a field), and a request must not write megabytes of log.
+LOGGED_DETAIL_CHARACTERS = 2000
+
 
 def _error_response(
     status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None
@@ -53,7 +57,8 @@ async def errors_as_json(request: web.Request, handler):
         return await handler(request)
     except VlmdError as exc:
         if exc.detail != exc.message:  # the client got a trimmed message: the log keeps it whole
-            log.info("error message trimmed for the client", path=request.path, status=exc.status, detail=exc.detail)
+            log.info("error message trimmed for the client", path=request.path, status=exc.status,
+                     detail=logged_detail(exc.detail))
         return vlmd_error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -70,6 +75,13 @@ async def errors_as_json(request: web.Request, handler):
         return _unhandled(request, exc)
     except Exception as exc:
         return _unhandled(request, exc)
+
+
+def logged_detail(text: str) -> str:
+    """``text`` as the log keeps it: at most ``LOGGED_DETAIL_CHARACTERS``, and how long it was."""
+    if len(text) <= LOGGED_DETAIL_CHARACTERS:
+        return text
+    return f"{text[:LOGGED_DETAIL_CHARACTERS]}\u2026 ({len(text)} characters in all)"
 
 
 def _unhandled(request: web.Request, exc: Exception) -> web.Response:

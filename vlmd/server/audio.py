@@ -26,7 +26,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
+from vlmd.errors import BadRequestError, ServerError, VlmdError, from_engine
 from vlmd.processing.speech import TimedWord, TranscriptionOptions
 from vlmd.processing.temperature_fallback import WindowDecode
 from vlmd.server.audio_decode import DecodeSettings, decode_tokens, decode_windows, gather_or_cancel
@@ -34,6 +34,7 @@ from vlmd.server.audio_form import (FORM_FIELDS_BYTES, THRESHOLD_FIELDS, Transcr
                                    read_transcription_form)
 from vlmd.server.body import within_read_deadline
 from vlmd.server.detokenizer import IncrementalDetokenizer
+from vlmd.server.request_fields import model_not_found
 from vlmd.server.state import ServerState
 from vlmd.server.transcript_formats import Segment, join_texts, render, usage
 from vlmd.types import EngineRequest, FinishReason
@@ -63,7 +64,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
                                       f"max_bytes {max_file_bytes} for the audio file and {FORM_FIELDS_BYTES} for the other fields") as account:
         form = await within_read_deadline(request, read_transcription_form(request, max_file_bytes, account))
     if form.model != state.config.model_name:
-        raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(form.model)
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps,
                                    words=form.words)
     transcriber.check(options)

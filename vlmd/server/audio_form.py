@@ -16,12 +16,13 @@ from aiohttp import web
 from vlmd.errors import BadRequestError, PayloadTooLargeError
 from vlmd.processing.temperature_fallback import FallbackThresholds
 from vlmd.server.admission import BodyAccount
-from vlmd.server.request_fields import unsupported_field_message
+from vlmd.server.request_fields import field_param, unsupported_field_message
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
 TIMESTAMP_FORMATS = ("srt", "verbose_json", "vtt")
 MAX_FIELD_BYTES = 64 * 1024
+MAX_LANGUAGE_CHARACTERS = 32
 # The whole form besides its file: the fields and the multipart framing.
 FORM_FIELDS_BYTES = 1 << 20
 # vlmd's extensions: openai-whisper's fallback thresholds, per request ("none" turns one off).
@@ -105,7 +106,7 @@ async def read_transcription_form(request: web.Request, max_file_bytes: int, acc
                 fields[name] = value
         else:
             # A field we would ignore gives wrong output without a word: refuse it by name.
-            raise BadRequestError(unsupported_field_message(name), param=name)
+            raise BadRequestError(unsupported_field_message(name), param=field_param(name))
     if upload is None:
         raise BadRequestError("'file' is required: the audio to transcribe", param="file")
     return _validated(upload, fields, lists)
@@ -158,6 +159,9 @@ def _validated(upload: tuple[bytes, str], fields: dict[str, str], lists: dict[st
                               "the fallback thresholds apply to non-streamed responses",
                               param=next(name for name in THRESHOLD_FIELDS if name in fields))
     language = fields.get("language", "").strip().lower() or None
+    if language is not None and len(language) > MAX_LANGUAGE_CHARACTERS:  # no code or name is this long
+        raise BadRequestError(f"'language' takes a language code (ISO-639-1, e.g. en), not a string of "
+                              f"{len(language)} characters", param="language")
     prompt = fields.get("prompt")
     return TranscriptionForm(
         file=upload[0], filename=upload[1], model=model, language=language,

@@ -11,12 +11,13 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError, VlmdError
+from vlmd.errors import BadRequestError, VlmdError
 from vlmd.server import responses
 from vlmd.server.admission import BodyAccount
 from vlmd.server.body import read_body
 from vlmd.server.generation import Generation, choice_requests, merged_deltas, usage
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
+from vlmd.server.request_fields import model_not_found
 from vlmd.server.state import ServerState
 from vlmd.server.structured_output import compile_structured_output
 
@@ -68,7 +69,7 @@ async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started
     messages preprocessed on the pool, one ``Generation`` per choice; ``answer`` renders
     them, within the media lease (decoded media are held until the answer is done)."""
     if chat.model != state.config.model_name:
-        raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(chat.model)
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
