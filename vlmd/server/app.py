@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 import vlmd
-from vlmd.errors import AuthenticationError, HttpError, VlmdError, as_client_error
+from vlmd.errors import AuthenticationError, HttpError, ServiceUnavailableError, VlmdError, as_client_error
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.completions import completions
@@ -49,6 +49,23 @@ def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Re
     text = (exc.text or "").strip()
     message = text.split(": ", 1)[1] if text.startswith(f"{exc.status}: ") else text
     return _error_response(exc.status, message or exc.reason or "error")
+
+
+# Retry-After while the model loads: a client comes back soon, a probe polls on its own period.
+LOADING_RETRY_AFTER_S = 5
+
+
+@web.middleware
+async def until_loaded(request: web.Request, handler):
+    """While the model loads, every route answers at once: 503 "loading" with Retry-After (a
+    readiness probe, /health, sees not-ready; a client sees when to come back), instead of
+    the connection waiting in the listen backlog until the load is done."""
+    state: ServerState = request.app["state"]
+    if not state.ready:
+        return vlmd_error_response(ServiceUnavailableError(
+            f"loading: the model `{state.config.model_name}` is not loaded yet; retry later",
+            retry_after_s=LOADING_RETRY_AFTER_S))
+    return await handler(request)
 
 
 @web.middleware
@@ -166,7 +183,7 @@ async def get_load(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    middlewares = [errors_as_json]
+    middlewares = [until_loaded, errors_as_json]
     if state.config.api_key:
         middlewares.append(_auth_middleware(state.config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)

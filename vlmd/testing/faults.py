@@ -16,6 +16,9 @@ variable is set, e.g.
   is this token (its K/V stay sound), so a request whose prompt ends with it samples from
   NaN logits, as a bad checkpoint or an overflow would make it.
 
+- ``load_waits_for``: a path; loading the model waits until that file exists, so a test
+  holds the server in its loading state for as long as it looks at it.
+
 The first two fail the whole batch, as a real shape bug or a bad input would, and the third
 reaches the sampler beside good rows: the engine must find the culprit itself.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import structlog
@@ -43,11 +47,24 @@ def loading_with_faults(load_model):
     server then runs it."""
 
     def load_model_with_faults(*args, **kwargs):
+        _wait_for_release()
         model = load_model(*args, **kwargs)
         install_from_env(model)
         return model
 
     return load_model_with_faults
+
+
+def _wait_for_release(limit_s: float = 600.0) -> None:
+    """Hold the load while ``load_waits_for``'s file does not exist (at most ``limit_s``)."""
+    spec = os.environ.get(ENV)
+    path = json.loads(spec).get("load_waits_for") if spec else None
+    if path is None:
+        return
+    log.warning("fault injection: the load waits for a file (tests only)", path=path)
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def install_from_env(model) -> None:
