@@ -97,3 +97,41 @@ def test_stalled_declarations_within_the_bound_hold_no_share_of_the_budget(reque
         assert good(server) == 200
         assert good(server) == 200
     assert server.metrics().get("vlmd_requests_overloaded_total") == rejected
+
+
+def _send_chunked(server: Server, path: str, content_type: str, pieces) -> bytes:
+    """A body without Content-Length (chunked), sent piece by piece until the server answers
+    or the pieces end; the server's reply."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        try:
+            for piece in pieces:
+                sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed while this was still sending
+            pass
+        return _answer(sock)
+
+
+def test_a_chunked_json_body_is_charged_as_it_arrives_and_refused_past_the_bound(llava_server):
+    # Short runs between quotes (the text scan passes them), 1 MiB a piece, 65 MiB in all.
+    piece = b'"ab",' * (2**20 // 5) + b" " * (2**20 % 5)
+    pieces = [b'{"model": "tiny", "pad": [', *[piece] * 65, b'""]}']
+    reply = _send_chunked(llava_server, "/v1/chat/completions", "application/json", pieces)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert f"larger than the limit of {64 * 2**20} bytes (--max-request-bytes)".encode() in reply, reply[:600]
+    assert _good_chat(llava_server) == 200
+
+
+def test_a_chunked_form_is_refused_past_the_forms_bound(whisper_server):
+    # 70 'include' fields of 60 kB (each under the 64 KiB field bound): 4.2 MB, past the
+    # 3 MB upload bound + 1 MiB for the fields, with no file at all.
+    boundary = "b0undary"
+    field = (f'--{boundary}\r\nContent-Disposition: form-data; name="include[]"\r\n\r\n'.encode()
+             + b"x" * 60_000 + b"\r\n")
+    pieces = [field] * 70 + [f"--{boundary}--\r\n".encode()]
+    reply = _send_chunked(whisper_server, "/v1/audio/transcriptions", f"multipart/form-data; boundary={boundary}",
+                          pieces)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert f"larger than the limit of {3_000_000 + 2**20} bytes".encode() in reply, reply[:600]

@@ -103,15 +103,9 @@ class Hostile:
             elif mode == "drip-body":  # headers at once, then two bytes a second
                 body = _body()
                 sock.sendall(_head(len(body)))
-                for start in range(0, len(body), 2):
-                    if self.release.wait(1.0):
-                        return
-                    sock.sendall(body[start:start + 2])
-            elif mode == "drip-headers":
-                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
-                    if self.release.wait(0.5):
-                        return
-                    sock.sendall(bytes([byte]))
+                self.drip(sock, body, 2, 1.0)
+            elif mode == "drip-headers":  # a byte every half second
+                self.drip(sock, b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000, 1, 0.5)
             else:
                 body = {"good": _body(), "wide": _body(width=WIDTH + 1), "narrow": _body(width=WIDTH - 1),
                         "rows": _body(rows=TOKENS + 1), "nan": _body(fill=float("nan")),
@@ -119,6 +113,13 @@ class Hostile:
                 sock.sendall(_head(len(body)) + body)
         except OSError:  # the client gave up: what the bound is for
             pass
+
+    def drip(self, sock, data: bytes, size: int, every_s: float) -> None:
+        """``size`` bytes of ``data`` every ``every_s`` seconds, for at most ``HANG_S`` in all."""
+        for start in range(0, min(len(data), int(HANG_S / every_s) * size), size):
+            if self.release.wait(every_s):
+                return
+            sock.sendall(data[start:start + size])
 
     def forward(self, sock, request: bytes, mode: str) -> None:
         status, answer = _post(self.upstream + "/v1/encoder_outputs", request)
