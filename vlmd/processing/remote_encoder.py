@@ -278,9 +278,10 @@ class _DeadlineReader(io.RawIOBase):
         super().close()
 
 
-class _DeadlineConnection(http.client.HTTPConnection):
-    """``http.client``'s connection with the whole exchange due by ``expires``: the connect
-    waits at most what is left, and the socket it makes is a ``_DeadlineSocket``."""
+class _Deadline:
+    """Makes an ``http.client`` connection's whole exchange due by ``expires``: the connect
+    (and a TLS handshake) waits at most what is left, and the socket it makes is a
+    ``_DeadlineSocket``."""
 
     def __init__(self, netloc: str, expires: float):
         super().__init__(netloc, timeout=max(expires - time.monotonic(), 0.001))
@@ -292,15 +293,12 @@ class _DeadlineConnection(http.client.HTTPConnection):
         self.sock = _DeadlineSocket(self.sock, self.expires)
 
 
-class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, netloc: str, expires: float):
-        super().__init__(netloc, timeout=max(expires - time.monotonic(), 0.001))
-        self.expires = expires
+class _DeadlineConnection(_Deadline, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        self.timeout = max(self.expires - time.monotonic(), 0.001)
-        super().connect()  # the TLS handshake runs within the socket's timeout, what is left
-        self.sock = _DeadlineSocket(self.sock, self.expires)
+
+class _DeadlineHTTPSConnection(_Deadline, http.client.HTTPSConnection):
+    pass
 
 
 def _failure_kind(exc: Exception) -> str:
