@@ -216,6 +216,22 @@ def test_bodies_being_read_at_once_are_bounded_by_the_bytes_they_received():
         assert admission.body_bytes == 0
 
 
+def test_a_body_alone_is_admitted_even_past_the_budget():
+    """A route's bound may pass the budget (the audio form: max_audio_bytes + 1 MiB beside a
+    small --max-request-bytes): alone, such a body is read; beside another, it waits its turn."""
+    with ThreadPoolExecutor(1) as pool:
+        admission = _body_admission(pool)  # budget 400
+        with admission.reading_body(None, 1000, "the form") as alone:
+            alone.received(900)
+            assert admission.body_bytes == 900
+        with admission.reading_body(None, 100, "--max-request-bytes") as small:
+            small.received(1)
+            with admission.reading_body(None, 1000, "the form") as large:
+                with pytest.raises(ServiceUnavailableError, match="1 bytes of other request bodies"):
+                    large.received(400)
+        assert admission.body_bytes == 0
+
+
 def test_bodies_declared_and_never_sent_hold_no_share_of_the_budget():
     with ThreadPoolExecutor(1) as pool:
         admission = _body_admission(pool)
