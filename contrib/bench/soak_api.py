@@ -6,7 +6,8 @@ both with a short read deadline so a body that stops arriving is answered in the
 and runs ``vlmd.testing.soak_api`` against both at once from ``--clients`` threads each,
 until ``--requests`` per server or ``--seconds``: chat with images, video and audio, text
 completions, responses, structured outputs, n = 3, penalties, streams read to the end or
-dropped, the hostile cases of issue 36 and stalled bodies. Exit status 1 if any outcome was
+dropped, the hostile cases of issue 36, stalled bodies and uploads that declare 1 GB and send
+nothing (issue 50: each a 413 at once, no 503 for the rest). Exit status 1 if any outcome was
 not the expected one (a wrong answer, a 5xx), an engine did not drain, RSS grew by more
 than 1 GiB, or a server holds more descriptors after than before.
 

@@ -7,7 +7,9 @@ video, a clip; text completions; a response; structured outputs (a choice list, 
 schema); three choices at once; penalties; streams, read to the end or dropped after the
 first event. Mixed in: the hostile cases of issue 36 (a schema whose references never end,
 100,000 choices, bad media of every modality, wrong shapes, oversize bodies, over-long
-text) and a client whose body stops arriving (a 408 at the server's read deadline). The
+text), a client whose body stops arriving (a 408 at the server's read deadline) and, from
+issue 50, uploads that declare 1 GB and send nothing (each a 413 at once, and the good
+requests beside them unaffected: no 503 is an expected outcome). The
 vision server runs with a small KV cache, so requests are preempted and recomputed while
 their answers are checked.
 """
@@ -105,6 +107,7 @@ def _common(model: str, max_request_bytes: int) -> tuple:
         Scenario("json-broken", b'{"model": "x", "messages": [', 400),
         Scenario("long-text", chat("a" * 2_000_000), 400),
         Scenario("oversize-body", b'{"pad": "' + b"a" * (max_request_bytes + 1024) + b'"}', 413),
+        Scenario("declared-1gb", b"", 413, declare=2**30),
     ]
     return chat, good, hostile
 
