@@ -15,7 +15,7 @@ from contextlib import ExitStack
 import numpy as np
 import orjson
 import pytest
-from conftest import Server, image_data_url, random_image
+from conftest import Server, assert_error, image_data_url, random_image
 from whisper_support import post_audio, wav_bytes
 
 GIGABYTE = 2**30
@@ -135,3 +135,17 @@ def test_a_chunked_form_is_refused_past_the_forms_bound(whisper_server):
                           pieces)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
     assert f"larger than the limit of {3_000_000 + 2**20} bytes".encode() in reply, reply[:600]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_long_text_run_is_refused_while_the_body_streams_in(llava_server, chunked):
+    # 2 MB of one word: past 12 bytes x the 30,720-character bound, so the scan refuses it
+    # (its own message) before the body is parsed, with or without a Content-Length.
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * 2_000_000 + b'"}]}'
+    if chunked:
+        reply = _send_chunked(llava_server, "/v1/chat/completions", "application/json",
+                              [body[start:start + 2**16] for start in range(0, len(body), 2**16)])
+        status, raw = int(reply[9:12]), reply.split(b"\r\n\r\n", 1)[1]
+    else:
+        status, raw = llava_server.request("POST", "/v1/chat/completions", body)
+    assert_error(status, raw, 400, "holds a run of more than 368640 bytes outside any data: url", param="messages")
