@@ -44,7 +44,8 @@ def refuse_non_finite_rows(logits: torch.Tensor, states: list[RunnerRequestState
     bad = ~torch.isfinite(row_max)
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
-        raise NonFiniteLogits([states[row].request_id for row in rows], "are not finite (NaN or +inf, or no finite value)")
+        raise NonFiniteLogits([states[row].request_id for row in rows],
+                              "are not finite (NaN or +inf, or no finite value)")
 
 
 def sample(

@@ -133,8 +133,8 @@ def _text_format(text: dict) -> tuple[dict[str, Any], StructuredOutputSpec | Non
             raise BadRequestError(f"'text.format' of type '{kind}' takes no other field", param="text")
         return fmt, None if kind == "text" else StructuredOutputSpec("json", ANY_JSON_OBJECT, "text")
     if kind != "json_schema":
-        raise BadRequestError(f"'text.format.type' {describe_value(kind)} is not supported (use 'text', 'json_object' or "
-                              "'json_schema')", param="text")
+        raise BadRequestError(f"'text.format.type' {describe_value(kind)} is not supported (use 'text', "
+                              "'json_object' or 'json_schema')", param="text")
     unknown = sorted(set(fmt) - _JSON_SCHEMA_KEYS)
     if unknown:
         raise BadRequestError(f"'text.format' has the unknown field {describe_value(unknown[0])}", param="text")
