@@ -12,125 +12,19 @@ the hostile server would hold it (the bound "under 10 s" stands for that hang).
 from __future__ import annotations
 
 import collections
-import socketserver
 import threading
 import time
 
-import numpy as np
 import pytest
 
-from vlmd.encoder_wire import MEDIA_TYPE, WireTensor, pack, unpack
 from vlmd.errors import ServiceUnavailableError
 from vlmd.processing.chat import MediaRef
 from vlmd.processing.remote_encoder import RemoteEncoders
+from vlmd.testing.hostile_encoder import IDENTIFIER, TOKENS, WIDTH, HostileEncoder
 from vlmd.types import MultiModalItem
 
-MODEL, WIDTH, TOKENS = "tiny", 8, 4
-IDENTIFIER = "ab" * 32
+MODEL = "tiny"
 TIMEOUT_S = 1.0
-HANG_S = 60.0  # how long the hostile server would hold a connection
-
-
-def _body(rows: int = TOKENS, width: int = WIDTH, fill: float = 0.5, model: str = MODEL) -> bytes:
-    values = np.full((rows, width), fill, dtype=np.float32)
-    return pack({IDENTIFIER: WireTensor("image", "F32", (rows, width), values.tobytes())}, model)
-
-
-def _head(length: int) -> bytes:
-    return (f"HTTP/1.1 200 OK\r\nContent-Type: {MEDIA_TYPE}\r\nContent-Length: {length}\r\n"
-            "Connection: close\r\n\r\n").encode()
-
-
-def _read_request(sock) -> bytes:
-    """One HTTP request's body (headers up to the blank line, then Content-Length bytes)."""
-    received = b""
-    while b"\r\n\r\n" not in received:
-        received += sock.recv(1 << 16)
-    head, body = received.split(b"\r\n\r\n", 1)
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += sock.recv(1 << 16)
-    return body
-
-
-def _corrupt(answer: bytes, mode: str) -> bytes:
-    """A real encoder server's answer, made hostile: one more column, a row less, or NaN."""
-    if mode == "proxy-good":
-        return answer
-    model, tensors = unpack(answer)
-    changed = {}
-    for identifier, tensor in tensors.items():
-        assert tensor.dtype == "F32", tensor.dtype  # the tiny LLaVA's encoder runs in float32
-        values = np.frombuffer(bytes(tensor.data), dtype=np.float32).reshape(tensor.shape)
-        values = {"proxy-wide": lambda v: np.concatenate([v, v[:, :1]], axis=1),
-                  "proxy-rows": lambda v: v[:-1],
-                  "proxy-nan": lambda v: np.where(np.arange(v.size).reshape(v.shape) == 7, np.nan, v)}[mode](values)
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        changed[identifier] = WireTensor(tensor.modality, "F32", values.shape, values.tobytes())
-    return pack(changed, model)
-
-
-class Hostile:
-    """An encoder server whose next answers are set by the test (a mode per connection);
-    ``proxy-*`` modes forward the request to ``upstream`` (a real encoder server) and corrupt
-    its answer."""
-
-    def __init__(self, upstream: str | None = None):
-        self.modes: collections.deque[str] = collections.deque()
-        self.release = threading.Event()
-        self.upstream = upstream
-        hostile = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self):
-                request = _read_request(self.request)
-                mode = hostile.modes.popleft() if hostile.modes else "good"
-                if mode.startswith("proxy-"):
-                    hostile.forward(self.request, request, mode)
-                else:
-                    hostile.answer(self.request, mode)
-
-        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def answer(self, sock, mode: str) -> None:
-        try:
-            if mode == "hang":
-                self.release.wait(HANG_S)
-            elif mode == "drip-body":  # headers at once, then two bytes a second
-                body = _body()
-                sock.sendall(_head(len(body)))
-                self.drip(sock, body, 2, 1.0)
-            elif mode == "drip-headers":  # a byte every half second
-                self.drip(sock, b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000, 1, 0.5)
-            else:
-                body = {"good": _body(), "wide": _body(width=WIDTH + 1), "narrow": _body(width=WIDTH - 1),
-                        "rows": _body(rows=TOKENS + 1), "nan": _body(fill=float("nan")),
-                        "inf": _body(fill=float("inf")), "model": _body(model="other")}[mode]
-                sock.sendall(_head(len(body)) + body)
-        except OSError:  # the client gave up: what the bound is for
-            pass
-
-    def drip(self, sock, data: bytes, size: int, every_s: float) -> None:
-        """``size`` bytes of ``data`` every ``every_s`` seconds, for at most ``HANG_S`` in all."""
-        for start in range(0, min(len(data), int(HANG_S / every_s) * size), size):
-            if self.release.wait(every_s):
-                return
-            sock.sendall(data[start:start + size])
-
-    def forward(self, sock, request: bytes, mode: str) -> None:
-        status, answer = _post(self.upstream + "/v1/encoder_outputs", request)
-        assert status == 200, answer[:300]
-        body = _corrupt(answer, mode)
-        sock.sendall(_head(len(body)) + body)
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class Counts:
@@ -141,22 +35,14 @@ class Counts:
         self.failures[reason] += 1
 
 
-def _post(url: str, body: bytes) -> tuple[int, bytes]:
-    import urllib.request
-
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return response.status, response.read()
-
-
 @pytest.fixture
 def hostile():
-    server = Hostile()
+    server = HostileEncoder(MODEL)
     yield server
     server.close()
 
 
-def _attach(hostile: Hostile, mode: str, fallback: str = "local") -> tuple[int, MultiModalItem, Counts]:
+def _attach(hostile: HostileEncoder, mode: str, fallback: str = "local") -> tuple[int, MultiModalItem, Counts]:
     hostile.modes.append(mode)
     counts = Counts()
     encoders = RemoteEncoders((hostile.url,), MODEL, TIMEOUT_S, fallback, WIDTH, observer=counts)
@@ -196,7 +82,7 @@ def test_a_silent_or_dripping_server_holds_the_thread_no_longer_than_the_timeout
     seconds = time.monotonic() - started
     assert attached == 0 and item.encoder_output is None
     assert counts.failures == {"timeout": 1}
-    assert seconds < 10, seconds  # the server would hold it HANG_S (or the drip its ~4 minutes)
+    assert seconds < 10, seconds  # the server would hold it hostile_encoder.HANG_S (60 s)
 
 
 def test_an_unreachable_server_is_counted_as_such():
@@ -213,7 +99,7 @@ def test_an_unreachable_server_is_counted_as_such():
 
 @pytest.fixture(scope="module")
 def hostile_for_a_server(llava_encoder_server):
-    server = Hostile(upstream=llava_encoder_server.url)
+    server = HostileEncoder(MODEL, upstream=llava_encoder_server.url)
     yield server
     server.close()
 
