@@ -1,4 +1,4 @@
-"""Stalled uploads cannot hold the body budget hostage (issue 50, item 1; D95).
+"""Stalled uploads cannot hold the body budget hostage (issue 50, item 1; D97).
 
 A client that declares a body and sends nothing costs its own connection and read deadline,
 never another client's request: a declared length past the route's bound is a 413 at once

@@ -13,7 +13,7 @@ Bounds, each with its answer (all 503 with Retry-After: the server is healthy, o
 - a body's size: a declared Content-Length past the route's bound is a 413 at once, before
   anything is reserved or read; a body that streams past it is a 413 when it does;
 - bodies being read and parsed at once: at most ``BODIES_IN_FLIGHT`` x ``--max-request-bytes``
-  of bytes *received* (charged as they arrive, D95), so many large bodies arriving together
+  of bytes *received* (charged as they arrive, D97), so many large bodies arriving together
   cannot exhaust memory before any of them is looked at, while uploads that declare a size
   and send nothing hold no share of it: they cost their own connection and read deadline,
   never another client's request.

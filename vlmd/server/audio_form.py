@@ -3,7 +3,7 @@
 The body is streamed part by part, so its size is bounded here rather than by aiohttp's
 ``client_max_size`` (which only covers bodies read whole): the file part may not exceed the
 audio upload bound (413), every other field is a few kilobytes at most, and the whole form
-``max_form_bytes`` (each chunk is charged to the body's account as it arrives, D95).
+``max_form_bytes`` (each chunk is charged to the body's account as it arrives, D97).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ async def within_read_deadline(request: web.Request, reading):
 async def read_body(request: web.Request, account: BodyAccount, max_run_bytes: int | None = None,
                     describe: str = "") -> bytearray:
     """The body, within the read deadline, each chunk charged to ``account`` as it arrives
-    (413 past the route's bound, 503 past the bodies-in-flight budget: D95), refused early
+    (413 past the route's bound, 503 past the bodies-in-flight budget: D97), refused early
     (400) when a run outside data URLs passes ``max_run_bytes``."""
     return await within_read_deadline(request, _read_body(request, account, max_run_bytes, describe))
 

@@ -36,7 +36,7 @@ async def read_json(request: web.Request, account: BodyAccount, max_run_bytes: i
 async def read_text_body(request: web.Request, state: ServerState):
     """The JSON body of a text front door, under the admission bounds: 413 at once for a
     declared length past --max-request-bytes; 503 past --max-waiting-requests before it is
-    read, or past the bodies-in-flight budget as it arrives (D95); a run of 12 bytes per character (a surrogate
+    read, or past the bodies-in-flight budget as it arrives (D97); a run of 12 bytes per character (a surrogate
     pair's escapes) past the character bound is refused while it streams in, before any copy
     or parse."""
     with state.admission.reading_body(request.content_length, state.config.max_request_bytes,
