@@ -71,8 +71,8 @@ RUN pip install -c /deps/constraints.txt /wheels/*.whl && rm -rf /wheels && pip 
 VOLUME ["/var/cache/vlmd"]
 USER 10001:0
 EXPOSE 8000
-# Nothing but the image's own Python: healthy once /health answers 200 (it answers 503 after
-# a fatal engine failure), on the port of the server's command line (a `--port N` given to
+# Nothing but the image's own Python: healthy once /health answers 200 (it answers 503 while
+# the model loads and after a fatal engine failure), on the port of the server's command line (a `--port N` given to
 # `docker run` wins over the entrypoint's 8000). The start period covers loading a large checkpoint.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=10m --retries=3 \
     CMD ["python", "-c", "import urllib.request; a = open('/proc/1/cmdline').read().split(chr(0)); p = [a[i + 1] if x == '--port' else x[7:] for i, x in enumerate(a) if x == '--port' or x.startswith('--port=')]; urllib.request.urlopen(f'http://127.0.0.1:{p[-1] if p else 8000}/health', timeout=8)"]

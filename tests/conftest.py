@@ -69,10 +69,13 @@ class Server:
     """A real ``vlmd serve`` subprocess, talked to over HTTP."""
 
     def __init__(self, model_dir: Path, *flags: str, name: str = "tiny", log_dir: Path | None = None,
-                 kv_cache_gb: str | None = "0.25", faults: dict | None = None, port: int | None = None):
+                 kv_cache_gb: str | None = "0.25", faults: dict | None = None, port: int | None = None,
+                 wait_until_healthy: bool = True):
         """``faults``: the settings of the test-only fault injection (vlmd/testing/faults.py);
         the server then runs under the launcher that installs it, its ranks too. ``port``:
-        chosen ahead (a server whose URL another server is started with); default a free one."""
+        chosen ahead (a server whose URL another server is started with); default a free one.
+        ``wait_until_healthy``: False returns once the process is started (the test watches
+        its start-up, then calls ``wait_healthy``)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = name
@@ -91,9 +94,10 @@ class Server:
             env[FAULTS_ENV] = orjson.dumps(faults).decode()
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy()
+        if wait_until_healthy:
+            self.wait_healthy()
 
-    def _wait_healthy(self, timeout: float = 120.0) -> None:
+    def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -333,6 +337,14 @@ def llava_server(tiny_llava_dir, media_dir, tmp_path_factory):
         tiny_llava_dir, "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "image=3",
         "--max-model-len", "2048", log_dir=tmp_path_factory.mktemp("logs"),
     )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def llava_encoder_server(tiny_llava_dir, tmp_path_factory):
+    """A tiny LLaVA ``--encoder-only`` server (the encoder route alone), default bounds."""
+    server = Server(tiny_llava_dir, "--encoder-only", "--no-warmup", log_dir=tmp_path_factory.mktemp("logs"))
     yield server
     server.stop()
 

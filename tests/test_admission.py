@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from types import SimpleNamespace
 
 import pytest
@@ -190,18 +191,80 @@ def test_an_output_that_was_never_computed_is_forgotten():
     assert "img" in out.evicted_encoder_identifiers
 
 
-def test_bodies_being_read_at_once_are_bounded():
+def _body_admission(pool, max_body_bytes: int = 100, max_waiting: int = 10) -> Admission:
+    return Admission(pool, SimpleNamespace(num_waiting=0), threads=1, max_queue=1, max_waiting=max_waiting,
+                     timeout_s=1, media_budget_bytes=1, max_body_bytes=max_body_bytes)
+
+
+def test_bodies_being_read_at_once_are_bounded_by_the_bytes_they_received():
     with ThreadPoolExecutor(1) as pool:
-        admission = Admission(pool, SimpleNamespace(num_waiting=0), threads=1, max_queue=1, max_waiting=10,
-                              timeout_s=1, media_budget_bytes=1, max_body_bytes=100)
-        with admission.reading_body(100), admission.reading_body(100), admission.reading_body(None):
-            with admission.reading_body(100):  # 4 x the largest body: still admitted
+        admission = _body_admission(pool)
+        with ExitStack() as bodies:
+            for _ in range(4):  # 4 x the largest body, received whole: still admitted
+                bodies.enter_context(admission.reading_body(100, 100, "--max-request-bytes")).received(100)
+            assert admission.body_bytes == 400
+            with admission.reading_body(1, 100, "--max-request-bytes") as fifth:
                 with pytest.raises(ServiceUnavailableError, match="4 x --max-request-bytes"):
-                    with admission.reading_body(1):
-                        pass
+                    fifth.received(1)
+                assert fifth.charged == 0
+            assert admission.num_rejected == 1
+        assert (admission.body_bytes, admission.num_reading) == (0, 0)
+        with admission.reading_body(None, 100, "--max-request-bytes") as alone:  # no Content-Length: by its bytes
+            alone.received(60)
+            alone.received(90)
+            assert admission.body_bytes == 90
         assert admission.body_bytes == 0
-        with admission.reading_body(10**9):  # counted at most as the largest body
-            assert admission.body_bytes == 100
+
+
+def test_a_body_alone_is_admitted_even_past_the_budget():
+    """A route's bound may pass the budget (the audio form: max_audio_bytes + 1 MiB beside a
+    small --max-request-bytes): alone, such a body is read; beside another, it waits its turn."""
+    with ThreadPoolExecutor(1) as pool:
+        admission = _body_admission(pool)  # budget 400
+        with admission.reading_body(None, 1000, "the form") as alone:
+            alone.received(300)
+            alone.received(900)  # its own 300 are not "others"
+            assert admission.body_bytes == 900
+        with admission.reading_body(None, 100, "--max-request-bytes") as small:
+            small.received(1)
+            with admission.reading_body(None, 1000, "the form") as large:
+                with pytest.raises(ServiceUnavailableError, match="1 bytes of other request bodies"):
+                    large.received(400)
+        assert admission.body_bytes == 0
+
+
+def test_bodies_declared_and_never_sent_hold_no_share_of_the_budget():
+    with ThreadPoolExecutor(1) as pool:
+        admission = _body_admission(pool)
+        with ExitStack() as stalled:
+            for _ in range(8):  # declared at the bound, nothing arrives: they cost nothing
+                stalled.enter_context(admission.reading_body(100, 100, "--max-request-bytes"))
+            assert admission.body_bytes == 0
+            with admission.reading_body(100, 100, "--max-request-bytes") as good:
+                good.received(100)
+                assert admission.body_bytes == 100
+            assert admission.num_reading == 8
+
+
+def test_a_declared_length_past_the_bound_is_a_413_before_anything_is_taken():
+    with ThreadPoolExecutor(1) as pool:
+        admission = _body_admission(pool, max_waiting=1)
+        with admission.reading_body(0, 100, "--max-request-bytes"):  # the door is full now
+            with pytest.raises(PayloadTooLargeError) as refused:
+                with admission.reading_body(2**30, 100, "--max-request-bytes"):
+                    pass
+            assert refused.value.message == ("the request body declares 1073741824 bytes (Content-Length); the "
+                                             "limit is 100 bytes (--max-request-bytes)")
+            assert (admission.num_reading, admission.body_bytes, admission.num_rejected) == (1, 0, 0)
+            with pytest.raises(ServiceUnavailableError, match="--max-waiting-requests 1"):  # within the bound
+                with admission.reading_body(100, 100, "--max-request-bytes"):
+                    pass
+        with admission.reading_body(100, 100, "--max-request-bytes") as account:
+            account.received(100)  # exactly the bound
+        with admission.reading_body(None, 100, "--max-request-bytes") as account:  # a stream past it: 413 there
+            with pytest.raises(PayloadTooLargeError, match="larger than the limit of 100 bytes"):
+                account.received(101)
+        assert (admission.num_reading, admission.body_bytes) == (0, 0)
 
 
 def test_worker_reports_an_engine_refusal_as_400_and_a_bug_as_500():

@@ -180,3 +180,72 @@ def test_counts_are_rebuilt_from_kept_tokens_after_preemption():
     state.append_token(5)
     assert counts.output[5] == 3
     assert math.isclose(float(counts.output.sum()), 4)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _poisoned(rows: int, poison: dict[int, float]) -> torch.Tensor:
+    """Finite logits with one value of each poisoned row replaced (NaN, +inf) or, for -inf,
+    the whole row (nothing finite left)."""
+    logits = _logits(rows)
+    for row, value in poison.items():
+        if value == -INF:
+            logits[row] = -INF
+        else:
+            logits[row, 7] = value
+    return logits
+
+
+KINDS = {  # fault injection: each kind of request, alone in a plain-greedy batch or beside the others
+    "greedy": SamplingParams(temperature=0),
+    "greedy-biased": SamplingParams(temperature=0, logit_bias=((3, 1.0),)),
+    "sampled": SamplingParams(temperature=0.8),
+    "seeded": SamplingParams(temperature=0.8, seed=5),
+    "logprobs": SamplingParams(temperature=0, logprobs=2),
+    "sampled-logprobs": SamplingParams(temperature=1.0, logprobs=0),
+}
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_row_that_is_not_finite_is_refused_by_name_before_any_state_advances(kind, value):
+    from vlmd.runner.sampler import NonFiniteLogits
+
+    states = [_state(KINDS[name], [1, 2], request_id=name) for name in KINDS]
+    poisoned_row = list(KINDS).index(kind)
+    with pytest.raises(NonFiniteLogits) as refused:
+        sample(_poisoned(len(states), {poisoned_row: value}), states, torch.Generator().manual_seed(0))
+    assert refused.value.request_ids == [kind]
+    assert kind in str(refused.value) and "not finite" in str(refused.value)
+    assert all(state.token_ids == [1, 2] for state in states)  # nothing was chosen for anyone
+    # Alone (a plain-greedy request takes the argmax shortcut): refused too, never a token.
+    with pytest.raises(NonFiniteLogits) as alone:
+        sample(_poisoned(1, {0: value}), [_state(KINDS[kind], [1], request_id=kind)], torch.Generator())
+    assert alone.value.request_ids == [kind]
+
+
+def test_every_poisoned_row_is_named_and_finite_rows_with_masked_tokens_are_not():
+    from vlmd.runner.sampler import NonFiniteLogits
+
+    states = [_state(KINDS["sampled"], [1], request_id=f"r{row}") for row in range(4)]
+    logits = _poisoned(4, {1: NAN, 3: INF})
+    logits[0, :40] = -INF  # a mask leaves finite values: a good row
+    with pytest.raises(NonFiniteLogits) as refused:
+        sample(logits.clone(), states, torch.Generator())
+    assert refused.value.request_ids == ["r1", "r3"]
+    good = _poisoned(2, {})
+    good[0, :40] = -INF
+    tokens, _ = sample(good, states[:2], torch.Generator().manual_seed(0))
+    assert 40 <= tokens[0] < VOCAB and 0 <= tokens[1] < VOCAB
+
+
+def test_a_draw_with_no_mass_left_is_refused_not_answered_past_the_vocabulary():
+    from vlmd.runner.sampler import NonFiniteLogits, _draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.0, 0.0], [NAN, 0.5, 0.5]])
+    states = [_state(KINDS["sampled"], [1], request_id=f"r{row}") for row in range(3)]
+    with pytest.raises(NonFiniteLogits) as refused:
+        _draw(probs, states, torch.Generator().manual_seed(0))
+    assert refused.value.request_ids == ["r1", "r2"]
+    assert _draw(probs[:1], states[:1], torch.Generator().manual_seed(0))[0] in (1, 2)

@@ -54,6 +54,19 @@ def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(server):
     assert b"--request-read-timeout" in reply
 
 
+def test_a_large_declared_body_that_never_arrives_is_cut_off_at_the_base_deadline(server):
+    # 64 MiB declared (the largest body), nothing sent: the deadline credits bytes received,
+    # not bytes declared, so this is a 408 after --request-read-timeout (1 s), not after the
+    # ~17 minutes the declared size would buy at --request-min-body-rate. The socket's 30 s
+    # timeout bounds the wait: a server that credits the declaration fails the test.
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {64 * 2**20}\r\n\r\n".encode())
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"1 s (--request-read-timeout)" in reply
+
+
 def test_a_trickled_body_is_cut_off_at_the_deadline(server):
     # 10 bytes at a time, each after waiting up to 0.2 s for an answer: at most 6,000 of the
     # 100,000 bytes promised ever arrive, so only the read deadline can end this with a

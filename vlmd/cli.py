@@ -121,7 +121,11 @@ def default_model_dir() -> Path:
 
 
 def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info", max_connections: int | None = None) -> None:
-    """``max_connections``: the bound found by ``connection_bound`` (default: found here)."""
+    """``max_connections``: the bound found by ``connection_bound`` (default: found here).
+
+    The socket is served from the start: while the model loads (weights, profile, warm-up:
+    seconds to minutes), every route answers a prompt 503 ("loading", ``Retry-After``), so a
+    readiness probe or a client is answered rather than held in the listen backlog."""
     import uvloop
 
     from vlmd.engine.async_engine import AsyncEngine
@@ -141,77 +145,86 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info", max
     # Built and stepped on one thread, the only one whose torch ops run in parallel
     # (engine_thread.py: a second OpenMP team slows every step by a quarter).
     engine_thread = EngineThread()
-    # Said at once: reading weights, profiling and warming up take seconds with nothing else to say.
-    log.info("loading", model_dir=config.model, listening=_url(config))
-    built = engine_thread.call(lambda: build_engine(config, log_level))
-    executor = built.core.executor
-    if config.warmup:
-        engine_thread.call(lambda: warm_up(built))
-    engine = AsyncEngine(loop)
-    pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess",
-                              initializer=single_threaded_torch)
-    admission = Admission(
-        pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
-        max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
-        media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
-    )
-    metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan,
-                      admission=admission, connections=bound)
-    # Observed from here on, not from construction: the start-up profile and the warm-up run
-    # the same processor, and the histograms count clients' work only.
-    if built.grammar_compiler is not None:
-        built.grammar_compiler.observer = metrics
-    built.preprocessor.observer = metrics
-    built.preprocessor.processor.observer = metrics
-    if config.encoder_urls:  # after the warm-up: it encodes here, whether or not they are up yet
-        from vlmd.processing.remote_encoder import RemoteEncoders
-
-        built.preprocessor.remote_encoders = RemoteEncoders(
-            config.encoder_urls, config.model_name, config.encoder_timeout_s, config.encoder_fallback,
-            built.preprocessor.info.encoder_output_width(), config.encoder_api_key,
-            is_resident=lambda identifier: identifier in executor.encoder_outputs,
-        )
-    worker = EngineWorker(built.core, engine.post_deltas, built.torch_threads, observe_step=metrics.observe_step,
-                          thread=engine_thread)
-    engine.attach(worker)
-    worker.start()
-    grammar_queue = None
-    if built.grammar_compiler is not None:
-        from vlmd.structured.compile_queue import CompileQueue
-
-        grammar_queue = CompileQueue(built.grammar_compiler.compile, timeout_s=config.max_grammar_compile_s)
-    state = ServerState(
-        config=config,
-        engine=engine,
-        preprocessor=built.preprocessor,
-        tokenizer=built.tokenizer,
-        eos_token_ids=built.eos_token_ids,
-        max_model_len=built.max_model_len,
-        pool=pool,
-        metrics=metrics,
-        admission=admission,
-        created=int(time.time()),
-        transcriber=built.transcriber,
-        grammar_compiler=built.grammar_compiler,
-        grammar_queue=grammar_queue,
-    )
+    state = ServerState(config=config)  # not ready: every route answers 503 "loading"
     app = create_app(state)
-    executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
-    log.info("serving", model=config.model_name, url=_url(config))
+    started: dict = {}  # what the load started, for the shutdown
+
+    async def load() -> None:
+        """On the loop, while it serves the loading answers: the engine is built and warmed
+        on its thread, the rest here."""
+        built = await asyncio.wrap_future(engine_thread.submit(lambda: build_engine(config, log_level)))
+        executor = started["executor"] = built.core.executor
+        if config.warmup:
+            await asyncio.wrap_future(engine_thread.submit(lambda: warm_up(built)))
+        engine = AsyncEngine(loop)
+        pool = started["pool"] = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="vlmd-preprocess",
+                                                    initializer=single_threaded_torch)
+        admission = Admission(
+            pool, engine, threads=config.preprocess_threads, max_queue=config.max_preprocess_queue,
+            max_waiting=config.max_waiting_requests, timeout_s=config.preprocess_timeout,
+            media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
+        )
+        metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan,
+                          admission=admission, connections=bound)
+        # Observed from here on, not from construction: the start-up profile and the warm-up run
+        # the same processor, and the histograms count clients' work only.
+        if built.grammar_compiler is not None:
+            built.grammar_compiler.observer = metrics
+        built.preprocessor.observer = metrics
+        built.preprocessor.processor.observer = metrics
+        if config.encoder_urls:  # after the warm-up: it encodes here, whether or not they are up yet
+            from vlmd.processing.remote_encoder import RemoteEncoders
+
+            built.preprocessor.remote_encoders = RemoteEncoders(
+                config.encoder_urls, config.model_name, config.encoder_timeout_s, config.encoder_fallback,
+                built.preprocessor.info.encoder_output_width(), config.encoder_api_key,
+                is_resident=lambda identifier: identifier in executor.encoder_outputs, observer=metrics,
+            )
+        worker = started["worker"] = EngineWorker(built.core, engine.post_deltas, built.torch_threads,
+                                                  observe_step=metrics.observe_step, thread=engine_thread)
+        engine.attach(worker)
+        worker.start()
+        grammar_queue = None
+        if built.grammar_compiler is not None:
+            from vlmd.structured.compile_queue import CompileQueue
+
+            grammar_queue = started["grammar_queue"] = CompileQueue(built.grammar_compiler.compile,
+                                                                    timeout_s=config.max_grammar_compile_s)
+        state.become_ready(
+            engine=engine,
+            preprocessor=built.preprocessor,
+            tokenizer=built.tokenizer,
+            eos_token_ids=built.eos_token_ids,
+            max_model_len=built.max_model_len,
+            pool=pool,
+            metrics=metrics,
+            admission=admission,
+            created=int(time.time()),
+            transcriber=built.transcriber,
+            grammar_compiler=built.grammar_compiler,
+            grammar_queue=grammar_queue,
+        )
+        executor.on_failure(lambda message: loop.call_soon_threadsafe(_fail_server, state, message))
+        log.info("serving", model=config.model_name, url=_url(config))
+
     try:
-        # The line an operator waits for: the loop runs and the socket is served.
-        run(app, sock, loop, bound=bound, keepalive_timeout=config.keepalive_timeout,
-            on_ready=lambda: log.info("ready", url=_url(config), model=config.model_name,
-                                      max_connections=bound.bound))
+        # Said at once: reading weights, profiling and warming up take seconds with nothing
+        # else to say, and the loading answers start with it.
+        run(app, sock, loop, bound=bound, keepalive_timeout=config.keepalive_timeout, load=load,
+            on_listening=lambda: log.info("loading", model_dir=config.model, listening=_url(config)),
+            on_ready=lambda: log.info("ready", url=_url(config), model=config.model_name, max_connections=bound.bound))
     finally:
-        worker.stop()
-        executor.shutdown()
+        if "worker" in started:
+            started["worker"].stop()
+        if "executor" in started:
+            started["executor"].shutdown()
         # Last: the tensor-parallel ranks were started from this thread, and the kernel kills
         # a child whose parent thread ends (rank_process._die_with_parent, PR_SET_PDEATHSIG).
         engine_thread.close(timeout=10.0)
-        pool.shutdown(wait=False, cancel_futures=True)
-        if grammar_queue is not None:
-            grammar_queue.shutdown()
+        if "pool" in started:
+            started["pool"].shutdown(wait=False, cancel_futures=True)
+        if "grammar_queue" in started:
+            started["grammar_queue"].shutdown()
         log.info("shut down", model=config.model_name)
     if state.fatal_error is not None:
         log.error("exiting after a tensor-parallel failure", reason=state.fatal_error)

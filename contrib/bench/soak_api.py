@@ -6,7 +6,10 @@ both with a short read deadline so a body that stops arriving is answered in the
 and runs ``vlmd.testing.soak_api`` against both at once from ``--clients`` threads each,
 until ``--requests`` per server or ``--seconds``: chat with images, video and audio, text
 completions, responses, structured outputs, n = 3, penalties, streams read to the end or
-dropped, the hostile cases of issue 36 and stalled bodies. Exit status 1 if any outcome was
+dropped, the hostile cases of issue 36, stalled bodies and uploads that declare 1 GB and send
+nothing (issue 50: each a 413 at once, no 503 for the rest), with a hostile encoder server
+behind the vision server (``vlmd.testing.hostile_encoder``: wrong shapes, NaN, silences,
+drips; the vision server encodes locally and its answers stay exact). Exit status 1 if any outcome was
 not the expected one (a wrong answer, a 5xx), an engine did not drain, RSS grew by more
 than 1 GiB, or a server holds more descriptors after than before.
 
@@ -26,8 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vlmd.testing.soak_api import (AUDIO_FLAGS, COMMON_FLAGS, MAX_REQUEST_BYTES, VISION_FLAGS, audio_mix,
-                                   run_api_soak, vision_mix)
+from vlmd.testing.hostile_encoder import HostileEncoder
+from vlmd.testing.soak_api import (AUDIO_FLAGS, COMMON_FLAGS, HOSTILE_ENCODER_MODES, MAX_REQUEST_BYTES, VISION_FLAGS,
+                                   audio_mix, hostile_encoder_flags, run_api_soak, vision_mix)
 from vlmd.tiny import build_tiny
 
 
@@ -67,8 +71,10 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="vlmd-soak-api-"))
     servers = {}
+    hostile = HostileEncoder("tiny-vl", cycle=HOSTILE_ENCODER_MODES)
     try:
-        for name, family, flags, mix in (("tiny-vl", "qwen2_vl", VISION_FLAGS, vision_mix),
+        for name, family, flags, mix in (("tiny-vl", "qwen2_vl", (*VISION_FLAGS, *hostile_encoder_flags(hostile.url)),
+                                          vision_mix),
                                          ("tiny-audio", "qwen2_audio", AUDIO_FLAGS, audio_mix)):
             model_dir = build_tiny(family, work / name, seed=0, size="tiny")
             process, url = start(model_dir, name, flags, work / f"{name}.log")
@@ -82,7 +88,9 @@ def main() -> None:
         for process, _, _ in servers.values():
             process.terminate()
             process.wait(15)
-    summary = {"seconds": args.seconds, "clients_per_server": args.clients}
+        hostile.close()
+    summary = {"seconds": args.seconds, "clients_per_server": args.clients,
+               "hostile_encoder_answers": dict(hostile.answered)}
     ok = True
     for name, result in results.items():
         figures = result.summary()

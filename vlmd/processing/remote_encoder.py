@@ -4,13 +4,22 @@ Runs on the preprocessing pool, after the request's own processing gave its item
 prompt's placeholders and the identifiers need nothing of the encoder): the items whose
 encoder output this server does not hold are sent, as the request's own media parts, to one
 encoder server, which fetches, decodes and processes them under its own bounds and answers
-their encoder outputs keyed by identifier (``vlmd/encoder_wire.py``). Each output is checked
-against the item it is for (identifier, modality, encoder tokens) and attached to it
+their encoder outputs keyed by identifier (``vlmd/encoder_wire.py``). An encoder server is
+an untrusted peer: each output is checked against the item it is for (identifier,
+modality, shape: encoder tokens *and* width; the dtype is one of the wire's floating types,
+checked by its strict parser) and must be finite, before it is attached
 (``MultiModalItem.encoder_output``); the runner stores it instead of encoding.
 
+The whole exchange (connect, request, status and headers, body) is bounded by
+``--encoder-timeout-s`` (or what is left of the request's preprocess deadline): every send
+and receive of the connection waits at most until that one deadline (``_DeadlineSocket``),
+so a server that accepts and stays silent, or drips its answer a byte at a time, holds a
+preprocessing thread no longer than that.
+
 A server that fails (refused connection, an error status, slower than
-``--encoder-timeout-s``, a body that does not parse or does not match) is passed over for
-the next URL, and is left out for the next ``REST_AFTER_FAILURE_S`` unless every server
+``--encoder-timeout-s``, a body that does not parse or does not match) is counted in
+``/metrics`` (``vlmd_encoder_server_failures_total`` by reason) and passed over for the
+next URL, and is left out for the next ``REST_AFTER_FAILURE_S`` unless every server
 is. When all have failed the items keep no output and the runner encodes them
 here (``--encoder-fallback local``), or the request alone fails with a 503 that names each
 server's failure (``fail``). Identifiers cover the model and the processor kwargs, so a
@@ -21,6 +30,7 @@ wrong answer.
 from __future__ import annotations
 
 import http.client
+import io
 import itertools
 import time
 from collections.abc import Callable
@@ -28,6 +38,7 @@ from urllib.parse import urlsplit
 
 import orjson
 import structlog
+import torch
 
 from vlmd.encoder_wire import MEDIA_TYPE, WireFormatError, unpack
 from vlmd.errors import ServiceUnavailableError
@@ -53,9 +64,10 @@ class EncoderServerFailed(Exception):
     the server is left out for a while (not when it refused these items with a 4xx: it is
     up, and other items may suit it)."""
 
-    def __init__(self, message: str, rests: bool = True):
+    def __init__(self, message: str, rests: bool = True, reason: str = "invalid_answer"):
         super().__init__(message)
         self.rests = rests
+        self.reason = reason  # the /metrics label: timeout, error_status or invalid_answer
 
 
 def media_part(ref: MediaRef) -> dict:
@@ -67,11 +79,12 @@ def media_part(ref: MediaRef) -> dict:
 class RemoteEncoders:
     def __init__(self, urls: tuple[str, ...], model: str, timeout_s: float, fallback: str,
                  output_width: int, api_key: str | None = None,
-                 is_resident: Callable[[str], bool] | None = None):
+                 is_resident: Callable[[str], bool] | None = None, observer=None):
         """``output_width``: values per encoder-output vector (the processing info's
-        ``encoder_output_width``), which bounds an answer's size. ``is_resident(identifier)``:
-        whether the engine holds that output already (then the item is not sent; should it
-        be evicted before its step, the runner encodes it here)."""
+        ``encoder_output_width``): each output must have it, and it bounds an answer's size.
+        ``is_resident(identifier)``: whether the engine holds that output already (then the
+        item is not sent; should it be evicted before its step, the runner encodes it here).
+        ``observer``: counts each server's failure by reason (vlmd.server.metrics.Metrics)."""
         self.urls = urls
         self.model = model
         self.timeout_s = timeout_s
@@ -79,6 +92,7 @@ class RemoteEncoders:
         self.output_width = output_width
         self.api_key = api_key
         self.is_resident = is_resident or (lambda identifier: False)
+        self.observer = observer
         self._turn = itertools.count()  # spreads requests over the servers, one after another
         # A failed server's URL -> (when it is asked again, why it failed).
         self._resting: dict[str, tuple[float, str]] = {}
@@ -118,6 +132,8 @@ class RemoteEncoders:
             except (EncoderServerFailed, WireFormatError, OSError, http.client.HTTPException) as exc:
                 reason = str(exc) or type(exc).__name__
                 log.warning("encoder server failed", url=url, reason=reason)
+                if self.observer is not None:
+                    self.observer.observe_encoder_server_failure(_failure_kind(exc))
                 failures.append(f"{url}: {reason}")
                 if getattr(exc, "rests", True):
                     self._resting[url] = (time.monotonic() + REST_AFTER_FAILURE_S, reason)
@@ -138,43 +154,44 @@ class RemoteEncoders:
         return 0
 
     def _ask(self, url: str, payload: bytes, limit: int, deadline: Deadline) -> dict:
-        """POST the items to one server; its answer parsed, within the time both allow."""
+        """POST the items to one server; its answer parsed, the whole exchange within the
+        time both allow."""
         budget = min(self.timeout_s, deadline.remaining_s)
         if budget <= 0:
-            raise EncoderServerFailed("no time left in --preprocess-timeout")
-        expires = time.monotonic() + budget
+            raise EncoderServerFailed("no time left in --preprocess-timeout", reason="timeout")
+        late = f"it took longer than {budget:.3g} s (--encoder-timeout-s)"
         parts = urlsplit(url)
-        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = connection_class(parts.netloc, timeout=budget)
+        connection_class = _DeadlineHTTPSConnection if parts.scheme == "https" else _DeadlineConnection
+        connection = connection_class(parts.netloc, time.monotonic() + budget)
         headers = {"Content-Type": "application/json", "Accept": MEDIA_TYPE, "User-Agent": "vlmd"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        response = None
         try:
             connection.request("POST", parts.path.rstrip("/") + ROUTE, body=payload, headers=headers)
             response = connection.getresponse()
             chunks, size = [], 0
-            while chunk := response.read(_READ_CHUNK):
+            while chunk := response.read1(_READ_CHUNK):  # what has arrived: a drip cannot hold a read
                 size += len(chunk)
                 if size > limit:
                     raise EncoderServerFailed(f"its answer is larger than the {limit} bytes these items' outputs take")
-                if time.monotonic() > expires:
-                    raise EncoderServerFailed(f"it took longer than {budget:.3g} s (--encoder-timeout-s)")
                 chunks.append(chunk)
         except TimeoutError:
-            raise EncoderServerFailed(f"it took longer than {budget:.3g} s (--encoder-timeout-s)") from None
+            raise EncoderServerFailed(late, reason="timeout") from None
         finally:
+            if response is not None:
+                response.close()
             connection.close()
         body = b"".join(chunks)
         if response.status != 200:
             raise EncoderServerFailed(f"it answered {response.status}: {_error_message(body)}",
-                                      rests=not 400 <= response.status < 500)
+                                      rests=not 400 <= response.status < 500, reason="error_status")
         model, tensors = unpack(body)
         if model != self.model:
-            raise EncoderServerFailed(f"it serves the model {model!r}, not {self.model!r}")
+            raise EncoderServerFailed(f"it serves the model {model[:100]!r}, not {self.model!r}")
         return tensors
 
-    @staticmethod
-    def _match(wanted: dict, outputs: dict) -> dict:
+    def _match(self, wanted: dict, outputs: dict) -> dict:
         """Each wanted item's output, checked against the item; any mismatch fails the server."""
         attached = {}
         for identifier, (item, _) in wanted.items():
@@ -183,12 +200,114 @@ class RemoteEncoders:
                 raise EncoderServerFailed(
                     f"it sent no output for {item.modality} item {identifier[:12]} (is it serving the same model "
                     "with the same --mm-processor-kwargs and --media-io-kwargs?)")
-            if output.modality != item.modality or output.shape[0] != item.num_encoder_tokens:
+            expected_shape = (item.num_encoder_tokens, self.output_width)
+            if output.modality != item.modality or tuple(output.shape) != expected_shape:
                 raise EncoderServerFailed(
                     f"its output for {item.modality} item {identifier[:12]} is {output.modality} of shape "
-                    f"{list(output.shape)}; the item takes {item.num_encoder_tokens} encoder tokens")
-            attached[identifier] = from_wire(output)
+                    f"{list(output.shape)}; the item takes {list(expected_shape)} (encoder tokens x width)")
+            tensor = from_wire(output)
+            if not bool(torch.isfinite(tensor).all()):
+                raise EncoderServerFailed(
+                    f"its output for {item.modality} item {identifier[:12]} holds values that are not finite")
+            attached[identifier] = tensor
         return attached
+
+
+class _DeadlineSocket:
+    """A connected socket whose every send and receive waits at most until ``expires``
+    (``time.monotonic()``): what ``http.client`` reads through ``makefile`` is read here, so a
+    peer that drips its headers or body a byte at a time meets the deadline of the whole
+    exchange, not a fresh timeout per byte."""
+
+    def __init__(self, sock, expires: float):
+        self._sock = sock
+        self._expires = expires
+        # As socket.makefile's readers do: the socket closes once it and its readers all are
+        # (http.client closes the connection while the response still reads its body).
+        self._readers = 0
+        self._closed = False
+
+    def _remaining(self) -> float:
+        remaining = self._expires - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the exchange's deadline passed")
+        self._sock.settimeout(remaining)
+        return remaining
+
+    def sendall(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            self._remaining()
+            sent = self._sock.send(view)
+            view = view[sent:]
+
+    def recv_into(self, buffer) -> int:
+        self._remaining()
+        return self._sock.recv_into(buffer)
+
+    def makefile(self, mode: str = "rb", *args, **kwargs):
+        if mode != "rb":
+            raise ValueError(f"only 'rb' is supported, not {mode!r}")
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def reader_closed(self) -> None:
+        self._readers -= 1
+        if self._closed and not self._readers:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        if not self._readers:
+            self._sock.close()
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: _DeadlineSocket):
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self._sock.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._sock.reader_closed()
+        super().close()
+
+
+class _Deadline:
+    """Makes an ``http.client`` connection's whole exchange due by ``expires``: the connect
+    (and a TLS handshake) waits at most what is left, and the socket it makes is a
+    ``_DeadlineSocket``."""
+
+    def __init__(self, netloc: str, expires: float):
+        super().__init__(netloc, timeout=max(expires - time.monotonic(), 0.001))
+        self.expires = expires
+
+    def connect(self) -> None:
+        self.timeout = max(self.expires - time.monotonic(), 0.001)
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self.expires)
+
+
+class _DeadlineConnection(_Deadline, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPSConnection(_Deadline, http.client.HTTPSConnection):
+    pass
+
+
+def _failure_kind(exc: Exception) -> str:
+    """The /metrics reason of one server's failure."""
+    if isinstance(exc, EncoderServerFailed):
+        return exc.reason
+    if isinstance(exc, WireFormatError):
+        return "invalid_answer"
+    return "unreachable"  # refused, reset, closed mid-answer
 
 
 def _error_message(body: bytes) -> str:

@@ -4,6 +4,14 @@ The order (documented in ``logits_processors``) is: token constraints, the model
 rule, logit bias, penalties, the structured-output mask; greedy rows take the argmax there;
 sampled rows are warped (temperature, top-k, top-p, min-p) into probabilities and drawn
 from: seeded rows each with their own generator, the others in one draw.
+
+A row that holds NaN or +inf, or no finite value at all (a bad checkpoint, an overflow), has
+no token to give: an argmax there is arbitrary and a draw lands past the vocabulary. So
+``sample`` raises ``NonFiniteLogits`` naming its requests before anything is chosen or any
+state advanced, and the engine's fault isolation (``vlmd/engine/isolation.py``, D12) re-runs
+the step without them and fails those requests alone, with a 500 that names the cause; the
+step's other rows go on. A sampled row whose processed distribution has no mass (nothing
+left to draw) is refused the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +25,27 @@ from vlmd.runner.grammar_mask import apply_grammar_masks
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.types import TokenLogprob
 
-__all__ = ["sample", "apply_token_constraints"]
+__all__ = ["NonFiniteLogits", "sample", "apply_token_constraints"]
+
+
+class NonFiniteLogits(RuntimeError):
+    """Rows with no token to give; ``request_ids`` are their requests."""
+
+    def __init__(self, request_ids: list[str], what: str):
+        super().__init__(f"the logits of request(s) {', '.join(request_ids)} {what}: no token can be chosen")
+        self.request_ids = request_ids
+
+
+def refuse_non_finite_rows(logits: torch.Tensor, states: list[RunnerRequestState]) -> None:
+    """Raise ``NonFiniteLogits`` for the rows holding NaN or +inf, or nothing finite (-inf
+    alone is a mask, and fine). One reduction: a row's max is NaN if any value is, +inf if
+    any is, -inf if all are."""
+    row_max = logits.amax(dim=-1)
+    bad = ~torch.isfinite(row_max)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise NonFiniteLogits([states[row].request_id for row in rows],
+                              "are not finite (NaN or +inf, or no finite value)")
 
 
 def sample(
@@ -32,6 +60,7 @@ def sample(
     it runs after the per-request token constraints, as transformers runs a generation
     config's suppression before the model's processors.
     """
+    refuse_non_finite_rows(logits, states)
     if process_logits is None and all(state.plain_greedy for state in states):
         # Every row is a plain argmax (``request_state.is_plain_greedy``): the processors
         # below would leave the logits as they are, and nothing is drawn or reported.
@@ -82,6 +111,10 @@ def _draw(probs: torch.Tensor, states: list[RunnerRequestState], default_generat
     32k-token row on this CPU; the float64 cumsum and search cost ~0.1 ms per row.)"""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
+    empty = ~(total.squeeze(1) > 0)  # no mass, or NaN: the search would land past the vocabulary
+    if bool(empty.any()):
+        raise NonFiniteLogits([states[row].request_id for row in empty.nonzero().flatten().tolist()],
+                              "leave no probability to draw from once processed")
     device = probs.device  # the generators draw on the logits' device (the runner's)
     uniform = torch.empty(len(states), 1, dtype=torch.float64, device=device)
     unseeded = []

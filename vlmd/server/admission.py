@@ -10,9 +10,13 @@ Bounds, each with its answer (all 503 with Retry-After: the server is healthy, o
   the work at its next stage boundary (see vlmd.processing.deadline);
 - decoded media in flight: ``--max-inflight-media-gb`` (vlmd.media.budget), one lease per
   request, given back when its answer is done;
+- a body's size: a declared Content-Length past the route's bound is a 413 at once, before
+  anything is reserved or read; a body that streams past it is a 413 when it does;
 - bodies being read and parsed at once: at most ``BODIES_IN_FLIGHT`` x ``--max-request-bytes``
-  (by Content-Length; a body without one counts as the largest), so many large bodies
-  arriving together cannot exhaust memory before any of them is looked at.
+  of bytes *received* (charged as they arrive, D97), so many large bodies arriving together
+  cannot exhaust memory before any of them is looked at, while uploads that declare a size
+  and send nothing hold no share of it: they cost their own connection and read deadline,
+  never another client's request.
 /health and /metrics pass none of these: they answer under any load.
 """
 
@@ -24,7 +28,7 @@ from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from vlmd.errors import ServiceUnavailableError
+from vlmd.errors import PayloadTooLargeError, ServiceUnavailableError
 from vlmd.media.budget import MediaBudget, MediaLease
 from vlmd.processing.deadline import Deadline, PreprocessTimeout
 
@@ -72,20 +76,23 @@ class Admission:
                 f"{self.max_waiting}); retry later")
 
     @contextmanager
-    def reading_body(self, content_length: int | None):
-        """Around reading and parsing one body (on the loop)."""
-        size = min(content_length if content_length is not None else self.max_body_bytes, self.max_body_bytes)
-        if self.body_bytes and self.body_bytes + size > self.body_budget_bytes:
-            self.num_rejected += 1
-            raise ServiceUnavailableError(
-                f"{self.body_bytes} bytes of request bodies are being read; this one ({size} bytes) would pass "
-                f"{self.body_budget_bytes} ({BODIES_IN_FLIGHT} x --max-request-bytes): retry later")
-        self.body_bytes += size
+    def reading_body(self, content_length: int | None, bound: int, describe_bound: str):
+        """Around reading and parsing one body (on the loop); yields its ``BodyAccount``,
+        which the reader tells the bytes received so far. ``bound``: the route's largest
+        body, named by ``describe_bound`` in the 413. Before anything is read: a declared
+        length past ``bound`` is a 413 (on its word: nothing reserved, nothing read; aiohttp
+        discards what follows), then the door's capacity (503)."""
+        if content_length is not None and content_length > bound:
+            raise PayloadTooLargeError(
+                f"the request body declares {content_length} bytes (Content-Length); the limit is {bound} bytes "
+                f"({describe_bound})")
+        self.check_capacity()
+        account = BodyAccount(self, bound, describe_bound)
         self.num_reading += 1
         try:
-            yield
+            yield account
         finally:
-            self.body_bytes -= size
+            self.body_bytes -= account.charged
             self.num_reading -= 1
 
     def media_lease(self) -> MediaLease:
@@ -130,6 +137,38 @@ class Admission:
 
     def _finished(self) -> None:
         self.num_preprocessing -= 1
+
+
+class BodyAccount:
+    """One body's share of the bodies-in-flight budget: the bytes it has received so far,
+    charged as they arrive. A body alone is always admitted (it is at most its route's
+    bound); beside others it is a 503 once the bytes all of them received would pass
+    ``BODIES_IN_FLIGHT`` x ``--max-request-bytes``."""
+
+    def __init__(self, admission: Admission, bound: int, describe_bound: str):
+        self.admission = admission
+        self.bound = bound
+        self.describe_bound = describe_bound
+        self.charged = 0
+
+    def received(self, total_bytes: int) -> None:
+        """The body has received ``total_bytes`` bytes in all (its own count, never less than
+        before): 413 past the route's bound, 503 past the shared budget."""
+        if total_bytes > self.bound:
+            raise PayloadTooLargeError(
+                f"the request body is larger than the limit of {self.bound} bytes ({self.describe_bound})")
+        more = total_bytes - self.charged
+        if more <= 0:
+            return
+        admission = self.admission
+        others = admission.body_bytes - self.charged
+        if others and admission.body_bytes + more > admission.body_budget_bytes:
+            admission.num_rejected += 1
+            raise ServiceUnavailableError(
+                f"{others} bytes of other request bodies are being read; this one's {total_bytes} would pass "
+                f"{admission.body_budget_bytes} ({BODIES_IN_FLIGHT} x --max-request-bytes): retry later")
+        admission.body_bytes += more
+        self.charged = total_bytes
 
 
 def _set_result(future: asyncio.Future) -> None:

@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 import vlmd
-from vlmd.errors import AuthenticationError, HttpError, VlmdError, as_client_error
+from vlmd.errors import AuthenticationError, HttpError, ServiceUnavailableError, VlmdError, as_client_error
 from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.completions import completions
@@ -22,6 +22,10 @@ from vlmd.server.metrics import CONTENT_TYPE
 from vlmd.server.state import ServerState
 
 log = structlog.get_logger(__name__)
+
+# Characters of an error's full text that the log keeps: a message may quote a client's
+# value (a library's parse error, a field), and a request must not write megabytes of log.
+LOGGED_DETAIL_CHARACTERS = 2000
 
 
 def _error_response(
@@ -47,13 +51,31 @@ def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Re
     return _error_response(exc.status, message or exc.reason or "error")
 
 
+# Retry-After while the model loads: a client comes back soon, a probe polls on its own period.
+LOADING_RETRY_AFTER_S = 5
+
+
+@web.middleware
+async def until_loaded(request: web.Request, handler):
+    """While the model loads, every route answers at once: 503 "loading" with Retry-After (a
+    readiness probe, /health, sees not-ready; a client sees when to come back), instead of
+    the connection waiting in the listen backlog until the load is done."""
+    state: ServerState = request.app["state"]
+    if not state.ready:
+        return vlmd_error_response(ServiceUnavailableError(
+            f"loading: the model `{state.config.model_name}` is not loaded yet; retry later",
+            retry_after_s=LOADING_RETRY_AFTER_S))
+    return await handler(request)
+
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except VlmdError as exc:
         if exc.detail != exc.message:  # the client got a trimmed message: the log keeps it whole
-            log.info("error message trimmed for the client", path=request.path, status=exc.status, detail=exc.detail)
+            log.info("error message trimmed for the client", path=request.path, status=exc.status,
+                     detail=logged_detail(exc.detail))
         return vlmd_error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -70,6 +92,13 @@ async def errors_as_json(request: web.Request, handler):
         return _unhandled(request, exc)
     except Exception as exc:
         return _unhandled(request, exc)
+
+
+def logged_detail(text: str) -> str:
+    """``text`` as the log keeps it: at most ``LOGGED_DETAIL_CHARACTERS``, and how long it was."""
+    if len(text) <= LOGGED_DETAIL_CHARACTERS:
+        return text
+    return f"{text[:LOGGED_DETAIL_CHARACTERS]}\u2026 ({len(text)} characters in all)"
 
 
 def _unhandled(request: web.Request, exc: Exception) -> web.Response:
@@ -154,7 +183,7 @@ async def get_load(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    middlewares = [errors_as_json]
+    middlewares = [until_loaded, errors_as_json]
     if state.config.api_key:
         middlewares.append(_auth_middleware(state.config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_request_bytes)

@@ -26,13 +26,15 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError, ServerError, VlmdError, from_engine
+from vlmd.errors import BadRequestError, ServerError, VlmdError, from_engine
 from vlmd.processing.speech import TimedWord, TranscriptionOptions
 from vlmd.processing.temperature_fallback import WindowDecode
 from vlmd.server.audio_decode import DecodeSettings, decode_tokens, decode_windows, gather_or_cancel
-from vlmd.server.audio_form import THRESHOLD_FIELDS, TranscriptionForm, read_transcription_form
+from vlmd.server.audio_form import (FORM_FIELDS_BYTES, THRESHOLD_FIELDS, TranscriptionForm, max_form_bytes,
+                                   read_transcription_form)
 from vlmd.server.body import within_read_deadline
 from vlmd.server.detokenizer import IncrementalDetokenizer
+from vlmd.server.request_fields import model_not_found
 from vlmd.server.state import ServerState
 from vlmd.server.transcript_formats import Segment, join_texts, render, usage
 from vlmd.types import EngineRequest, FinishReason
@@ -50,17 +52,19 @@ async def translations(request: web.Request) -> web.StreamResponse:
 
 async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     state: ServerState = request.app["state"]
-    state.admission.check_capacity()  # 503 before the upload is read
     transcriber = state.transcriber
     if transcriber is None:
         raise BadRequestError(
             f"the model `{state.config.model_name}` does not take audio; /v1/audio/* needs a speech-to-text model",
             param="model",
         )
-    with state.admission.reading_body(request.content_length):
-        form = await within_read_deadline(request, read_transcription_form(request, transcriber.policy.max_audio_bytes))
+    max_file_bytes = transcriber.policy.max_audio_bytes
+    # 413 at once past the form's bound, 503 past capacity, both before the upload is read.
+    with state.admission.reading_body(request.content_length, max_form_bytes(max_file_bytes),
+                                      f"max_bytes {max_file_bytes} for the audio file and {FORM_FIELDS_BYTES} for the other fields") as account:
+        form = await within_read_deadline(request, read_transcription_form(request, max_file_bytes, account))
     if form.model != state.config.model_name:
-        raise NotFoundError(f"The model `{form.model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(form.model)
     options = TranscriptionOptions(task=task, language=form.language, prompt=form.prompt, timestamps=form.timestamps,
                                    words=form.words)
     transcriber.check(options)

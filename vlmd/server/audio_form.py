@@ -2,23 +2,29 @@
 
 The body is streamed part by part, so its size is bounded here rather than by aiohttp's
 ``client_max_size`` (which only covers bodies read whole): the file part may not exceed the
-audio upload bound (413), every other field is a few kilobytes at most.
+audio upload bound (413), every other field is a few kilobytes at most, and the whole form
+``max_form_bytes`` (each chunk is charged to the body's account as it arrives, D97).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, PayloadTooLargeError
 from vlmd.processing.temperature_fallback import FallbackThresholds
-from vlmd.server.request_fields import unsupported_field_message
+from vlmd.server.admission import BodyAccount
+from vlmd.server.request_fields import field_param, unsupported_field_message
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
 TIMESTAMP_FORMATS = ("srt", "verbose_json", "vtt")
 MAX_FIELD_BYTES = 64 * 1024
+MAX_LANGUAGE_CHARACTERS = 32
+# The whole form besides its file: the fields and the multipart framing.
+FORM_FIELDS_BYTES = 1 << 20
 # vlmd's extensions: openai-whisper's fallback thresholds, per request ("none" turns one off).
 THRESHOLD_FIELDS = ("compression_ratio_threshold", "logprob_threshold", "no_speech_threshold")
 _TEXT_FIELDS = ("model", "language", "prompt", "response_format", "temperature", "stream", "seed", *THRESHOLD_FIELDS)
@@ -59,7 +65,12 @@ class TranscriptionForm:
         return self.response_format in TIMESTAMP_FORMATS
 
 
-async def read_transcription_form(request: web.Request, max_file_bytes: int) -> TranscriptionForm:
+def max_form_bytes(max_file_bytes: int) -> int:
+    """The largest body the form may be: its file at the upload bound and its other fields."""
+    return max_file_bytes + FORM_FIELDS_BYTES
+
+
+async def read_transcription_form(request: web.Request, max_file_bytes: int, account: BodyAccount) -> TranscriptionForm:
     if not request.content_type.startswith("multipart/form-data"):
         raise BadRequestError("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
     try:
@@ -69,6 +80,10 @@ async def read_transcription_form(request: web.Request, max_file_bytes: int) -> 
     fields: dict[str, str] = {}
     lists: dict[str, list[str]] = {}
     upload: tuple[bytes, str] | None = None
+
+    def received() -> None:  # the body's bytes so far, as the connection's stream counts them
+        account.received(request.content.total_bytes)
+
     while True:
         try:
             part = await reader.next()
@@ -80,9 +95,9 @@ async def read_transcription_form(request: web.Request, max_file_bytes: int) -> 
         if name == "file":
             if upload is not None:
                 raise BadRequestError("send exactly one 'file'", param="file")
-            upload = (await _read_limited(part, max_file_bytes, "file"), part.filename or "")
+            upload = (await _read_limited(part, max_file_bytes, "file", received), part.filename or "")
         elif name in _TEXT_FIELDS or name in _LIST_FIELDS:
-            value = (await _read_limited(part, MAX_FIELD_BYTES, name)).decode("utf-8", errors="replace")
+            value = (await _read_limited(part, MAX_FIELD_BYTES, name, received)).decode("utf-8", errors="replace")
             if name in _LIST_FIELDS:
                 lists.setdefault(name, []).append(value)
             elif name in fields:
@@ -91,16 +106,17 @@ async def read_transcription_form(request: web.Request, max_file_bytes: int) -> 
                 fields[name] = value
         else:
             # A field we would ignore gives wrong output without a word: refuse it by name.
-            raise BadRequestError(unsupported_field_message(name), param=name)
+            raise BadRequestError(unsupported_field_message(name), param=field_param(name))
     if upload is None:
         raise BadRequestError("'file' is required: the audio to transcribe", param="file")
     return _validated(upload, fields, lists)
 
 
-async def _read_limited(part, limit: int, name: str) -> bytes:
+async def _read_limited(part, limit: int, name: str, received: Callable[[], None]) -> bytes:
     chunks, size = [], 0
     while True:
         chunk = await part.read_chunk(64 * 1024)
+        received()
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
@@ -143,6 +159,9 @@ def _validated(upload: tuple[bytes, str], fields: dict[str, str], lists: dict[st
                               "the fallback thresholds apply to non-streamed responses",
                               param=next(name for name in THRESHOLD_FIELDS if name in fields))
     language = fields.get("language", "").strip().lower() or None
+    if language is not None and len(language) > MAX_LANGUAGE_CHARACTERS:  # no code or name is this long
+        raise BadRequestError(f"'language' takes a language code (ISO-639-1, e.g. en), not a string of "
+                              f"{len(language)} characters", param="language")
     prompt = fields.get("prompt")
     return TranscriptionForm(
         file=upload[0], filename=upload[1], model=model, language=language,

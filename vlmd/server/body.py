@@ -20,6 +20,7 @@ import asyncio
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, RequestTimeoutError
+from vlmd.server.admission import BodyAccount
 
 _DATA = b"data:"
 # OpenAI's ``input_audio`` carries its clip as bare base64 under the key ``data``: the run
@@ -108,25 +109,25 @@ async def within_read_deadline(request: web.Request, reading):
             task.cancel()
 
 
-async def read_body(request: web.Request, max_run_bytes: int | None = None, describe: str = "") -> bytes | memoryview:
-    """The body, within the read deadline, refused early (400) when a run outside data URLs
-    passes ``max_run_bytes``."""
-    return await within_read_deadline(request, _read_body(request, max_run_bytes, describe))
+async def read_body(request: web.Request, account: BodyAccount, max_run_bytes: int | None = None,
+                    describe: str = "") -> bytearray:
+    """The body, within the read deadline, each chunk charged to ``account`` as it arrives
+    (413 past the route's bound, 503 past the bodies-in-flight budget: D97), refused early
+    (400) when a run outside data URLs passes ``max_run_bytes``."""
+    return await within_read_deadline(request, _read_body(request, account, max_run_bytes, describe))
 
 
-async def _read_body(request: web.Request, max_run_bytes: int | None, describe: str) -> bytes | memoryview:
+async def _read_body(request: web.Request, account: BodyAccount, max_run_bytes: int | None,
+                     describe: str) -> bytearray:
     length = request.content_length
-    if max_run_bytes is None or length is None or length <= max_run_bytes or length > request.client_max_size:
-        return await request.read()  # aiohttp enforces --max-request-bytes (413)
-    buffer = bytearray(length)  # one copy, no regrowth
-    view = memoryview(buffer)
-    scanner = _RunScanner(max_run_bytes, describe)
-    position = 0
+    scan = max_run_bytes is not None and (length is None or length > max_run_bytes)
+    scanner = _RunScanner(max_run_bytes, describe) if scan else None
+    # Grown as bytes arrive (not allocated at the declared size): memory follows what was
+    # received and charged, so a body declared large and never sent costs nothing.
+    buffer = bytearray()
     async for chunk in request.content.iter_any():
-        end = position + len(chunk)
-        if end > length:
-            raise BadRequestError("the body is longer than its Content-Length")
-        view[position:end] = chunk
-        position = end
-        scanner.feed(chunk)
-    return view[:position]
+        account.received(len(buffer) + len(chunk))
+        buffer += chunk
+        if scanner is not None:
+            scanner.feed(chunk)
+    return buffer

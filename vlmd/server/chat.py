@@ -11,19 +11,22 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError, VlmdError
+from vlmd.errors import BadRequestError, VlmdError
 from vlmd.server import responses
+from vlmd.server.admission import BodyAccount
 from vlmd.server.body import read_body
 from vlmd.server.generation import Generation, choice_requests, merged_deltas, usage
 from vlmd.server.protocol import ChatCompletionRequest, parse_chat_request
+from vlmd.server.request_fields import model_not_found
 from vlmd.server.state import ServerState
 from vlmd.server.structured_output import compile_structured_output
 
 log = structlog.get_logger(__name__)
 
 
-async def read_json(request: web.Request, max_run_bytes: int | None = None, describe: str = ""):
-    raw = await read_body(request, max_run_bytes, describe)
+async def read_json(request: web.Request, account: BodyAccount, max_run_bytes: int | None = None,
+                    describe: str = ""):
+    raw = await read_body(request, account, max_run_bytes, describe)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -31,15 +34,16 @@ async def read_json(request: web.Request, max_run_bytes: int | None = None, desc
 
 
 async def read_text_body(request: web.Request, state: ServerState):
-    """The JSON body of a text front door, under the admission bounds: 503 past
-    --max-waiting-requests before it is read; a run of 12 bytes per character (a surrogate
+    """The JSON body of a text front door, under the admission bounds: 413 at once for a
+    declared length past --max-request-bytes; 503 past --max-waiting-requests before it is
+    read, or past the bodies-in-flight budget as it arrives (D97); a run of 12 bytes per character (a surrogate
     pair's escapes) past the character bound is refused while it streams in, before any copy
     or parse."""
-    state.admission.check_capacity()
-    preprocessor = state.preprocessor
-    with state.admission.reading_body(request.content_length):
+    with state.admission.reading_body(request.content_length, state.config.max_request_bytes,
+                                      "--max-request-bytes") as account:
+        preprocessor = state.preprocessor
         return await read_json(
-            request, 12 * preprocessor.max_prompt_chars,
+            request, account, 12 * preprocessor.max_prompt_chars,
             f"its text has more than {preprocessor.max_prompt_chars} characters: more than "
             f"max_model_len ({preprocessor.max_model_len}) tokens can hold "
             f"({preprocessor.max_token_chars} characters per token at most)")
@@ -65,7 +69,7 @@ async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started
     messages preprocessed on the pool, one ``Generation`` per choice; ``answer`` renders
     them, within the media lease (decoded media are held until the answer is done)."""
     if chat.model != state.config.model_name:
-        raise NotFoundError(f"The model `{chat.model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(chat.model)
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None

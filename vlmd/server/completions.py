@@ -14,11 +14,12 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError, VlmdError
+from vlmd.errors import BadRequestError, VlmdError
 from vlmd.server import responses
 from vlmd.server.chat import read_text_body
 from vlmd.server.completions_protocol import CompletionRequest, parse_completion_request
 from vlmd.server.generation import Generation, choice_requests, merged_deltas, usage
+from vlmd.server.request_fields import model_not_found
 from vlmd.server.state import ServerState
 from vlmd.server.structured_output import compile_structured_output
 
@@ -28,7 +29,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     completion = parse_completion_request(await read_text_body(request, state))
     if completion.model != state.config.model_name:
-        raise NotFoundError(f"The model `{completion.model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(completion.model)
     completion.sampling.check_vocabulary(state.preprocessor.vocab_size)
     _check_prompt_lengths(state, completion)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, completion.structured) if completion.structured else None

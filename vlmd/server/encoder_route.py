@@ -16,8 +16,9 @@ import asyncio
 from aiohttp import web
 
 from vlmd.encoder_wire import MEDIA_TYPE, pack
-from vlmd.errors import BadRequestError, NotFoundError
+from vlmd.errors import BadRequestError
 from vlmd.server.chat import read_text_body
+from vlmd.server.request_fields import describe_value, field_param, model_not_found
 from vlmd.server.state import ServerState
 
 _FIELDS = {"model", "items", "mm_processor_kwargs"}
@@ -30,9 +31,9 @@ async def encoder_outputs(request: web.Request) -> web.Response:
         raise BadRequestError("the request body must be a JSON object")
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
-        raise BadRequestError(f"unrecognized request field {unknown[0]!r}", param=unknown[0])
+        raise BadRequestError(f"unrecognized request field {describe_value(unknown[0])}", param=field_param(unknown[0]))
     if body.get("model") != state.config.model_name:
-        raise NotFoundError(f"The model `{body.get('model')}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(body.get("model"))
     kwargs = body.get("mm_processor_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequestError("mm_processor_kwargs must be an object", param="mm_processor_kwargs")

@@ -7,7 +7,7 @@ thread and the preprocessing threads observe directly).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -170,6 +170,11 @@ class Metrics:
         self.fetch = histogram("vlmd_media_fetch_seconds", "Fetch and decode of one item", _FAST, ("modality",))
         self.process = histogram("vlmd_media_preprocess_seconds", "Processor work for one item", _FAST, ("modality",))
         self.grammar_compile = histogram("vlmd_grammar_compile_seconds", "Compiling one structured-output grammar", _FAST)
+        # --encoder-urls: each server's failure, by reason (processing/remote_encoder.py).
+        self.encoder_server_failures = Counter(
+            "vlmd_encoder_server_failures", "Encoder servers (--encoder-urls) passed over for a request, by reason: "
+            "unreachable, timeout (--encoder-timeout-s), error_status, invalid_answer (format, shape, width, "
+            "not finite)", ["reason"], registry=self.registry)
 
     # Observers called from the engine thread and the preprocessing threads.
     def observe_step(self, step) -> None:
@@ -185,6 +190,9 @@ class Metrics:
 
     def observe_process(self, modality: str, seconds: float) -> None:
         self.process.labels(modality).observe(seconds)
+
+    def observe_encoder_server_failure(self, reason: str) -> None:
+        self.encoder_server_failures.labels(reason).inc()
 
     def observe_grammar_compile(self, seconds: float) -> None:
         self.grammar_compile.observe(seconds)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmd.errors import BadRequestError
-from vlmd.server.request_fields import RequestFields
+from vlmd.server.request_fields import RequestFields, describe_value
 from vlmd.structured.spec import StructuredOutputSpec
 from vlmd.structured.spec import parse_structured_output as parse_spec
 from vlmd.server.sampling_fields import SamplingFields, read_sampling_fields
@@ -66,7 +66,8 @@ def read_stream_options(fields: RequestFields) -> bool:
     options = fields.get("stream_options", dict, {})
     unknown = sorted(set(options) - {"include_usage"})
     if unknown:
-        raise BadRequestError(f"stream_options.{unknown[0]} is not supported", param="stream_options")
+        raise BadRequestError(f"stream_options has the unsupported field {describe_value(unknown[0])}",
+                              param="stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise BadRequestError("stream_options.include_usage must be true or false", param="stream_options")

@@ -5,6 +5,10 @@ A parser reads fields through ``RequestFields.get``, which records each name; ``
 then answers 400 for every field left over, naming it (and why, where we know), the way
 OpenAI answers "Unrecognized request argument supplied". A field that is silently
 ignored gives a user wrong output without a word, so there is no "accept and drop".
+
+An error names a client's value by its type and size (``describe_value``), never by its
+content: a value may be megabytes, and its text would be built, sent and logged whole
+(issue 50: a 60 MB ``tools`` list took 4.9 s to refuse and 61 MiB of log).
 """
 
 from __future__ import annotations
@@ -12,9 +16,42 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vlmd.errors import BadRequestError
+from vlmd.errors import BadRequestError, NotFoundError
 
 _MISSING = object()
+_SHOWN_CHARACTERS = 64  # a client's name or short text shown as it is, up to this length
+
+
+def describe_value(value: Any) -> str:
+    """A client's value as an error message may name it: a short string, a number or a
+    boolean as it is; anything else by its type and size."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):  # JSON numbers: bounded in size
+        return f"the number {value}"
+    if isinstance(value, str):
+        if len(value) <= _SHOWN_CHARACTERS and value.isprintable():
+            return f"'{value}'"
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object with {len(value)} keys"
+    return f"a value of type {type(value).__name__}"
+
+
+def model_not_found(model: Any) -> NotFoundError:
+    """The 404 for a model this server does not serve, named as OpenAI's API names it when
+    the name is short enough to show."""
+    shown = f"`{model}`" if isinstance(model, str) and field_param(model) is not None else describe_value(model)
+    return NotFoundError(f"The model {shown} does not exist.", param="model", code="model_not_found")
+
+
+def field_param(name: str) -> str | None:
+    """A client's field name as the error's ``param``: itself when it is short enough to show."""
+    return name if len(name) <= _SHOWN_CHARACTERS and name.isprintable() else None
 
 # Fields accepted with no effect, because OpenAI defines them as having none on the
 # output: identifiers and tags for OpenAI's own dashboards, abuse monitoring and routing.
@@ -126,12 +163,13 @@ class RequestFields:
             if check is not None:
                 if check(value):
                     continue
-                raise BadRequestError(_reason(name, f"'{name}' with value {value!r} is not supported"), param=name)
-            raise BadRequestError(unsupported_field_message(name), param=name)
+                raise BadRequestError(_reason(name, f"'{name}' is not supported with {describe_value(value)}"),
+                                      param=name)
+            raise BadRequestError(unsupported_field_message(name), param=field_param(name))
 
 
 def unsupported_field_message(name: str) -> str:
-    return _reason(name, f"unrecognized request field '{name}'")
+    return _reason(name, f"unrecognized request field {describe_value(name)}")
 
 
 def _reason(name: str, fallback: str) -> str:

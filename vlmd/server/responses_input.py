@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmd.errors import BadRequestError
+from vlmd.server.request_fields import describe_value
 
 _ROLES = {"user", "system", "developer", "assistant"}
 # A message item's keys: ``id`` and ``status`` identify an earlier output sent back as
@@ -44,11 +45,11 @@ def _message(item: Any, where: str) -> dict:
     kind = item.get("type", "message")
     if kind != "message":
         raise BadRequestError(
-            f"{where}.type {kind!r} is not supported: only message items (no tool calls, reasoning or "
+            f"{where}.type {describe_value(kind)} is not supported: only message items (no tool calls, reasoning or "
             "item references: vlmd stores no items)", param="input")
     for key, value in item.items():
         if key not in _MESSAGE_KEYS and value is not None:
-            raise BadRequestError(f"{where}.{key} is not supported", param="input")
+            raise BadRequestError(f"{where} has the unsupported field {describe_value(key)}", param="input")
     role = item.get("role")
     if role not in _ROLES:
         raise BadRequestError(f"{where}.role must be one of {sorted(_ROLES)}", param="input")
@@ -87,7 +88,7 @@ def _part(part: Any, where: str, role: str) -> dict:
     if kind == "input_file":
         raise BadRequestError(f"{where}: input_file is not supported (no file inputs; images go in input_image)",
                               param="input")
-    raise BadRequestError(f"{where}.type {kind!r} is not supported", param="input")
+    raise BadRequestError(f"{where}.type {describe_value(kind)} is not supported", param="input")
 
 
 def _image(part: dict, where: str) -> dict:
@@ -115,4 +116,4 @@ def _text(part: dict, where: str) -> str:
 def _check_keys(part: dict, allowed: set[str], where: str) -> None:
     for key, value in part.items():
         if key not in allowed and value is not None:
-            raise BadRequestError(f"{where}.{key} is not supported", param="input")
+            raise BadRequestError(f"{where} has the unsupported field {describe_value(key)}", param="input")

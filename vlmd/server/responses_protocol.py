@@ -17,7 +17,7 @@ from typing import Any
 
 from vlmd.errors import BadRequestError
 from vlmd.server.protocol import ChatCompletionRequest
-from vlmd.server.request_fields import RequestFields
+from vlmd.server.request_fields import RequestFields, describe_value
 from vlmd.server.responses_input import input_messages
 from vlmd.server.sampling_fields import SamplingFields
 from vlmd.structured.spec import ANY_JSON_OBJECT, StructuredOutputSpec, constraint
@@ -99,7 +99,7 @@ def _no_op_only(fields: RequestFields, name: str, allowed: Callable[[Any], bool]
     fields.raw(name)  # read: finish() does not refuse it again
     value = fields.body.get(name)
     if value is not None and not allowed(value):
-        raise BadRequestError(f"'{name}' with value {value!r} is not supported: {reason}", param=name)
+        raise BadRequestError(f"'{name}' is not supported with {describe_value(value)}: {reason}", param=name)
 
 
 def _no_reasoning(value: Any) -> bool:
@@ -118,7 +118,7 @@ def _text_format(text: dict) -> tuple[dict[str, Any], StructuredOutputSpec | Non
     """``text.format``: the format echoed in the response, and its output constraint."""
     unknown = sorted(set(text) - {"format", "verbosity"})
     if unknown:
-        raise BadRequestError(f"'text.{unknown[0]}' is not supported", param="text")
+        raise BadRequestError(f"'text' has the unknown field {describe_value(unknown[0])}", param="text")
     if text.get("verbosity") not in (None, "medium"):  # medium is OpenAI's default
         raise BadRequestError("'text.verbosity' is not supported: the served models have no verbosity control",
                               param="text")
@@ -130,14 +130,14 @@ def _text_format(text: dict) -> tuple[dict[str, Any], StructuredOutputSpec | Non
     kind = fmt["type"]
     if kind in ("text", "json_object"):
         if set(fmt) != {"type"}:
-            raise BadRequestError(f"'text.format' of type {kind!r} takes no other field", param="text")
+            raise BadRequestError(f"'text.format' of type '{kind}' takes no other field", param="text")
         return fmt, None if kind == "text" else StructuredOutputSpec("json", ANY_JSON_OBJECT, "text")
     if kind != "json_schema":
-        raise BadRequestError(f"'text.format.type' {kind!r} is not supported (use 'text', 'json_object' or "
-                              "'json_schema')", param="text")
+        raise BadRequestError(f"'text.format.type' {describe_value(kind)} is not supported (use 'text', "
+                              "'json_object' or 'json_schema')", param="text")
     unknown = sorted(set(fmt) - _JSON_SCHEMA_KEYS)
     if unknown:
-        raise BadRequestError(f"'text.format' has unknown field '{unknown[0]}'", param="text")
+        raise BadRequestError(f"'text.format' has the unknown field {describe_value(unknown[0])}", param="text")
     if not isinstance(fmt.get("name"), str) or not fmt["name"]:
         raise BadRequestError("'text.format.name' must be a non-empty string", param="text")
     if not isinstance(fmt.get("strict", False), (bool, type(None))):

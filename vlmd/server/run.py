@@ -5,7 +5,8 @@ the connection bound (``vlmd/server/connections.py``) in front of aiohttp's prot
 socket and aiohttp's server; this is its sequence spelled out with the same settings:
 SIGINT / SIGTERM end the server gracefully (the runner's handlers raise ``GracefulExit``),
 shutdown waits up to 60 s for requests in flight, tasks left are cancelled, and the loop
-is closed.
+is closed. The socket is served before the model is loaded (``load``): until then the app
+answers every route with a 503 "loading" (``app.until_loaded``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from contextlib import suppress
-from typing import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -25,10 +26,13 @@ BACKLOG = 1024
 
 
 def run(app: web.Application, sock: socket.socket, loop: asyncio.AbstractEventLoop, *, bound: ConnectionBound,
-        keepalive_timeout: float, on_ready: Callable[[], None]) -> None:
-    """Serve ``app`` on ``sock`` until SIGINT or SIGTERM; ``on_ready`` once it accepts."""
+        keepalive_timeout: float, load: Callable[[], Awaitable[None]], on_listening: Callable[[], None],
+        on_ready: Callable[[], None]) -> None:
+    """Serve ``app`` on ``sock`` until SIGINT or SIGTERM: ``on_listening`` once it accepts,
+    then ``load()`` (the model; its failure ends the server with its exception), then
+    ``on_ready``."""
     app.middlewares.insert(0, bound.middleware())  # outermost: the headroom tier answers before any other work
-    main = loop.create_task(_serve(app, sock, bound, keepalive_timeout, on_ready))
+    main = loop.create_task(_serve(app, sock, bound, keepalive_timeout, load, on_listening, on_ready))
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):
@@ -46,6 +50,7 @@ def run(app: web.Application, sock: socket.socket, loop: asyncio.AbstractEventLo
 
 
 async def _serve(app: web.Application, sock: socket.socket, bound: ConnectionBound, keepalive_timeout: float,
+                 load: Callable[[], Awaitable[None]], on_listening: Callable[[], None],
                  on_ready: Callable[[], None]) -> None:
     # handler_cancellation: a client that leaves cancels its handler (and so its engine
     # request); access_log None: vlmd logs its own events, not a line per request.
@@ -54,6 +59,8 @@ async def _serve(app: web.Application, sock: socket.socket, bound: ConnectionBou
     await runner.setup()
     try:
         await BoundedSockSite(runner, sock, bound, backlog=BACKLOG).start()
+        on_listening()
+        await load()
         on_ready()
         await asyncio.Event().wait()  # until a signal's GracefulExit, or a cancel
     finally:

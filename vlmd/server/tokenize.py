@@ -14,10 +14,10 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from vlmd.errors import BadRequestError, NotFoundError
-from vlmd.server.chat import read_json, read_text_body
+from vlmd.errors import BadRequestError
+from vlmd.server.chat import read_text_body
 from vlmd.server.modality_tokens import multimodal_token_counts
-from vlmd.server.request_fields import RequestFields
+from vlmd.server.request_fields import RequestFields, model_not_found
 from vlmd.server.state import ServerState
 
 
@@ -74,7 +74,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    fields = RequestFields(await read_json(request))
+    fields = RequestFields(await read_text_body(request, state))
     _check_model(state, fields)
     tokens = fields.get("tokens", list)
     fields.finish()
@@ -89,4 +89,4 @@ def _check_model(state: ServerState, fields: RequestFields) -> None:
     """``model`` is optional here, as in vLLM; when given it must be the served one."""
     model = fields.get("model", str, None)
     if model is not None and model != state.config.model_name:
-        raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(model)

@@ -11,16 +11,23 @@ variable is set, e.g.
   uint8 pixels all equal this value (a solid-colour image stays solid through resizing);
 - ``forward_token_id``: the decoder forward raises for a batch holding this token id,
   *after* the real forward ran, so the failed step has already written K/V for every
-  request in it: the worst case for re-running the step without the culprit.
+  request in it: the worst case for re-running the step without the culprit;
+- ``nan_logits_token_id``: the decoder's final hidden state is NaN on each row whose input
+  is this token (its K/V stay sound), so a request whose prompt ends with it samples from
+  NaN logits, as a bad checkpoint or an overflow would make it.
 
-Both fail the whole batch, as a real shape bug or a bad input would: the engine must find
-the culprit itself.
+- ``load_waits_for``: a path; loading the model waits until that file exists, so a test
+  holds the server in its loading state for as long as it looks at it.
+
+The first two fail the whole batch, as a real shape bug or a bad input would, and the third
+reaches the sampler beside good rows: the engine must find the culprit itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import structlog
@@ -40,11 +47,24 @@ def loading_with_faults(load_model):
     server then runs it."""
 
     def load_model_with_faults(*args, **kwargs):
+        _wait_for_release()
         model = load_model(*args, **kwargs)
         install_from_env(model)
         return model
 
     return load_model_with_faults
+
+
+def _wait_for_release(limit_s: float = 600.0) -> None:
+    """Hold the load while ``load_waits_for``'s file does not exist (at most ``limit_s``)."""
+    spec = os.environ.get(ENV)
+    path = json.loads(spec).get("load_waits_for") if spec else None
+    if path is None:
+        return
+    log.warning("fault injection: the load waits for a file (tests only)", path=path)
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def install_from_env(model) -> None:
@@ -59,6 +79,9 @@ def install_from_env(model) -> None:
     token_id = settings.get("forward_token_id")
     if token_id is not None:
         _poison_forward(model, int(token_id))
+    nan_token_id = settings.get("nan_logits_token_id")
+    if nan_token_id is not None:
+        _poison_logits(model, int(nan_token_id))
 
 
 def _poison_encoder(model, pixel_value: int) -> None:
@@ -90,3 +113,26 @@ def _poison_forward(model, token_id: int) -> None:
 
     model.embed_input_ids = embed_input_ids
     model.forward = poisoned_forward
+
+
+def _poison_logits(model, token_id: int) -> None:
+    embed, forward = model.embed_input_ids, model.forward
+    batch = {"input_ids": None}
+
+    def embed_input_ids(input_ids):
+        batch["input_ids"] = input_ids
+        return embed(input_ids)
+
+    def nan_forward(*args, **kwargs):
+        hidden = forward(*args, **kwargs)
+        input_ids = batch["input_ids"]
+        outputs = kwargs.get("outputs")  # given, the model returns only the rows that sample
+        tokens = input_ids if outputs is None else input_ids[outputs.rows.to(input_ids.device)]
+        poisoned = tokens == token_id
+        if bool(poisoned.any()):
+            hidden = hidden.clone()
+            hidden[poisoned.to(hidden.device)] = float("nan")
+        return hidden
+
+    model.embed_input_ids = embed_input_ids
+    model.forward = nan_forward

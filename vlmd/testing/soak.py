@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 from PIL import Image
 
-from vlmd.testing.soak_client import answer_texts, disconnect, metrics, post, stall, wait_drained
+from vlmd.testing.soak_client import answer_texts, declare_only, disconnect, metrics, post, stall, wait_drained
 
 POISON_PIXEL = 13  # the hook's encoder_pixel_value
 POISON_TEXT = "hello <pad> there"  # <pad> is the hook's forward_token_id in the tiny LLaVA
@@ -64,6 +64,7 @@ class Scenario:
     stream: bool = False
     disconnect: bool = False
     stall: bool = False  # send all but the last 1000 bytes the head promises, then wait for the answer
+    declare: int = 0  # send only a head declaring this many bytes (``body`` unused), then wait for the answer
     path: str = "/v1/chat/completions"
 
 
@@ -176,6 +177,8 @@ def run_soak(url: str, pid: int, model: str, *, max_requests: int, max_seconds: 
                     status, answer = disconnect(port, scenario.body, scenario.path), None
                 elif scenario.stall:
                     status, answer = stall(port, scenario.path, scenario.body, timeout), None
+                elif scenario.declare:
+                    status, answer = declare_only(port, scenario.path, scenario.declare, timeout), None
                 else:
                     status, raw = post(url, scenario.body, timeout, scenario.path)
                     answer = answer_texts(status, raw, scenario.stream)

@@ -7,7 +7,13 @@ video, a clip; text completions; a response; structured outputs (a choice list, 
 schema); three choices at once; penalties; streams, read to the end or dropped after the
 first event. Mixed in: the hostile cases of issue 36 (a schema whose references never end,
 100,000 choices, bad media of every modality, wrong shapes, oversize bodies, over-long
-text) and a client whose body stops arriving (a 408 at the server's read deadline). The
+text), a client whose body stops arriving (a 408 at the server's read deadline) and, from
+issue 50, uploads that declare 1 GB and send nothing (each a 413 at once, and the good
+requests beside them unaffected: no 503 is an expected outcome). The vision server's only
+encoder server (``--encoder-urls``) is hostile (``vlmd.testing.hostile_encoder``, cycling
+``HOSTILE_ENCODER_MODES``): every item it is asked for meets a wrong shape, NaN, another
+model, a silence or a drip, and is encoded by the server itself within
+``--encoder-timeout-s``, so its answers are still exact. The
 vision server runs with a small KV cache, so requests are preempted and recomputed while
 their answers are checked.
 """
@@ -35,6 +41,13 @@ VISION_FLAGS = ("--limit-mm-per-prompt", "image=2,video=1", "--media-io-kwargs",
                 "--mm-processor-kwargs", '{"max_pixels": 50176}', "--max-model-len", "640", "--num-kv-blocks", "40",
                 "--max-num-batched-tokens", "256")
 AUDIO_FLAGS = ("--limit-mm-per-prompt", "audio=1", "--max-model-len", "2048")
+# What the vision server's hostile encoder server answers, in turn.
+HOSTILE_ENCODER_MODES = ("wide", "nan", "hang", "rows", "drip-body", "model", "inf", "drip-headers")
+
+
+def hostile_encoder_flags(url: str) -> tuple[str, ...]:
+    """A server's flags for its one encoder server at ``url`` (hostile): a second a try."""
+    return ("--encoder-urls", url, "--encoder-timeout-s", "1")
 
 
 def video_url(seed: int, frames: int = 8, width: int = 112, height: int = 84) -> str:
@@ -105,6 +118,7 @@ def _common(model: str, max_request_bytes: int) -> tuple:
         Scenario("json-broken", b'{"model": "x", "messages": [', 400),
         Scenario("long-text", chat("a" * 2_000_000), 400),
         Scenario("oversize-body", b'{"pad": "' + b"a" * (max_request_bytes + 1024) + b'"}', 413),
+        Scenario("declared-1gb", b"", 413, declare=2**30),
     ]
     return chat, good, hostile
 

@@ -78,6 +78,13 @@ def stall(port: int, path: str, body: bytes, timeout: float) -> int:
         return _read_until(sock, b"\r\n")
 
 
+def declare_only(port: int, path: str, declared: int, timeout: float) -> int:
+    """Send a head that declares ``declared`` body bytes and nothing more, and wait: the
+    status the server answers (a declaration past its bound: a 413 without waiting)."""
+    with _post(port, path, b"", timeout, extra_length=declared) as sock:
+        return _read_until(sock, b"\r\n")
+
+
 def disconnect(port: int, body: bytes, path: str = "/v1/chat/completions") -> int:
     """Send a streaming request, read until the first event, then reset the connection."""
     sock = _post(port, path, body, timeout=30)
