@@ -108,10 +108,10 @@ class ModelCapabilities:
         return hooks
 
 
-# Every optional method a model may define, and the attributes that once declared a
-# capability by their presence: a model that still defines one is refused at load, so a
-# typo or a forgotten declaration fails at start-up instead of being ignored.
+# Every optional method a model may define: one it defines without declaring is refused at
+# load, so a forgotten declaration (or a misspelt method) fails at start-up, never ignored.
 OPTIONAL_HOOKS = frozenset(ModelCapabilities.HOOKS) | {kind.value for kind in CrossAttentionKV}
+# Attributes that once declared a capability by their presence, and what replaced them.
 RETIRED_ATTRIBUTES = {
     "is_encoder_decoder": "capabilities.cross_attention_kv",
     "prefix_caching": "capabilities.cross_attention_prefix_caching",
