@@ -1,4 +1,4 @@
-"""The model contract as declared capabilities (docs/decisions.md D96).
+"""The model contract as declared capabilities (docs/decisions.md D99).
 
 Each family's model class declares what it offers beyond the required contract
 (``ModelCapabilities``); the loader checks the declaration against the model, so an
