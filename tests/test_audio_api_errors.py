@@ -76,6 +76,14 @@ def test_malformed_requests(whisper_server):
     assert status == 405
 
 
+def test_a_bare_prompt_is_refused_since_every_whisper_prompt_needs_its_audio(whisper_server):
+    """Its processing info says prompts need an item (``accepts_text_only_prompts``)."""
+    for prompt in ([1, 2], "hello"):
+        status, body = whisper_server.request(
+            "POST", "/v1/completions", orjson.dumps({"model": whisper_server.model, "prompt": prompt, "max_tokens": 1}))
+        assert status == 400 and "/v1/audio/transcriptions" in _error(400, body)["message"], body
+
+
 def test_the_server_still_transcribes_after_bad_requests(whisper_server):
     status, body = post_audio(whisper_server, {"language": "en"}, GOOD)
     assert status == 200 and "text" in orjson.loads(body)

@@ -22,6 +22,7 @@ from vlmd.engine.tp_startup import begin_tensor_parallel, pin_engine_thread
 from vlmd.errors import VlmdError
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.media.policy import MediaPolicy
+from vlmd.models.base import check_model_capabilities
 from vlmd.plugins.manager import build_registry
 from vlmd.processing.base import ProcessingContext
 from vlmd.processing.cache import ProcessorCache
@@ -77,6 +78,8 @@ def load_model(model_dir: str, dtype: torch.dtype, tp=None, hf_config=None, devi
     family = build_registry().for_architectures(list(hf_config.architectures or []))
     loader = family.load("model").load
     model = loader(model_dir, hf_config, dtype) if tp is None or tp.size == 1 else loader(model_dir, hf_config, dtype, tp=tp)
+    # What it offers beyond the required contract, checked before anything reads it.
+    check_model_capabilities(family.name, model)
     if before_device is not None:
         before_device(model)
     if device is not None:
@@ -179,9 +182,10 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
     # die with this process if the start-up fails here: rank_process._die_with_parent).
     tensor_parallel = begin_tensor_parallel(config, model_dir, pin, log_level) if pin is not None else None
     dropped: list[str] = []
+    text_only = info.accepts_text_only_prompts()
     model = load_model(
         model_dir, dtype, tensor_parallel.tp if tensor_parallel else None, hf_config, device,
-        before_device=lambda loaded: dropped.extend(drop_unused_encoders(loaded, supported, modalities)),
+        before_device=lambda loaded: dropped.extend(drop_unused_encoders(loaded, supported, modalities, text_only)),
         linear_kernels=config.linear_kernels,
         # The native decode step also needs the native attention (torch's keeps the modules).
         native_steps=config.attention_kernels != "torch", quantization=config.quantization,
@@ -191,12 +195,12 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         raise RuntimeError(f"{family.name}: the model's KV spec {model.kv_spec} differs from its processing "
                            f"info's {info.kv_spec()}")
     enable_prefix_caching = config.enable_prefix_caching
-    if enable_prefix_caching and getattr(model, "is_encoder_decoder", False) \
-            and not getattr(model, "prefix_caching", False):
+    capabilities = model.capabilities
+    if enable_prefix_caching and capabilities.cross_attends and not capabilities.cross_attention_prefix_caching:
         # Decoder K/V depend on the request's encoder input through cross-attention. Block
         # hashes name it, and after a prefix hit the first chunk derives the cross state
-        # again; a model opts in (``prefix_caching = True``) once that is tested for it.
-        log.info("prefix caching is off for an encoder-decoder model", family=family.name)
+        # again; a model opts in (``cross_attention_prefix_caching``) once that is tested for it.
+        log.info("prefix caching is off for a model that cross-attends", family=family.name)
         enable_prefix_caching = False
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
@@ -211,9 +215,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         enable_prefix_caching=enable_prefix_caching,
     )
     filler = (tokenizer.encode(" the", add_special_tokens=False) or [0])[0]
-    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
     if tensor_parallel is None:
-        runs = worst_case_runs(processor, dummy, modalities, scheduler_config, filler, encoder_decoder)
+        runs = worst_case_runs(processor, dummy, modalities, scheduler_config, filler, capabilities.cross_attends)
         profile = profile_peak(model, runs, scheduler_config, dtype, device, config.attention_kernels)
     else:  # a forward needs every rank's collectives: rank 0 cannot run one alone at start-up
         profile = unprofiled()

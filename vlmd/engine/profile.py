@@ -50,9 +50,11 @@ class ProfileRun:
 
 
 def worst_case_runs(
-    processor, dummy, modalities: list[str], config: SchedulerConfig, filler_token: int, encoder_decoder: bool
+    processor, dummy, modalities: list[str], config: SchedulerConfig, filler_token: int, cross_attends: bool
 ) -> list[ProfileRun]:
-    """One run per enabled modality (text only when none is): item requests + budget filler."""
+    """One run per enabled modality (text only when none is): item requests + budget filler.
+    ``cross_attends`` (``ModelCapabilities.cross_attends``): the item requests fill the budget
+    themselves, since a text-only filler's rows skip cross-attention (and Whisper accepts no text-only prompt)."""
     budget, longest = config.max_num_batched_tokens, config.max_model_len - 1
     runs = []
     for modality in modalities:
@@ -64,14 +66,14 @@ def worst_case_runs(
         requests = []
         for index in range(count):
             prompt = list(output.prompt_token_ids)
-            if encoder_decoder:  # no text-only neighbour can run: fill each item request instead
+            if cross_attends:  # every budget token cross-attends: fill each item request instead
                 prompt += [filler_token] * max(0, min(longest, budget // count) - len(prompt))
             unique = dataclasses.replace(item, identifier=f"{item.identifier}-profile-{index}")
             requests.append(_request(f"profile-{modality}-{index}", prompt, [unique], output))
-        if not encoder_decoder:
+        if not cross_attends:
             requests += _filler(budget, longest, filler_token, f"profile-{modality}-text")
         runs.append(ProfileRun(modality, requests))
-    if not modalities:  # text only (an encoder-decoder that needs its encoder is refused before this)
+    if not modalities:  # text only (a model that needs an item in every prompt is refused before this)
         runs.append(ProfileRun("text", _filler(budget, longest, filler_token, "profile-text")))
     return runs
 

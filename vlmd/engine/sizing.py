@@ -40,24 +40,19 @@ def check_items_fit(largest: dict, max_model_len: int, config: ServeConfig) -> N
                 )
 
 
-def drop_unused_encoders(model, supported: dict, modalities: list[str]) -> list[str]:
-    """Encoders of modalities limited to 0 are freed before the model moves to the device.
-
-    A family's model may implement ``drop_encoders(modalities) -> list[str]`` (the
-    modules it dropped); one without it keeps its encoders.
-    """
+def drop_unused_encoders(model, supported: dict, modalities: list[str], accepts_text_only_prompts: bool) -> list[str]:
+    """Encoders of modalities limited to 0 are freed before the model moves to the device,
+    by the model's ``drop_encoders`` where it declares one (``ModelCapabilities``); one
+    without it keeps its encoders. ``accepts_text_only_prompts``: the processing info's
+    word on whether a prompt may come without items (Whisper's may not, so its encoder
+    cannot be disabled)."""
     disabled = [m for m in supported if m not in modalities]
     if not disabled:
         return []
-    # An encoder-decoder whose decoder cross-attends per request to all its items
-    # (``prepare_request_cross_attention``, Llama 3.2 Vision) runs a request without any
-    # as text only; one with a single encoder input (Whisper) needs it in every request.
-    if not modalities and getattr(model, "is_encoder_decoder", False) \
-            and getattr(model, "prepare_request_cross_attention", None) is None:
-        raise ValueError(f"--limit-mm-per-prompt disables {disabled}, but this encoder-decoder model needs "
-                         "its encoder for every request")
-    drop = getattr(model, "drop_encoders", None)
-    return list(drop(set(disabled))) if drop is not None else []
+    if not modalities and not accepts_text_only_prompts:
+        raise ValueError(f"--limit-mm-per-prompt disables {disabled}, but this model needs an item "
+                         "(its encoder) in every request")
+    return list(model.drop_encoders(set(disabled))) if model.capabilities.drop_encoders else []
 
 
 def weight_bytes_of(model: torch.nn.Module) -> int:

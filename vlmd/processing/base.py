@@ -126,6 +126,13 @@ class BaseProcessingInfo(ABC):
         could not compute it. The model gives the spans (``MultimodalModel.attention_spans``)."""
         return False
 
+    def accepts_text_only_prompts(self) -> bool:
+        """Whether a prompt may come without items. Not a speech-to-text model's (Whisper's
+        decoder needs its audio in every request): it refuses a bare prompt at
+        ``/v1/completions``, and its encoder cannot be disabled with ``--limit-mm-per-prompt``.
+        (Whether the decoder cross-attends is the model's to declare, ``ModelCapabilities``.)"""
+        return True
+
     def max_model_len(self) -> int:
         """The longest sequence the decoder takes (its position table)."""
         config = getattr(self.ctx.hf_config, "text_config", None) or self.ctx.hf_config

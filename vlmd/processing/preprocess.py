@@ -207,7 +207,7 @@ class InputPreprocessor:
     def process_prompt(self, prompt_ids: list[int], check_length: bool = True) -> ProcessorOutput:
         """A text prompt given as token ids (``/v1/completions``): no media, but the same
         checks (a typed media marker without its item is refused by the processor)."""
-        if self.info.ctx.hf_config.is_encoder_decoder:
+        if not self.info.accepts_text_only_prompts():
             raise BadRequestError(
                 "this model needs an audio input for every prompt; it is served at /v1/audio/transcriptions"
             )

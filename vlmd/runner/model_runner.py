@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from vlmd.layers.attention import attention_backend_for
-from vlmd.models.base import MultimodalModel
+from vlmd.models.base import CrossAttentionKV, MultimodalModel
 from vlmd.runner.batch import StepBatch, build_batch
 from vlmd.runner.cross_cache import CrossCache, cross_states
 from vlmd.runner.grammar_mask import advance_grammars
@@ -59,23 +59,28 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoder_forwards = 0
+        # What the model offers beyond the required contract, as its class declares it
+        # (models/base.py:ModelCapabilities; checked when the model loaded). A hook the
+        # model does not declare is None here.
+        capabilities = model.capabilities
         # The model's positions for a request's tokens from its family state, where they
-        # are not plain ones (Qwen2-VL's 3-D table): optional (models/base.py).
-        self.slice_positions = getattr(model, "slice_positions", None)
-        # Spans of a request's items whose tokens attend both ways (an image's, in some VLMs): optional.
-        self.attention_spans = getattr(model, "attention_spans", None)
+        # are not plain ones (Qwen2-VL's 3-D table).
+        self.slice_positions = model.slice_positions if capabilities.slice_positions else None
+        # Spans of a request's items whose tokens attend both ways (an image's, in some VLMs).
+        self.attention_spans = model.attention_spans if capabilities.attention_spans else None
         # Where the model merges encoder outputs itself (a wider output than its embeddings,
-        # read by later layers): optional (models/base.py).
-        self.merge_multimodal = getattr(model, "merge_multimodal", None)
-        # An encoder-decoder whose cross state comes from several items and the family
-        # state: optional (docs/adding-a-family.md, step 5).
-        self.prepare_request_cross_attention = getattr(model, "prepare_request_cross_attention", None)
+        # read by later layers).
+        self.merge_multimodal = model.merge_multimodal if capabilities.merge_multimodal else None
+        # A decoder that cross-attends to several items and the family state at once
+        # (docs/adding-a-family.md, step 5).
+        from_request = capabilities.cross_attention_kv is CrossAttentionKV.FROM_REQUEST_ITEMS
+        self.prepare_request_cross_attention = model.prepare_request_cross_attention if from_request else None
         # Either way, (encoder outputs, family state) -> each cross layer's K/V (cross_cache.py).
         self.prepare_cross = self.prepare_request_cross_attention or (
             lambda outputs, _family_state: model.prepare_cross_attention(outputs[-1]))
-        self.is_encoder_decoder = getattr(model, "is_encoder_decoder", False)
-        # The model's own rule on the next token (Whisper's timestamps): optional.
-        self.process_logits = getattr(model, "process_logits", None)
+        self.cross_attends = capabilities.cross_attends
+        # The model's own rule on the next token (Whisper's timestamps).
+        self.process_logits = model.process_logits if capabilities.process_logits else None
 
     def apply_schedule(self, out: SchedulerOutput) -> None:
         """Take in the step's bookkeeping (new, resumed, dropped requests; new blocks; evicted
@@ -115,7 +120,7 @@ class ModelRunner:
             # in place (no gathered copy of every placeholder's features).
             for row, features in spans:
                 embeds[row : row + len(features)] = features
-        if self.is_encoder_decoder:
+        if self.cross_attends:
             extra["cross_states"] = cross_states(batch, self.cross_cache, self.encoder_outputs, self.prepare_cross,
                                                  self.prepare_request_cross_attention is None)
         # Given the sampled rows, the model returns only theirs (its last layer runs them alone).
@@ -224,13 +229,12 @@ class ModelRunner:
     def align_tokens(self, item: MultiModalItem, token_ids: list[int], first_row: int, num_frames: int):
         """The model's ``align_tokens`` over ``item``'s encoder output (kept from the decode
         if the encoder cache still holds it, else encoded again): word timestamps."""
-        align = getattr(self.model, "align_tokens", None)
-        if align is None:
+        if not self.model.capabilities.align_tokens:
             raise RuntimeError("this model does not align output tokens to its input")
         output = self.encoder_outputs.get(item.identifier)
         if output is None:
             output = self.encode_items([item])[0]
-        return align(output, token_ids, first_row, num_frames)
+        return self.model.align_tokens(output, token_ids, first_row, num_frames)
 
 
 def encoder_spans(batch: StepBatch, encoder_outputs) -> list[tuple[int, torch.Tensor]]:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
+from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.types import MultiModalItem
 from vlmd_gemma3.decoder import Gemma3TextModel, GemmaRMSNorm
@@ -75,6 +76,8 @@ class Gemma3Projector(nn.Module):
 class Gemma3Model(nn.Module):
     """Under tensor parallelism the decoder is sharded; the tower and projector are
     replicated: every rank encodes every image."""
+
+    capabilities = ModelCapabilities(attention_spans=True, drop_encoders=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
+from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_internvl.settings import read_pixel_norm
@@ -75,6 +76,8 @@ class InternVLProjector(nn.Module):
 
 
 class InternVLModel(nn.Module):
+    capabilities = ModelCapabilities(drop_encoders=True)
+
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         from transformers.models.internvl.modeling_internvl import InternVLVisionModel

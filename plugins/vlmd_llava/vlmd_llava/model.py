@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
+from vlmd.models.base import ModelCapabilities
 from vlmd.models.llama import LlamaForCausalLM
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd_llava.processing import CLIP_MEAN, CLIP_STD, image_processor_config
@@ -52,6 +53,8 @@ class LlavaProjector(nn.Module):
 class LlavaModel(nn.Module):
     """Under tensor parallelism (``tp``) the Llama is sharded; the CLIP tower and projector are
     replicated: every rank encodes every image (docs/architecture.md, "Tensor parallelism")."""
+
+    capabilities = ModelCapabilities(drop_encoders=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

@@ -1,6 +1,6 @@
 """The Llama 3.2 Vision model for the runner: transformers' vision tower, our text decoder.
 
-The runner treats it as an encoder-decoder (``is_encoder_decoder``): each image is an item
+Its decoder cross-attends (``ModelCapabilities.cross_attention_kv``): each image is an item
 without placeholders (``processing.py``); the runner encodes all of a request's images with
 its first chunk and asks :meth:`MllamaModel.prepare_request_cross_attention` once for the
 request's cross-attention K/V, which it writes into the request's blocks of the cross pool
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup
+from vlmd.models.base import CrossAttentionKV, ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_into
 from vlmd_mllama.decoder import CrossState, MllamaTextDecoder
 from vlmd_mllama.layout import CrossLayout
@@ -50,10 +51,11 @@ class MllamaModel(nn.Module):
     """Under tensor parallelism (``tp``) the text decoder is sharded by heads and columns; the
     vision tower and projector are replicated (every rank encodes every image)."""
 
-    is_encoder_decoder = True
-    # Prefix caching stays on: block hashes name every image (items at offset 0), and the
-    # first chunk after a prefix hit derives the cross-attention K/V again from the images.
-    prefix_caching = True
+    # The decoder cross-attends to all of a request's images at once, laid out by the family
+    # state. Prefix caching stays on: block hashes name every image (items at offset 0), and
+    # the first chunk after a prefix hit derives the cross-attention K/V again from the images.
+    capabilities = ModelCapabilities(cross_attention_kv=CrossAttentionKV.FROM_REQUEST_ITEMS,
+                                     cross_attention_prefix_caching=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
+from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_audio.processing import conv_output_frames, num_audio_tokens
@@ -56,6 +57,8 @@ class Qwen2AudioProjector(nn.Module):
 
 
 class Qwen2AudioModel(nn.Module):
+    capabilities = ModelCapabilities()
+
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder

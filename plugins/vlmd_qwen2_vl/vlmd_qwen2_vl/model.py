@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
+from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_vl.positions import MRopeState
@@ -58,6 +59,8 @@ def patchify(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, settin
 class Qwen2VLModel(nn.Module):
     """Under tensor parallelism (``tp``) the Qwen2 decoder is sharded; the vision tower is
     replicated: every rank encodes every image and video (docs/architecture.md)."""
+
+    capabilities = ModelCapabilities(slice_positions=True, drop_encoders=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

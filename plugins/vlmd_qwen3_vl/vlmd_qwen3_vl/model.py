@@ -28,6 +28,7 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
+from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
 from vlmd.models.qwen3 import Qwen3ForCausalLM
 from vlmd.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -75,6 +76,8 @@ def interleaved_mrope(text_config) -> MRotaryEmbedding:
 class Qwen3VLModel(nn.Module):
     """Under tensor parallelism (``tp``) the Qwen3 decoder is sharded; the vision tower is
     replicated: every rank encodes every image (docs/architecture.md)."""
+
+    capabilities = ModelCapabilities(slice_positions=True, merge_multimodal=True, drop_encoders=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

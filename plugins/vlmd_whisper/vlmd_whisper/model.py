@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
+from vlmd.models.base import CrossAttentionKV, ModelCapabilities
 from vlmd.models.loader import iterate_weights
 from vlmd_whisper.alignment import (
     DEFAULT_MEDIAN_FILTER_WIDTH, alignment_heads, alignment_matrix, cross_attention_weights,
@@ -36,7 +37,10 @@ class WhisperModel(nn.Module):
     """Under tensor parallelism (``tp``) the decoder is sharded; the encoder is replicated:
     every rank encodes every window (docs/architecture.md, "Tensor parallelism")."""
 
-    is_encoder_decoder = True
+    # The decoder cross-attends to its request's one audio window; the timestamp rules and
+    # word timings are Whisper's own.
+    capabilities = ModelCapabilities(cross_attention_kv=CrossAttentionKV.FROM_ITEM, process_logits=True,
+                                     align_tokens=True)
 
     def __init__(self, config, generation: dict, tp: TPGroup = SINGLE):
         super().__init__()

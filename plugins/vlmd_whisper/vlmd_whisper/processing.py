@@ -59,6 +59,9 @@ class WhisperProcessingInfo(BaseProcessingInfo):
         # transcript start; the item itself always sits at offset 0.
         return int(self.generation["decoder_start_token_id"])
 
+    def accepts_text_only_prompts(self) -> bool:
+        return False  # the decoder transcribes its audio: every request carries one window
+
     def num_encoder_tokens(self) -> int:
         return int(self.ctx.hf_config.max_source_positions)
 
