@@ -76,9 +76,8 @@ class WindowedDecodes:
         return torch.stack(out)
 
     def chunks(self) -> list[SequenceChunk]:
-        # block_ids (the full layers' table) is never read by a layer of this window.
-        return [SequenceChunk([0] * len(table), length - 1, 1, (), {self.window: table})
-                for table, length in zip(self.tables, self.lengths)]
+        # Described in the window group's tables (a windowed layer's metadata is its group's).
+        return [SequenceChunk(table, length - 1, 1) for table, length in zip(self.tables, self.lengths)]
 
     def tables_for_kernel(self) -> DecodeTables:
         return DecodeTables.of(self.tables, list(self.lengths), self.block_size)
@@ -142,7 +141,7 @@ def test_the_cpu_backend_attends_a_windowed_layers_decodes_natively(monkeypatch,
         free = k_cache.shape[0] // block_size
         k_cache = torch.cat([k_cache, torch.zeros(2 * block_size, *k_cache.shape[1:])])
         v_cache = torch.cat([v_cache, torch.zeros(2 * block_size, *v_cache.shape[1:])])
-        chunks.append(SequenceChunk([0, 0], 0, 6, (), {window: [free, free + 1]}))
+        chunks.append(SequenceChunk([free, free + 1], 0, 6))
         generator = torch.Generator().manual_seed(9)
         q = torch.cat([q, torch.randn(6, 4, 16, generator=generator)])
         k = torch.cat([k, torch.randn(6, 2, 16, generator=generator)])
