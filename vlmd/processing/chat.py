@@ -47,6 +47,10 @@ class MediaRef:
     modality: str
     url: str | None
     uuid: str | None = None
+    # An ``image_embeds`` part's value (vlmd/processing/embeds.py): the item's encoder
+    # output instead of its media; ``where`` names the part in a 400.
+    embeds: Any = None
+    where: str = ""
 
 
 def to_conversation(messages: Any, part_for_modality) -> tuple[list[dict], list[MediaRef]]:
@@ -183,6 +187,16 @@ def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef
             raise BadRequestError(f"{where}.{key}.url must be a non-empty string", param="messages")
         converted = part_for_modality(modality)
         media.append(MediaRef(modality, url, uuid))
+        return converted
+    if kind == "image_embeds":  # vLLM's: the image's encoder output, computed elsewhere
+        _check_keys(part, {"type", "image_embeds", "uuid"}, where)
+        uuid = _item_uuid(part, where)
+        value = part.get("image_embeds")
+        if value is None and uuid is None:
+            raise BadRequestError(f"{where}.image_embeds must hold the embeddings (or the part a uuid sent "
+                                  "with them before)", param="messages")
+        converted = part_for_modality("image")
+        media.append(MediaRef("image", None, uuid, embeds=value, where=where))
         return converted
     if kind == "input_audio":
         _check_keys(part, {"type", "input_audio", "uuid"}, where)

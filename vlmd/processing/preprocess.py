@@ -26,6 +26,7 @@ from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, check_rendered, to_conversation
 from vlmd.processing.deadline import NO_DEADLINE, Deadline
+from vlmd.processing.embeds import decode_image_embeds
 
 _LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
 # The content parts that carry an item (processing/chat.py converts them).
@@ -78,7 +79,7 @@ class InputPreprocessor:
         item sent with a ``uuid`` is remembered by it; one sent as a uuid alone is the item
         remembered (vlmd/media/by_uuid.py), or a 400 when there is none."""
         cache = self.processor.cache
-        if ref.url is None:
+        if ref.url is None and ref.embeds is None:
             remembered = cache.by_uuid.recall(ref.modality, ref.uuid) if cache is not None else None
             if remembered is None:
                 raise BadRequestError(
@@ -86,7 +87,10 @@ class InputPreprocessor:
                     f"{ref.modality} here, or has been evicted since; send the item's data or URL with the uuid",
                     param="messages")
             return remembered
-        item = self._fetch_and_decode(ref)
+        if ref.embeds is not None:
+            item = decode_image_embeds(ref.embeds, ref.where, self.info.encoder_output_width(), self.max_model_len)
+        else:
+            item = self._fetch_and_decode(ref)
         if ref.uuid is not None and cache is not None:
             cache.by_uuid.remember(ref.modality, ref.uuid, item)
         return item
