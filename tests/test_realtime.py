@@ -158,6 +158,37 @@ def test_a_silent_client_is_closed_by_the_read_deadline(server):
     assert code == 1008
 
 
+def test_a_client_that_does_not_read_is_closed_by_the_deadline(server):
+    """Every bad event is answered with an error event; a client that sends them and reads
+    nothing fills the socket's buffers, the server's send waits, and past the read deadline
+    the server closes the session instead of waiting for ever."""
+    bad = orjson.dumps({"type": "no.such.event." + "x" * 4000}).decode()  # its error event names the type
+
+    async def session():
+        async with aiohttp.ClientSession() as client:
+            async with client.ws_connect(server.url + "/v1/realtime") as socket:
+                await next_event(socket)
+                sent = 0
+                for _ in range(20_000):  # ~80 MB of error events asked for, none read
+                    try:  # far longer than the server's deadline: only a server that stopped reading stops this
+                        await asyncio.wait_for(socket.send_str(bad), 10 * READ_TIMEOUT_S)
+                    except (asyncio.TimeoutError, ConnectionResetError):
+                        break  # the server stopped reading (its send is stuck) or closed
+                    if socket.closed:
+                        break
+                    sent += 1
+                while True:  # now read: what was sent, then the end of the session
+                    message = await socket.receive(timeout=WAIT_S)
+                    if message.type != aiohttp.WSMsgType.TEXT:
+                        return sent, message.type, socket.close_code
+
+    sent, last, code = run(session())
+    assert sent < 20_000  # the server stopped taking events before the client ran out of them
+    assert last in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING,
+                     aiohttp.WSMsgType.ERROR)
+    assert "realtime client not reading" in server.log_path.read_text()
+
+
 def test_an_item_longer_than_the_audio_bound_is_refused_and_the_buffer_kept(server):
     async def session():
         async with aiohttp.ClientSession() as client:
