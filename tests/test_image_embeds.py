@@ -174,7 +174,14 @@ def test_a_precomputed_item_keeps_its_output_when_the_runner_lets_go():
     assert output is vectors and item.encoder_output is vectors
     moved = dataclasses.replace(item, offset=0)  # as a family's apply moves items (Llama 3.2 Vision)
     assert moved.encoder_output is vectors and moved.offset == 0
-    assert pickle.loads(pickle.dumps(item)).encoder_output.equal(vectors)  # to tensor-parallel ranks
+    # To tensor-parallel ranks on the step channel's typed codec (no pickle): still an item
+    # that keeps its output.
+    from vlmd.distributed.step_codec import decode, encode
+
+    on_rank = decode(encode([item]))[0]
+    assert type(on_rank) is PrecomputedItem and on_rank.encoder_output.equal(vectors)
+    _, on_rank.encoder_output = on_rank.encoder_output, None
+    assert on_rank.encoder_output.equal(vectors)
 
 
 def test_the_width_checked_is_the_models(tiny_llava_dir):

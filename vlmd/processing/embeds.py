@@ -58,7 +58,8 @@ class PrecomputedItem(MultiModalItem):
     nothing could compute the output again: where the runner lets go of an encoder
     server's output once it has stored it (it can re-encode one evicted later), this item
     keeps its own (``precomputed``), so a request preempted after its output was evicted
-    stores it again instead of asking an encoder for it."""
+    stores it again instead of asking an encoder for it (on every tensor-parallel rank too: the
+    step channel rebuilds it as this class)."""
 
     precomputed: Any = None
 
