@@ -220,3 +220,20 @@ def test_a_model_without_audio_refuses_the_upgrade(llava_server):
             return refused.value.status
 
     assert run(session()) == 400
+
+
+def test_the_api_key_guards_the_upgrade(tiny_whisper_dir, tmp_path):
+    keyed = Server(tiny_whisper_dir, "--api-key", "sesame", name="tiny-whisper", log_dir=tmp_path)
+    try:
+        async def session():
+            async with aiohttp.ClientSession() as client:
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await client.ws_connect(keyed.url + "/v1/realtime", headers={"Authorization": "Bearer wrong"})
+                async with client.ws_connect(keyed.url + "/v1/realtime",
+                                             headers={"Authorization": "Bearer sesame"}) as socket:
+                    created = await next_event(socket)
+                return refused.value.status, created["type"]
+
+        assert run(session()) == (401, "transcription_session.created")
+    finally:
+        keyed.stop()
