@@ -24,8 +24,8 @@ def _chat(server, **extra):
     ("extra", "fragments"),
     [
         ({"frobnicate": 1}, ("unrecognized", "frobnicate")),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, ("tools", "chat templates")),
-        ({"tool_choice": "required"}, ("tool_choice", "tool support")),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, ("tools", "no tool-call parser")),
+        ({"tool_choice": "required"}, ("tool_choice", "no tool-call parser")),
         ({"functions": [{"name": "f"}]}, ("functions",)),
         ({"parallel_tool_calls": True}, ("parallel_tool_calls",)),
         ({"audio": {"voice": "alloy", "format": "wav"}}, ("audio",)),

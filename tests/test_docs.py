@@ -424,6 +424,29 @@ def problems_in(text: str, doc_dir: Path) -> list[str]:
     return found
 
 
+RUN_MODULE = re.compile(r"\bpython3? -m ([A-Za-z_][\w.]*)")
+
+
+def unrunnable(module: str) -> str | None:
+    """Why ``python -m module`` would fail here (None: it runs): one of this repository's
+    (``vlmd...``, a plugin's ``vlmd_...``) must be a package with ``__main__.py`` or a module
+    with a ``__main__`` guard; another must be importable (``venv``, ``pytest``)."""
+    import importlib.util
+
+    if module.split(".")[0] == "vlmd" or module.startswith("vlmd_"):
+        parts = module.split(".")
+        for base in (REPO, *sorted((REPO / "plugins").iterdir())):
+            package = base.joinpath(*parts)
+            if (package / "__main__.py").is_file():
+                return None
+            source = package.with_suffix(".py")
+            if source.is_file():
+                text = source.read_text()
+                return None if re.search(r"""if __name__ == ["']__main__["']""", text) else "has no __main__ guard"
+        return "no such module or package"
+    return None if importlib.util.find_spec(module.split(".")[0]) is not None else "not importable"
+
+
 # ---- the tests ---------------------------------------------------------------------------
 
 
@@ -472,3 +495,20 @@ def test_checker_finds_made_up_names():
     for text in ("`auto`", "`pip install -e .`", '`{"type": "image"}`', "`cache[slots]`", "`http(s)://`",
                  "`config.json`", "`F.linear`", "`../shared/DESIGN.md`", "`/proc/cpuinfo`"):
         assert problems_in(f"See {text}.\n", docs) == [], text
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_python_dash_m_runs_a_module_that_exists(doc: Path):
+    """Every ``python -m MODULE`` the docs write, in prose or in a code block, names a module
+    that runs as written (README examples once ran a module that had moved)."""
+    problems = [f"python -m {name}: {why}" for name in RUN_MODULE.findall(doc.read_text())
+                if (why := unrunnable(name))]
+    assert not problems, f"{doc.relative_to(REPO)}:\n" + "\n".join(problems)
+
+
+def test_the_python_dash_m_check_finds_a_module_that_does_not_run():
+    assert unrunnable("vlmd.tiny") is None and unrunnable("vlmd.testing.tiny") is None
+    assert unrunnable("venv") is None
+    assert unrunnable("vlmd.no_such_module") == "no such module or package"
+    assert unrunnable("vlmd.config") == "has no __main__ guard"  # exists, but runs nothing
+    assert unrunnable("no_such_tool_anywhere") == "not importable"

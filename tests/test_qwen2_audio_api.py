@@ -193,3 +193,9 @@ def test_responses_input_audio_equals_chat_and_counts_audio_tokens(qwen2_audio_s
     audio_tokens = chat["usage"]["prompt_tokens_details"]["multimodal_tokens"]
     assert set(audio_tokens) == {"audio"} and 0 < audio_tokens["audio"] < chat["usage"]["prompt_tokens"]
     assert response.usage.input_tokens_details.model_extra["multimodal_tokens"] == audio_tokens
+    # OpenAI's typed spelling of the same count, as the official client reads it.
+    reply = client.chat.completions.create(model=qwen2_audio_server.model, max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": [clip, text("What is it?")]}])
+    assert reply.usage.prompt_tokens_details.audio_tokens == audio_tokens["audio"]
+    assert reply.usage.prompt_tokens_details.image_tokens == 0
+    assert reply.usage.prompt_tokens_details.text_tokens == chat["usage"]["prompt_tokens"] - audio_tokens["audio"]

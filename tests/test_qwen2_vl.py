@@ -225,3 +225,22 @@ def test_request_limits_are_400s(server, video_file):
     assert status == 400 and body["error"]["param"] == "mm_processor_kwargs"
     status, body = server.chat(_video_request(url))  # and the server still serves
     assert status == 200 and body["usage"]["prompt_tokens"] > 4 * 12
+
+
+def test_a_video_by_uuid_alone_gets_the_tokens_its_bytes_got(server):
+    """vLLM's item uuid on a video part (docs/decisions.md, D102): the second request names
+    the video by its uuid only; nothing is fetched or decoded, and the answer is the same."""
+    part = {"type": "video_url", "video_url": {"url": video_data_url(make_video(8, seed=21))}, "uuid": "clip-21"}
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    status, first = server.chat({**body, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]})
+    assert status == 200, first
+    before = server.metrics()
+    status, again = server.chat({**body, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "uuid": "clip-21"}, {"type": "text", "text": "What happens?"}]}]})
+    after = server.metrics()
+    assert status == 200, again
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert again["prompt_token_ids"] == first["prompt_token_ids"]
+    name = 'vlmd_media_fetch_seconds_count{modality="video"}'
+    assert after.get(name, 0.0) == before.get(name, 0.0)
+    assert after["vlmd_encoder_forwards_total"] == before["vlmd_encoder_forwards_total"]

@@ -58,7 +58,11 @@ def test_text_and_instructions_give_chats_greedy_answer(llava_server, client):
     assert response.usage.input_tokens_details.model_extra.get("multimodal_tokens") is None
     status, raw = llava_server.request("POST", "/v1/completions", orjson.dumps(
         {"model": llava_server.model, "prompt": "Name a colour.", "max_tokens": 2}))
-    assert status == 200 and orjson.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert status == 200
+    completion_usage = orjson.loads(raw)["usage"]
+    # OpenAI's typed fields are always there: every prompt token is text.
+    assert completion_usage["prompt_tokens_details"] == {
+        "cached_tokens": 0, "text_tokens": completion_usage["prompt_tokens"], "image_tokens": 0, "audio_tokens": 0}
 
 
 def test_image_input_and_usage_per_modality(llava_server, client, tiny_llava_dir):
@@ -80,6 +84,34 @@ def test_image_input_and_usage_per_modality(llava_server, client, tiny_llava_dir
     assert details["multimodal_tokens"] == {"image": placeholders}
     assert response.usage.input_tokens == chat["usage"]["prompt_tokens"] == orjson.loads(tokens)["count"]
     assert orjson.loads(tokens)["multimodal_tokens"] == {"image": placeholders}  # priced before it is sent
+
+
+def test_openai_clients_typed_usage_fields_count_the_images_placeholders(llava_server, client, tiny_llava_dir):
+    """The official client's ``usage.prompt_tokens_details.image_tokens`` (and ``text_tokens``,
+    ``audio_tokens``) are filled, streamed or not: the images' placeholders as vLLM's
+    ``multimodal_tokens`` counts them, the rest of the prompt as text."""
+    images = [random_image(23, 320, 240), random_image(24, 64, 48)]
+    report = compute_cost(str(tiny_llava_dir), [parse_image("320x240"), parse_image("64x48")],
+                          CostOptions(prompt="Compare them."))
+    placeholders = sum(row["placeholder_tokens"] for row in report["items"])
+    assert placeholders == 2 * 576
+    reply = client.chat.completions.create(model=llava_server.model, messages=image_message("Compare them.", *images),
+                                           max_tokens=3, temperature=0)
+    details = reply.usage.prompt_tokens_details
+    assert details.image_tokens == placeholders
+    assert details.text_tokens == reply.usage.prompt_tokens - placeholders > 0
+    assert details.audio_tokens == 0
+    assert details.model_extra["multimodal_tokens"] == {"image": placeholders}  # vLLM's spelling beside it
+    stream = client.chat.completions.create(model=llava_server.model, messages=image_message("Compare them.", *images),
+                                            max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    final = [chunk for chunk in stream if chunk.usage is not None]
+    assert len(final) == 1
+    assert final[0].usage.prompt_tokens_details.image_tokens == placeholders
+    assert final[0].usage.prompt_tokens_details.text_tokens == details.text_tokens
+    text = client.completions.create(model=llava_server.model, prompt="Name a colour.", max_tokens=2)
+    assert text.usage.prompt_tokens_details.image_tokens == 0
+    assert text.usage.prompt_tokens_details.text_tokens == text.usage.prompt_tokens
 
 
 def test_streaming_events_carry_the_same_answer(llava_server, client):

@@ -165,7 +165,7 @@ def serve(config: ServeConfig, sock: socket.socket, log_level: str = "info", max
             media_budget_bytes=int(config.max_inflight_media_gb * 2**30), max_body_bytes=config.max_request_bytes,
         )
         metrics = Metrics(engine, built.preprocessor.processor.cache, built.grammar_compiler, built.memory_plan,
-                          admission=admission, connections=bound)
+                          admission=admission, connections=bound, model_name=config.model_name)
         # Observed from here on, not from construction: the start-up profile and the warm-up run
         # the same processor, and the histograms count clients' work only.
         if built.grammar_compiler is not None:

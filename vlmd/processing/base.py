@@ -13,7 +13,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from vlmd.errors import BadRequestError
+from vlmd.processing.embeds import SIZE_PROBES, ImageEmbeds, PrecomputedItem
 from vlmd.processing.hashing import item_identifier
 from vlmd.types import KVSpec, MultiModalItem
 
@@ -204,6 +207,44 @@ class BaseMultiModalProcessor(ABC):
     def identifier(self, modality: str, media: Any, kwargs: dict[str, Any]) -> str:
         return item_identifier(self.info.ctx.model_id, modality, media, kwargs)
 
+    def embeds_template(self, modality: str, kwargs: dict[str, Any]) -> ProcessedItem:
+        """Where precomputed encoder output of ``modality`` goes in the prompt (an
+        ``image_embeds`` part, vlmd/processing/embeds.py): the processed item of a blank
+        image, without its encoder inputs. Only where that is where every image goes: the
+        family's cost (``item_tokens``) is the same for a small and a large image, and the
+        model has no cross-attention (whose K/V follow the image's tiles); else a 400."""
+        info = self.info
+        if modality != "image":
+            raise BadRequestError(f"{modality} embeddings are not taken; image_embeds only", param="messages")
+        refusal = f"the model `{info.ctx.model_id}` does not take image_embeds: "
+        if info.cross_kv_tokens_per_item(modality):
+            raise BadRequestError(refusal + "its cross-attention needs the image's tiles", param="messages")
+        costs = {info.item_tokens(modality, ItemSize(width, height), kwargs) for width, height in SIZE_PROBES}
+        if len(costs) != 1:
+            raise BadRequestError(
+                refusal + "where its images go in the prompt depends on each image's size, which embeddings do not "
+                "carry (send the image)", param="messages")
+        width, height = SIZE_PROBES[0]
+        blank = self.process_item(modality, Image.new("RGB", (width, height), (255, 255, 255)), kwargs)
+        return ProcessedItem(encoder_inputs={}, replacement=blank.replacement,
+                             placeholder_offset=blank.placeholder_offset, num_placeholders=blank.num_placeholders,
+                             num_encoder_tokens=blank.num_encoder_tokens)
+
+    def _precomputed(self, modality: str, embeds: ImageEmbeds, kwargs: dict[str, Any]
+                     ) -> tuple[str, ProcessedItem]:
+        """The identifier and the prompt layout of an item given as its encoder output."""
+        template = self.embeds_template(modality, kwargs)
+        length = template.num_placeholders
+        if length is None:
+            length = len(template.replacement) - template.placeholder_offset
+        expected = length if template.num_encoder_tokens is None else template.num_encoder_tokens
+        if embeds.vectors.shape[0] != expected:
+            raise BadRequestError(
+                f"image_embeds hold {embeds.vectors.shape[0]} vectors; an image of the model "
+                f"`{self.info.ctx.model_id}` takes {expected}", param="messages")
+        identifier = item_identifier(self.info.ctx.model_id, modality, ("embeds", embeds.vectors.numpy()), kwargs)
+        return identifier, template
+
     def apply(
         self, prompt_token_ids: list[int], media: dict[str, list[Any]], kwargs: dict[str, Any] | None = None
     ) -> ProcessorOutput:
@@ -228,21 +269,24 @@ class BaseMultiModalProcessor(ABC):
             previous = position + 1
             data = media[modality][next_index[modality]]
             next_index[modality] += 1
-            identifier = self.identifier(modality, data, kwargs)
-            processed = self._process_cached(modality, identifier, data, kwargs)
+            if isinstance(data, ImageEmbeds):  # its encoder output, not its media
+                identifier, processed = self._precomputed(modality, data, kwargs)
+            else:
+                identifier = self.identifier(modality, data, kwargs)
+                processed = self._process_cached(modality, identifier, data, kwargs)
             length = processed.num_placeholders
             if length is None:
                 length = len(processed.replacement) - processed.placeholder_offset
-            items_out.append(
-                MultiModalItem(
-                    modality=modality,
-                    identifier=identifier,
-                    offset=len(output) + processed.placeholder_offset,
-                    length=length,
-                    encoder_inputs=processed.encoder_inputs,
-                    encoder_tokens=processed.num_encoder_tokens,
-                )
+            placed = dict(
+                modality=modality,
+                identifier=identifier,
+                offset=len(output) + processed.placeholder_offset,
+                length=length,
+                encoder_inputs=processed.encoder_inputs,
+                encoder_tokens=processed.num_encoder_tokens,
             )
+            items_out.append(PrecomputedItem(**placed, precomputed=data.vectors) if isinstance(data, ImageEmbeds)
+                             else MultiModalItem(**placed))
             output.extend(processed.replacement)
         output.extend(prompt_token_ids[previous:])
         return ProcessorOutput(output, items_out, self.family_state(output, items_out))

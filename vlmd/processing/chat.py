@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmd.errors import BadRequestError
+from vlmd.media.by_uuid import MAX_UUID_CHARS
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 # OpenAI content-part type -> (modality, key holding the URL object)
@@ -39,8 +40,17 @@ def _check_keys(obj: dict, allowed: set[str], where: str) -> None:
 
 @dataclass(frozen=True)
 class MediaRef:
+    """One media item of a request: its URL (``data:``, ``http(s)://``, ``file://``) and the
+    client's ``uuid`` for it (vLLM's), either of which may be absent, not both: a uuid
+    without a URL is an item the client sent before (vlmd/media/by_uuid.py)."""
+
     modality: str
-    url: str
+    url: str | None
+    uuid: str | None = None
+    # An ``image_embeds`` part's value (vlmd/processing/embeds.py): the item's encoder
+    # output instead of its media; ``where`` names the part in a 400.
+    embeds: Any = None
+    where: str = ""
 
 
 def to_conversation(messages: Any, part_for_modality) -> tuple[list[dict], list[MediaRef]]:
@@ -158,8 +168,13 @@ def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef
         return {"type": "text", "text": text}
     if kind in _MEDIA_PARTS:
         modality, key = _MEDIA_PARTS[kind]
-        _check_keys(part, {"type", key}, where)
+        _check_keys(part, {"type", key, "uuid"}, where)
+        uuid = _item_uuid(part, where)
         value = part.get(key)
+        sent_before = value is None or (isinstance(value, dict) and value.get("url") is None)
+        if sent_before and uuid is not None:  # the uuid alone names an item sent before
+            media.append(MediaRef(modality, None, uuid))
+            return part_for_modality(modality)
         if isinstance(value, dict):
             _check_keys(value, _URL_KEYS, f"{where}.{key}")
             if value.get("detail") not in (None, "auto"):
@@ -171,15 +186,38 @@ def _convert_part(part: Any, where: str, part_for_modality, media: list[MediaRef
         if not isinstance(url, str) or not url:
             raise BadRequestError(f"{where}.{key}.url must be a non-empty string", param="messages")
         converted = part_for_modality(modality)
-        media.append(MediaRef(modality, url))
+        media.append(MediaRef(modality, url, uuid))
+        return converted
+    if kind == "image_embeds":  # vLLM's: the image's encoder output, computed elsewhere
+        _check_keys(part, {"type", "image_embeds", "uuid"}, where)
+        uuid = _item_uuid(part, where)
+        value = part.get("image_embeds")
+        if value is None and uuid is None:
+            raise BadRequestError(f"{where}.image_embeds must hold the embeddings (or the part a uuid sent "
+                                  "with them before)", param="messages")
+        converted = part_for_modality("image")
+        media.append(MediaRef("image", None, uuid, embeds=value, where=where))
         return converted
     if kind == "input_audio":
-        _check_keys(part, {"type", "input_audio"}, where)
-        url = _input_audio_url(part.get("input_audio"), where)
+        _check_keys(part, {"type", "input_audio", "uuid"}, where)
+        uuid = _item_uuid(part, where)
+        value = part.get("input_audio")
+        url = None if value is None and uuid is not None else _input_audio_url(value, where)
         converted = part_for_modality("audio")
-        media.append(MediaRef("audio", url))
+        media.append(MediaRef("audio", url, uuid))
         return converted
     raise BadRequestError(f"{where}.type {kind!r} is not supported", param="messages")
+
+
+def _item_uuid(part: dict, where: str) -> str | None:
+    """A media part's ``uuid`` (vLLM's: the client's stable name for the item), or None."""
+    uuid = part.get("uuid")
+    if uuid is None:
+        return None
+    if not isinstance(uuid, str) or not uuid or len(uuid) > MAX_UUID_CHARS:
+        raise BadRequestError(f"{where}.uuid must be a string of 1 to {MAX_UUID_CHARS} characters",
+                              param="messages")
+    return uuid
 
 
 def _input_audio_url(value: Any, where: str) -> str:

@@ -26,6 +26,7 @@ from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, check_rendered, to_conversation
 from vlmd.processing.deadline import NO_DEADLINE, Deadline
+from vlmd.processing.embeds import decode_image_embeds
 
 _LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
 # The content parts that carry an item (processing/chat.py converts them).
@@ -74,7 +75,27 @@ class InputPreprocessor:
         return self.info.chat_part(modality)
 
     def _load(self, ref: MediaRef) -> Any:
-        """Fetch and decode one item; concurrent loads of one URL share a single fetch."""
+        """Fetch and decode one item; concurrent loads of one URL share a single fetch. An
+        item sent with a ``uuid`` is remembered by it; one sent as a uuid alone is the item
+        remembered (vlmd/media/by_uuid.py), or a 400 when there is none."""
+        cache = self.processor.cache
+        if ref.url is None and ref.embeds is None:
+            remembered = cache.by_uuid.recall(ref.modality, ref.uuid) if cache is not None else None
+            if remembered is None:
+                raise BadRequestError(
+                    f"{ref.modality} uuid {ref.uuid!r} is not known to this server: it was never sent with its "
+                    f"{ref.modality} here, or has been evicted since; send the item's data or URL with the uuid",
+                    param="messages")
+            return remembered
+        if ref.embeds is not None:
+            item = decode_image_embeds(ref.embeds, ref.where, self.info.encoder_output_width(), self.max_model_len)
+        else:
+            item = self._fetch_and_decode(ref)
+        if ref.uuid is not None and cache is not None:
+            cache.by_uuid.remember(ref.modality, ref.uuid, item)
+        return item
+
+    def _fetch_and_decode(self, ref: MediaRef) -> Any:
         started = time.perf_counter()
         load = _LOADERS[ref.modality]
         if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
@@ -170,7 +191,9 @@ class InputPreprocessor:
         prompt_ids, refs = self.chat_prompt_ids(messages, chat_template_kwargs, deadline)
         media = self._load_all(refs, deadline, lease)
         output = self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease)
-        if self.remote_encoders is not None and output.items:
+        # Items sent as a uuid alone have no URL to send on: this server encodes them (it
+        # holds their encoder outputs already, unless evicted since their bytes came).
+        if self.remote_encoders is not None and output.items and all(ref.url is not None for ref in refs):
             deadline.check("asking the encoder servers")
             self.remote_encoders.attach(output.items, refs, mm_processor_kwargs, deadline)
         return output

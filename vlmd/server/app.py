@@ -16,6 +16,7 @@ from vlmd.server.audio import transcriptions, translations
 from vlmd.server.chat import chat_completions
 from vlmd.server.completions import completions
 from vlmd.server.encoder_route import encoder_outputs
+from vlmd.server.realtime import realtime
 from vlmd.server.responses_route import create_response
 from vlmd.server.tokenize import detokenize, tokenize
 from vlmd.server.metrics import CONTENT_TYPE
@@ -198,6 +199,7 @@ def create_app(state: ServerState) -> web.Application:
         app.router.add_post("/detokenize", detokenize)
         app.router.add_post("/v1/audio/transcriptions", transcriptions)
         app.router.add_post("/v1/audio/translations", translations)
+        app.router.add_get("/v1/realtime", realtime)
     app.router.add_get("/version", version)
     app.router.add_get("/ping", health)
     app.router.add_post("/ping", health)

@@ -82,18 +82,32 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         return await _transcribe(request, state, form, options, prepared, task, started)
 
 
-async def _transcribe(request, state: ServerState, form: TranscriptionForm, options, prepared, task: str, started):
+async def window_prompts(state: ServerState, prepared, options: TranscriptionOptions, base_id: str):
+    """The language (detected on the first window when the model detects languages and none
+    was given) and every window's prompt, built on the pool (each computes its features).
+    An engine error propagates (the HTTP routes' middleware, the realtime session's events)."""
     transcriber = state.transcriber
-    base_id = f"trsc-{uuid.uuid4().hex}"
-    # An engine error propagates to the error middleware (400 or 500).
     language = options.language
     if language is None and transcriber.multilingual:
         language = await _detect_language(state, transcriber, prepared.windows[0], base_id)
 
-    def window_prompts():  # on the pool: each window's prompt computes its features
+    def build():
         return [transcriber.window_prompt(window, options, language) for window in prepared.windows]
 
-    prompts = await asyncio.get_running_loop().run_in_executor(state.pool, window_prompts)
+    return language, await asyncio.get_running_loop().run_in_executor(state.pool, build)
+
+
+def transcript_text(decodes: list[WindowDecode], settings: DecodeSettings) -> str:
+    """The windows' texts joined in order, a window judged silent left out: the ``text`` of
+    a json answer (and of a realtime item once committed)."""
+    return join_texts([decode.text for decode in decodes
+                       if not (settings.fallback and decode.is_silence(settings.thresholds))])
+
+
+async def _transcribe(request, state: ServerState, form: TranscriptionForm, options, prepared, task: str, started):
+    transcriber = state.transcriber
+    base_id = f"trsc-{uuid.uuid4().hex}"
+    language, prompts = await window_prompts(state, prepared, options, base_id)
     if form.stream:
         requests = [
             transcriber.decode_request(f"{base_id}-{index}", prompt, state.eos_token_ids, temperature=form.temperature,
@@ -126,10 +140,10 @@ async def _detect_language(state: ServerState, transcriber, window, base_id: str
 def _assemble(state: ServerState, transcriber, prepared, decodes: list[WindowDecode], form: TranscriptionForm,
               settings: DecodeSettings) -> tuple[str, list[Segment]]:
     """The text and segments of the windows in order; a window judged silent has none."""
+    if not form.timestamps:
+        return transcript_text(decodes, settings), []
     kept = [(window, decode) for window, decode in zip(prepared.windows, decodes)
             if not (settings.fallback and decode.is_silence(settings.thresholds))]
-    if not form.timestamps:
-        return join_texts([decode.text for _, decode in kept]), []
     decode_text = state.tokenizer.decode
     segments: list[Segment] = []
     for window, decode in kept:

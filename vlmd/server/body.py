@@ -27,7 +27,9 @@ _DATA = b"data:"
 # of a string value whose key is "data" is media too (a text field of that name is refused by
 # the strict parser after the parse, and a word there fails the audio decoder, also a 400).
 _DATA_KEY = b"data"
-_HEAD = 8  # bytes kept of each run: enough to tell a data URL, a key and the colon after it
+# vLLM's ``image_embeds`` part carries its tensor as bare base64 under that key: media too.
+_EMBEDS_KEY = b"image_embeds"
+_HEAD = 12  # bytes kept of each run: enough to tell a data URL, a key and the colon after it
 
 
 class _RunScanner:
@@ -49,7 +51,7 @@ class _RunScanner:
         if self.head.lower().startswith(_DATA):
             return True
         key, between = self.previous
-        return key == _DATA_KEY and between is not None and between.strip() == b":"
+        return key in (_DATA_KEY, _EMBEDS_KEY) and between is not None and between.strip() == b":"
 
     def feed(self, chunk: bytes) -> None:
         first = chunk.find(b'"')

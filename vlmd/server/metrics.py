@@ -29,9 +29,33 @@ _PLAN_BYTES = {
 }
 
 
+# vLLM's names for the figures a Kubernetes inference gateway routes on (the Gateway API
+# Inference Extension's model-server protocol, read by llm-d, KServe and AIBrix): the same
+# engine snapshot as vlmd's own gauges, under vLLM's names and labels (docs/deploy.md, D100).
+# Both KV names: vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc, and gateways of
+# either age scrape one or the other. Fractions 0..1, as vLLM exports them.
+_VLLM_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches", lambda stats: stats.num_running),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed", lambda stats: stats.num_waiting),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", lambda stats: stats.kv_usage),
+    ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name). 1 means 100 percent usage",
+     lambda stats: stats.kv_usage),
+)
+
+
+def _vllm_gauges(stats, model_name: str):
+    """``_VLLM_GAUGES`` from one stats snapshot, labelled as vLLM labels them (the served
+    model name and the engine index; vlmd has one engine)."""
+    for name, doc, read in _VLLM_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric([model_name, "0"], read(stats))
+        yield family
+
+
 class _EngineCollector:
     def __init__(self, engine, processor_cache, admission=None, grammar_compiler=None, memory_plan=None,
-                 connections=None):
+                 connections=None, model_name: str = ""):
+        self.model_name = model_name
         self.connections = connections  # vlmd.server.connections.ConnectionBound, where served through one
         self.engine = engine
         self.processor_cache = processor_cache
@@ -84,6 +108,7 @@ class _EngineCollector:
             gauges["vlmd_max_connections"] = ("The bound on open client connections", connections.bound)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from _vllm_gauges(stats, self.model_name)
         counters = {
             "vlmd_num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "vlmd_encoder_forwards": ("Media items run through an encoder", stats.num_encoder_forwards),
@@ -151,12 +176,13 @@ def _kv_group_metrics(groups: list[dict], num_blocks: int):
 
 class Metrics:
     def __init__(self, engine, processor_cache=None, grammar_compiler=None, memory_plan=None, admission=None,
-                 connections=None):
+                 connections=None, model_name: str = ""):
         """``admission``: the server's vlmd.server.admission.Admission, whose bounds are reported;
-        ``connections``: its vlmd.server.connections.ConnectionBound, whose counts are."""
+        ``connections``: its vlmd.server.connections.ConnectionBound, whose counts are;
+        ``model_name``: the served model name, the vLLM-named gauges' ``model_name`` label."""
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, processor_cache, admission, grammar_compiler, memory_plan,
-                                                connections))
+                                                connections, model_name))
 
         def histogram(name: str, doc: str, buckets, labels=()):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)

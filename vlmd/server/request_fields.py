@@ -81,8 +81,8 @@ NO_EFFECT_FIELDS: dict[str, Callable[[Any], bool]] = {
 
 # Fields we know and refuse, with the reason a user needs.
 _TOOLS_REASON = (
-    "no tool calling: the chat templates of the served families (LLaVA-1.5, Qwen2-VL) have "
-    "no tool support, so the models were never taught a tool-call format"
+    "no tool calling: vlmd has no tool-call parser, so a model's call would come back as plain "
+    "text in the message content, never as tool_calls"
 )
 NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "tools": _TOOLS_REASON,

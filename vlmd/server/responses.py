@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlmd.server.modality_tokens import openai_token_details
 from vlmd.types import TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
           multimodal_tokens: dict[str, int] | None = None) -> dict:
     """``multimodal_tokens``: the prompt's placeholder tokens per modality (vLLM's field,
-    ``server/modality_tokens.py``), left out for a prompt without media."""
-    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    ``server/modality_tokens.py``), left out for a prompt without media; the same counts in
+    OpenAI's typed fields (``text_tokens``, ``image_tokens``, ``audio_tokens``) always."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens,
+                               **openai_token_details(prompt_tokens, multimodal_tokens or {})}
     if multimodal_tokens:
         details["multimodal_tokens"] = multimodal_tokens
     return {

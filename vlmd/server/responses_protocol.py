@@ -75,7 +75,7 @@ def _read_no_op_fields(fields: RequestFields) -> None:
     # Nothing is kept after the answer, so store=true (OpenAI's default) keeps nothing and
     # the response says "store": false; a client that needs the response again has it.
     fields.get("store", bool, True)
-    no_tools = "no tool calling: the served families' chat templates have no tool support"
+    no_tools = "no tool calling: vlmd has no tool-call parser, so a call would come back as plain text"
     _no_op_only(fields, "tools", lambda v: v == [], no_tools)
     if fields.body.get("tool_choice") not in (None, "none", "auto"):  # "auto" with no tools calls none
         raise BadRequestError(f"'tool_choice' is not supported: {no_tools}", param="tool_choice")
