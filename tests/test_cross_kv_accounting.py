@@ -126,9 +126,12 @@ def test_a_fragmented_table_is_gathered_and_reads_back_the_same():
         for slot, (k_ref, v_ref) in zip(slots, layers):
             k, v = cross_kv(slot, table, 10, 4)
             assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
-    # A run is read in place: a [heads, tokens, dim] view of the slot's rows, no copy.
+    # A run is read in place: its rows hold the heads first, a contiguous [heads, tokens, dim]
+    # view (each head's tokens contiguous, as attention reads them fastest), no copy.
+    cache.write([1, 2, 3], 10, layers)
     view = cross_kv(slots[0], [1, 2, 3], 10, 4)[0]
-    assert view.shape == (2, 10, 3) and view.data_ptr() == slots[0][0][4:].data_ptr()
+    assert view.shape == (2, 10, 3) and view.is_contiguous() and view.data_ptr() == slots[0][0][4:].data_ptr()
+    assert torch.equal(slots[0][0][4:14].flatten(), layers[0][0].flatten())
     with pytest.raises(RuntimeError, match="table of 2 blocks for 10 tokens"):
         cross_kv(slots[0], [1, 2], 10, 4)
     with pytest.raises(RuntimeError, match="K/V of 10 tokens for a request of 9"):
@@ -142,23 +145,30 @@ def test_the_backend_attends_each_span_to_its_own_table():
 
     from vlmd.layers.attention import CrossSpan, attention_backend_for, cross_attention
 
+    from vlmd.runner.cross_cache import CrossCache
+
     torch.manual_seed(0)
     block, heads, kv_heads, dim = 4, 6, 2, 8
     k_cache, v_cache = torch.randn(12 * block, kv_heads, dim), torch.randn(12 * block, kv_heads, dim)
+    cache = CrossCache([(k_cache, v_cache)], block, group=1)
     backend = attention_backend_for("cpu", block, "torch")
     meta = backend.prepare_metadata([], 0)
     q = torch.randn(9, heads, dim)
     mask = torch.rand(3, 7) > 0.3
     mask[:, 0] = True  # every row sees something
-    spans = [CrossSpan(0, 3, [2, 3], 7, mask), CrossSpan(4, 9, [9, 5, 1], 10)]
+    spans = [CrossSpan(0, 3, [2, 3], 7, mask), CrossSpan(4, 9, [9, 5, 1], 10)]  # a run, and a split table
+    written = []
+    for span in spans:  # each request's K/V as the model prepares them, written by the runner
+        k, v = torch.randn(kv_heads, span.num_tokens, dim), torch.randn(kv_heads, span.num_tokens, dim)
+        cache.write(span.table, span.num_tokens, [(k, v)])
+        written.append((k, v))
     out = cross_attention(q, (k_cache, v_cache), meta, 0.3, spans)
     assert torch.equal(out[3], torch.zeros(heads, dim))
-    for span in spans:
-        slots = torch.tensor([b * block + i for b in span.table for i in range(block)])[:span.num_tokens]
-        k = k_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        v = v_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        expected = F.scaled_dot_product_attention(q[span.first:span.end].transpose(0, 1), k, v, scale=0.3,
-                                                  attn_mask=span.mask).transpose(0, 1)
+    for span, (k, v) in zip(spans, written):
+        group = heads // kv_heads
+        expected = F.scaled_dot_product_attention(q[span.first:span.end].transpose(0, 1),
+                                                  k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                                                  scale=0.3, attn_mask=span.mask).transpose(0, 1)
         torch.testing.assert_close(out[span.first:span.end], expected)
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from vlmd.layers.attention import CrossSpan
+from vlmd.layers.attention.backend import cross_region
 from vlmd.sched.block_pool import blocks_needed
-from vlmd.sched.cross_kv import is_consecutive
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -56,8 +56,10 @@ class CrossCache:
             raise RuntimeError(f"the model prepared {len(layers)} cross-attention layers, the cache has {len(self.layers)}")
         if len(table) != blocks_needed(num_tokens, self.block_size) or not table:
             raise RuntimeError(f"a cross-attention table of {len(table)} blocks for {num_tokens} tokens")
+        # The layout the backend reads (cross_kv): a run of blocks holds the heads first.
+        start = cross_region(table, self.block_size)
         slots = None
-        if not is_consecutive(table):
+        if start is None:
             blocks = torch.tensor(list(table), dtype=torch.long)
             slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
             slots = slots.to(self.layers[0][0].device)
@@ -65,10 +67,10 @@ class CrossCache:
             if k.shape[1] != num_tokens or v.shape[1] != num_tokens:
                 raise RuntimeError(f"the model prepared cross-attention K/V of {k.shape[1]} tokens for a request "
                                    f"of {num_tokens}")
-            if slots is None:
-                start = table[0] * self.block_size
-                k_cache[start:start + num_tokens].copy_(k.transpose(0, 1))
-                v_cache[start:start + num_tokens].copy_(v.transpose(0, 1))
+            if start is not None:
+                heads, dim = k_cache.shape[1], k_cache.shape[2]
+                k_cache[start:start + num_tokens].view(heads, num_tokens, dim).copy_(k)
+                v_cache[start:start + num_tokens].view(heads, num_tokens, dim).copy_(v)
             else:
                 k_cache.index_copy_(0, slots, k.transpose(0, 1).to(k_cache.dtype))
                 v_cache.index_copy_(0, slots, v.transpose(0, 1).to(v_cache.dtype))
