@@ -36,11 +36,10 @@ class NonFiniteLogits(RuntimeError):
         self.request_ids = request_ids
 
 
-def refuse_non_finite_rows(logits: torch.Tensor, states: list[RunnerRequestState]) -> None:
+def refuse_non_finite_rows(row_max: torch.Tensor, states: list[RunnerRequestState]) -> None:
     """Raise ``NonFiniteLogits`` for the rows holding NaN or +inf, or nothing finite (-inf
-    alone is a mask, and fine). One reduction: a row's max is NaN if any value is, +inf if
+    alone is a mask, and fine), from each row's max (``[N]``): NaN if any value is, +inf if
     any is, -inf if all are."""
-    row_max = logits.amax(dim=-1)
     bad = ~torch.isfinite(row_max)
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
@@ -60,11 +59,14 @@ def sample(
     it runs after the per-request token constraints, as transformers runs a generation
     config's suppression before the model's processors.
     """
-    refuse_non_finite_rows(logits, states)
+    # One pass gives each row's max (the finiteness check) and its argmax (the first maximal
+    # index, as ``argmax`` gives it): a plain greedy step reads the logits once.
+    row_max, argmax = logits.max(dim=-1)
+    refuse_non_finite_rows(row_max, states)
     if process_logits is None and all(state.plain_greedy for state in states):
         # Every row is a plain argmax (``request_state.is_plain_greedy``): the processors
         # below would leave the logits as they are, and nothing is drawn or reported.
-        return logits.argmax(dim=-1).tolist(), [None] * len(states)
+        return argmax.tolist(), [None] * len(states)
     # Log-probs describe the model's own distribution, before any processor (vLLM's
     # default "raw" log-probs), unless a request asks for the processed ones.
     want_logprobs = any(state.sampling.logprobs is not None for state in states)
