@@ -94,7 +94,8 @@ def test_whisper_holds_the_cross_blocks_it_declares(tiny_whisper_dir):
     assert kv_cache.num_slots == 2 and len(runner.kv_slots) == 2
     slots_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_slots)
     assert slots_bytes == kv_cache.page_bytes * kv_cache.num_blocks
-    assert kv_cache.page_bytes == info.kv_spec().cross_bytes_per_token(4) * BLOCK
+    spec = info.kv_spec()  # a page: every cross layer's K and V of a block, float32
+    assert kv_cache.page_bytes == 2 * spec.num_cross_layers * spec.num_kv_heads * spec.head_dim * 4 * BLOCK
     with torch.inference_mode():
         _assert_read_back(runner, runner.model.prepare_cross_attention(outputs[0]), state)
     assert cross_items_per_request(info.supported_mm_limits(), {}) == {"audio": 1}

@@ -111,28 +111,9 @@ class KVSpec:
         if any(window is not None and window < 1 for window in self.layer_windows):
             raise ValueError(f"a sliding window must be >= 1 token, got {self.layer_windows}")
 
-    def window_of(self, layer: int) -> int | None:
-        return self.layer_windows[layer] if self.layer_windows else None
-
-    def layers_with(self, window: int | None) -> int:
-        """How many layers have this window (None: full attention)."""
-        return sum(1 for layer in range(self.num_layers) if self.window_of(layer) == window)
-
-    def windows(self) -> tuple[int, ...]:
-        """The distinct sliding windows, smallest first."""
-        return tuple(sorted({window for window in self.layer_windows if window is not None}))
-
     def bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token in every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def layer_bytes_per_token(self, dtype_bytes: int, window: int | None) -> int:
-        """K and V of one token in the layers with ``window`` (None: the full-attention ones)."""
-        return 2 * self.layers_with(window) * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def cross_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one encoder token in every cross-attention layer."""
-        return 2 * self.num_cross_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_cache_config(self, block_size: int, dtype_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                         num_blocks: int | None = None):

@@ -61,7 +61,7 @@ def accounting(context: int, block_size: int, budget: int, dtype_bytes: int, kv_
     pool = int(kv_cache_gb * 2**30)
     windowed_held = kv_config.with_blocks(pool // kv_config.page_bytes).max_concurrency(context)
     full_held = full_config.with_blocks(pool // full_config.page_bytes).max_concurrency(context)
-    return {"layers": spec.num_layers, "full_layers": spec.layers_with(None), "window": config.sliding_window,
+    return {"layers": spec.num_layers, "full_layers": spec.layer_windows.count(None), "window": config.sliding_window,
             "groups": len(kv_config.groups), "layer_slots": kv_config.num_slots,
             "blocks_per_group": [group["used_blocks"] for group in stats],
             "window_peak_request_blocks": max(group["peak_request_blocks"] for group in stats[1:]),

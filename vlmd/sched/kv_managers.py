@@ -42,6 +42,7 @@ class GroupManager:
         self.first_live: dict[str, int] = {}  # entries before it are FREED (window groups)
         self.last_new: dict[str, list[int]] = {}  # what the last allocation appended
         self.peak_request_blocks = 0  # the most blocks one request has held here at once
+        self._description = spec.describe()
 
     def key(self, block_hash: bytes) -> tuple[int, bytes]:
         return (self.spec.index, block_hash)
@@ -126,9 +127,8 @@ class GroupManager:
             self.pool.free(live[::-1])
 
     def stats(self) -> dict:
-        row = self.spec.describe()
-        row.update(used_blocks=self.used_blocks, peak_request_blocks=self.peak_request_blocks)
-        return row
+        """The group's description (made once: EngineStats asks every step) and live figures."""
+        return {**self._description, "used_blocks": self.used_blocks, "peak_request_blocks": self.peak_request_blocks}
 
 
 class FullAttentionManager(GroupManager):

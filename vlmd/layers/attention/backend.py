@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from vlmd.sched.cross_kv import is_consecutive
+
 if TYPE_CHECKING:
     from vlmd.layers.decoder_structure import DecoderStructure
 
@@ -106,12 +108,7 @@ def cross_region(table: Sequence[int], block_size: int) -> int | None:
     as a view each head's tokens are contiguous, as attention reads them fastest (token-major
     rows, ``[tokens, heads, dim]``, cost tiny.en's decode 10 % through strided reads). A table
     split across the pool keeps the token-major rows and is gathered."""
-    if not table:
-        return None
-    for previous, block in zip(table, table[1:]):
-        if block != previous + 1:
-            return None
-    return table[0] * block_size
+    return table[0] * block_size if table and is_consecutive(table) else None
 
 
 def cross_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], table: Sequence[int], num_tokens: int,
