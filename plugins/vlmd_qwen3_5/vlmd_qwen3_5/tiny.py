@@ -1,0 +1,94 @@
+"""Deterministic random Qwen3.5 checkpoints for tests (``Qwen3_5ForConditionalGeneration``).
+
+Built from transformers' own config classes, so the checkpoint has the real architecture: a
+hybrid text model whose ``layer_types`` (transformers' rule, ``full_attention_interval`` 4)
+put three Gated DeltaNet layers before each gated full-attention layer (partial rotary 0.25
+with interleaved M-RoPE, q/k RMSNorm, a sigmoid gate from ``q_proj``), RMSNorms that scale by
+``1 + weight``, and Qwen3-VL's vision tower without DeepStack. The tokenizer, chat template
+and processor files are Qwen3-VL's tiny ones (``vlmd_qwen3_vl.tiny``, the same special tokens
+and pixel limits), written by its ``build_checkpoint``.
+
+Weights follow ``vlmd.tiny.weights.StdRule`` with Qwen3.5's exceptions (``PARAM_STD``): the
+text norms' weights around 0 (they are offsets from 1), the gated norm's around 1, and
+``A_log`` around -3 so a delta-rule state decays by a few percent a token: what a prompt's
+first chunk leaves in it still matters 64 tokens on, so a state lost between chunks shows in
+the tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmd.tiny.weights import StdRule
+from vlmd_qwen3_vl.tiny import PARAM_STD as QWEN3_VL_PARAM_STD
+from vlmd_qwen3_vl.tiny import PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE, ROPE_THETA, build_checkpoint
+
+__all__ = ["SIZES", "build_tiny_qwen3_5", "qwen3_5_config"]
+
+SIZES: dict[str, dict] = {
+    "tiny": {
+        "vision": dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=16),
+        # Two groups of three linear-attention layers and one full-attention layer.
+        "text": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_conv_kernel_dim=4),
+        # Rotary over a quarter of head_dim (16 columns, 8 frequencies): time, height, width.
+        "mrope_section": [3, 3, 2],
+    },
+}
+
+
+class Qwen3_5ParamStd:
+    """Qwen3-VL's tiny rule for the tower; Qwen3.5's text norms, gated norm and decay."""
+
+    base = StdRule(fixed=[*QWEN3_VL_PARAM_STD.fixed,
+                          (("linear_attn.norm.weight",), 1.0, 0.1),  # a plain scale (RMSNormGated)
+                          (("linear_attn.A_log",), -3.0, 1.0)],
+                   gains=QWEN3_VL_PARAM_STD.gains)
+
+    def __call__(self, name: str, shape: tuple[int, ...], is_norm: bool):
+        if is_norm and ".visual." not in name and name.endswith("weight"):
+            return 0.0, 0.1  # Qwen3_5RMSNorm scales by 1 + weight
+        return self.base(name, shape, is_norm)
+
+
+PARAM_STD = Qwen3_5ParamStd()
+
+
+def qwen3_5_config(size: str, *, vocab_size: int, ids: dict[str, int]):
+    """The ``Qwen3_5Config`` of a ``size`` checkpoint."""
+    from transformers import Qwen3_5Config
+
+    spec = SIZES[size]
+    config = Qwen3_5Config(
+        text_config=dict(
+            vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": spec["mrope_section"],
+                             "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            **spec["text"],
+        ),
+        vision_config=dict(
+            hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE, out_hidden_size=spec["text"]["hidden_size"], **spec["vision"],
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return config
+
+
+def build_tiny_qwen3_5(out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """Build a random Qwen3.5 checkpoint into ``out_dir`` and return its path."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+
+    def hybrid(vocab_size: int, ids: dict[str, int]):
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        return Qwen3_5ForConditionalGeneration, qwen3_5_config(size, vocab_size=vocab_size, ids=ids), PARAM_STD
+
+    return build_checkpoint(out_dir, seed, size, "qwen3_5", hybrid)
