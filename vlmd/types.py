@@ -102,8 +102,17 @@ class KVSpec:
     # are computed once per request from its encoder output and held in the blocks of their
     # KV group (docs/decisions.md D93, D95); not among ``num_layers``.
     num_cross_layers: int = 0
+    # Each layer's recurrent state in bytes per request (a linear-attention layer's: its
+    # convolution and delta-rule state, ``vlmd.layers.linear_attention.state``), None for an
+    # attention layer; or empty: none has one. Such a layer keeps no K/V per token: its state
+    # sits in the pages of its own KV group, a fixed number per request (D95, D105).
+    layer_state_bytes: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.layer_state_bytes and len(self.layer_state_bytes) != self.num_layers:
+            raise ValueError(f"{len(self.layer_state_bytes)} layer state sizes for {self.num_layers} layers")
+        if any(size is not None and size < 1 for size in self.layer_state_bytes):
+            raise ValueError(f"a recurrent state needs a size in bytes, got {self.layer_state_bytes}")
         if self.num_cross_layers < 0:
             raise ValueError(f"num_cross_layers must be >= 0, got {self.num_cross_layers}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -111,9 +120,14 @@ class KVSpec:
         if any(window is not None and window < 1 for window in self.layer_windows):
             raise ValueError(f"a sliding window must be >= 1 token, got {self.layer_windows}")
 
+    @property
+    def num_attention_layers(self) -> int:
+        """Self-attention layers: those that keep K/V per token (not a recurrent state)."""
+        return self.num_layers - sum(1 for size in self.layer_state_bytes if size is not None)
+
     def bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V of one token in every self-attention layer."""
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_cache_config(self, block_size: int, dtype_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                         num_blocks: int | None = None):
@@ -121,7 +135,8 @@ class KVSpec:
         ``num_blocks`` pages (default: what one request of max_model_len holds at its most)."""
         from vlmd.sched.kv_spec import build_kv_cache_config, layer_kinds
 
-        kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len)
+        kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len,
+                            self.layer_state_bytes)
         slot = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
         config = build_kv_cache_config(kinds, block_size, 1, slot)
         if num_blocks is None:

@@ -1,1 +1,3 @@
-"""Linear attention: Gated DeltaNet (Qwen3.5's), its operations and its layer."""
+"""Linear-attention layers (Gated DeltaNet: ``gated_delta.py``'s operations, the layer in
+``gated_delta_net.py``) and the per-request state they keep in the KV model's
+recurrent-state groups (``state.py``)."""
