@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention, store_kv
+from vlmd.layers.linear_attention.gated_delta_net import GatedDeltaNet
 from vlmd.layers.linear import SINGLE, QKVParallelLinear, ReplicatedLinear, RowParallelLinear, TPGroup
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import MRotaryEmbedding, apply_rotary, mrope_section, rope_parameters
@@ -129,15 +130,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-def gated_delta_net(config, tp: TPGroup):
-    """The core's Gated DeltaNet at this config's sizes."""
-    from vlmd.layers.linear_attention.gated_delta_net import GatedDeltaNet
-
-    if tp.size != 1:
-        raise ValueError("Qwen3.5's linear-attention layers do not run under tensor parallelism yet")
+def gated_delta_net(config, tp: TPGroup) -> GatedDeltaNet:
+    """The core's Gated DeltaNet at this config's sizes (this rank's heads)."""
     return GatedDeltaNet(config.hidden_size, int(config.linear_num_key_heads), int(config.linear_num_value_heads),
                          int(config.linear_key_head_dim), int(config.linear_value_head_dim),
-                         int(config.linear_conv_kernel_dim), float(config.rms_norm_eps))
+                         int(config.linear_conv_kernel_dim), float(config.rms_norm_eps), tp=tp)
 
 
 # Checkpoint names (after ``model.``) of the RMSNorms that scale by 1 + weight.
