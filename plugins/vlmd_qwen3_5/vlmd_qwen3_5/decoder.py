@@ -12,7 +12,10 @@ attention) and gated full-attention layers, as ``layer_types`` lays them out.
 - Every RMSNorm but the gated one scales by ``1 + weight`` (Gemma's form); the loader adds the
   1 into the weight once, so these are plain ``RMSNorm``s (bit for bit in float32:
   transformers forms ``1 + w`` in float32 and multiplies by it).
-- The MLP is Llama's (gate and up fused).
+- The MLP is Llama's (gate and up fused); Qwen3.5-MoE's (``num_experts`` in the config) is a
+  sparse mixture of experts on every layer (``vlmd.layers.moe``, top-k of the router's
+  renormalised probabilities) plus a shared expert whose output is scaled by
+  sigmoid(``shared_expert_gate``): ``SharedExpertMoeBlock``.
 
 Tensor parallelism: the q/k/v product splits by heads as Qwen3's; a head's query and gate are
 adjacent rows of ``q_proj``, so a rank's share of the ``2 H`` rows of width ``D`` holds whole
@@ -21,14 +24,19 @@ adjacent rows of ``q_proj``, so a rank's share of the ``2 H`` rows of width ``D`
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Iterable
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention, store_kv
-from vlmd.layers.linear_attention.gated_delta_net import GatedDeltaNet
 from vlmd.layers.linear import SINGLE, QKVParallelLinear, ReplicatedLinear, RowParallelLinear, TPGroup
+from vlmd.layers.linear_attention.gated_delta_net import GatedDeltaNet
+from vlmd.layers.moe import SparseMoeBlock
 from vlmd.layers.norm import RMSNorm
 from vlmd.layers.rotary import MRotaryEmbedding, apply_rotary, mrope_section, rope_parameters
 from vlmd.models.base import KVSpec
@@ -36,7 +44,7 @@ from vlmd.models.llama import LlamaMLP, _head_dim
 from vlmd.models.loader import load_into
 from vlmd_qwen3_5.kv import FULL_ATTENTION, layer_types
 
-__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "partial_rotary"]
+__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "SharedExpertMoeBlock", "partial_rotary"]
 
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' Qwen3.5 text rotary, where a config names none
 
@@ -94,6 +102,27 @@ class GatedAttention(nn.Module):
         return self.o_proj(attended.reshape(tokens, self.q_size) * torch.sigmoid(gate))
 
 
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3.5-MoE's MLP: the routed experts' sum plus the shared expert's output scaled by
+    sigmoid(``shared_expert_gate``), a replicated ``[1, hidden]`` product. Under tensor
+    parallelism the shared expert splits as a dense MLP (its own all-reduce)."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__(config, tp)
+        shared = SimpleNamespace(hidden_size=config.hidden_size, hidden_act=config.hidden_act,
+                                 intermediate_size=int(config.shared_expert_intermediate_size))
+        self.shared_expert = LlamaMLP(shared, tp)
+        self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return super().forward(hidden) + shared
+
+
+def has_experts(config) -> bool:
+    return int(getattr(config, "num_experts", 0) or 0) > 0
+
+
 class Qwen3_5DecoderLayer(nn.Module):
     """Pre-norm: a token mixer (gated attention or Gated DeltaNet), then the MLP; the
     residual adds are fused into the next norm, as ``LlamaDecoderLayer``'s."""
@@ -107,7 +136,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.linear_attn = gated_delta_net(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = SharedExpertMoeBlock(config, tp) if has_experts(config) else LlamaMLP(config, tp)
 
     def forward(self, hidden, residual, cos, sin, kv_cache, meta, outputs: OutputRows | None = None):
         """As ``LlamaDecoderLayer.forward``: (MLP output, running sum before it); with
@@ -137,6 +166,8 @@ def gated_delta_net(config, tp: TPGroup) -> GatedDeltaNet:
                          int(config.linear_conv_kernel_dim), float(config.rms_norm_eps), tp=tp)
 
 
+# One expert's projection, as transformers saves Qwen3.5-MoE: (experts module, expert, part).
+PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 # Checkpoint names (after ``model.``) of the RMSNorms that scale by 1 + weight.
 OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".self_attn.q_norm.weight",
                 ".self_attn.k_norm.weight")
@@ -152,6 +183,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
         ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
         ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+        ".mlp.shared_expert.gate_proj.": (".mlp.shared_expert.gate_up_proj.", 0),
+        ".mlp.shared_expert.up_proj.": (".mlp.shared_expert.gate_up_proj.", 1),
     }
 
     def __init__(self, config, *, tie_word_embeddings: bool = False, tp: TPGroup = SINGLE):
@@ -194,17 +227,28 @@ class Qwen3_5ForCausalLM(nn.Module):
         ``lm_head.weight``); returns the names of our parameters that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        expert_parts: Counter[str] = Counter()  # per fused experts tensor, the per-expert parts loaded
         for name, tensor in weights:
             target = name.removeprefix("model.")
             if target == "norm.weight" or target.endswith(OFFSET_NORMS):
                 tensor = tensor.float() + 1.0  # 1 + w, once
             shard = None
+            expert = PER_EXPERT.fullmatch(target)
+            if expert is not None:  # experts.{e}.{gate,up,down}_proj.weight into the fused tensors
+                prefix, index, part = expert.groups()
+                target = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+                shard = (int(index), part)
+                expert_parts[target] += 1
             for fragment, (fused, index) in self._STACKED.items():
-                if fragment in target:
+                if expert is None and fragment in target:
                     target, shard = target.replace(fragment, fused), index
                     break
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in Qwen3.5 checkpoint")
             load_into(params[target], tensor, name, shard)
             loaded.add(target)
+        for target, count in expert_parts.items():
+            expected = params[target].shape[0] * (2 if target.endswith("gate_up_proj") else 1)
+            if count != expected:
+                raise ValueError(f"Qwen3.5 checkpoint has {count} of the {expected} per-expert tensors of {target}")
         return loaded

@@ -1,4 +1,5 @@
-"""The Qwen3.5 model: transformers' vision tower and our hybrid decoder (``decoder.py``).
+"""The Qwen3.5 model, dense and mixture-of-experts: transformers' vision tower and our hybrid
+decoder (``decoder.py``).
 
 The vision tower needs no KV cache, so it is transformers' own ``Qwen3_5VisionModel`` (Qwen3-VL's
 tower without DeepStack: 16-px patches of frame pairs, learned positions interpolated to
@@ -42,6 +43,18 @@ def _rename(name: str) -> str:
     raise ValueError(f"unexpected weight {name!r} in Qwen3.5 checkpoint")
 
 
+def _vision_model_class(config) -> type:
+    """transformers' tower for this config: the MoE checkpoints' is the same module under
+    its own config class."""
+    if type(config).__name__ == "Qwen3_5MoeConfig":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+        return Qwen3_5MoeVisionModel
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    return Qwen3_5VisionModel
+
+
 class Qwen3_5Model(VisionItems, nn.Module):
     """Under tensor parallelism (``tp``) the decoder is sharded; the vision tower is
     replicated: every rank encodes every image (docs/architecture.md)."""
@@ -51,12 +64,10 @@ class Qwen3_5Model(VisionItems, nn.Module):
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
         self.config = config
         vision_config, text_config = config.vision_config, config.text_config
         vision_config._attn_implementation = "sdpa"
-        self.visual = Qwen3_5VisionModel(vision_config)
+        self.visual = _vision_model_class(config)(vision_config)
         adopt_linear_modules(self.visual)
         self.encoder_output_width = int(text_config.hidden_size)
         if int(vision_config.out_hidden_size) != self.encoder_output_width:

@@ -39,13 +39,18 @@ SIZES: dict[str, dict] = {
 }
 
 
-class Qwen3_5ParamStd:
-    """Qwen3-VL's tiny rule for the tower; Qwen3.5's text norms, gated norm and decay."""
+BASE_STD = StdRule(fixed=[*QWEN3_VL_PARAM_STD.fixed,
+                         (("linear_attn.norm.weight",), 1.0, 0.1),  # a plain scale (RMSNormGated)
+                         (("linear_attn.A_log",), -3.0, 1.0)],
+                  gains=QWEN3_VL_PARAM_STD.gains)
 
-    base = StdRule(fixed=[*QWEN3_VL_PARAM_STD.fixed,
-                          (("linear_attn.norm.weight",), 1.0, 0.1),  # a plain scale (RMSNormGated)
-                          (("linear_attn.A_log",), -3.0, 1.0)],
-                   gains=QWEN3_VL_PARAM_STD.gains)
+
+class Qwen3_5ParamStd:
+    """Qwen3-VL's tiny rule for the tower (``base``: Qwen3.5's gated norm and decay added);
+    the text RMSNorms' weights around 0."""
+
+    def __init__(self, base: StdRule = BASE_STD):
+        self.base = base
 
     def __call__(self, name: str, shape: tuple[int, ...], is_norm: bool):
         if is_norm and ".visual." not in name and name.endswith("weight"):

@@ -1,0 +1,79 @@
+"""Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``) through the real server: greedy tokens
+equal transformers' generate.
+
+The tiny checkpoint (``vlmd_qwen3_5/tiny_moe.py``) has 8 experts, 2 a token, and a shared
+expert on every text layer of Qwen3.5's hybrid layout, its experts saved one tensor each, as
+transformers saves them. One server, under ``--tensor-parallel-size 2`` (each rank holds half
+of every expert's columns, half of the attention and linear-attention heads, and its half of
+each recurrent state) with a 32-token step budget that splits prompts across steps (the
+states carried between chunks) and a KV cache small enough to preempt (a preempted request's
+states are computed again from its tokens). Qwen3.5's cases run alone, then all concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import Server
+from oracle import assert_chat_parity
+from test_qwen3_5 import _cases, _max_tokens
+from test_qwen3_vl import _body, _reference
+
+NAMES = ["image_640x480", "two_images", "text_only", "long_text"]
+FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2,video=0",
+         "--max-num-batched-tokens", "32", "--max-num-seqs", "8", "--num-kv-blocks", "40", "--max-model-len", "480")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from vlmd.testing.tiny import build_tiny
+
+    return build_tiny("qwen3_5_moe", tmp_path_factory.mktemp("tiny-qwen3-5-moe"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="module")
+def cases():
+    every = _cases()
+    return [(name, every[name]) for name in NAMES]
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_moe_dir, tmp_path_factory):
+    """The server starting while the references are computed."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(Server, tiny_moe_dir, *FLAGS, log_dir=tmp_path_factory.mktemp("qwen3-5-moe-logs"))
+    pool.shutdown(wait=False)
+    yield future
+    if future.exception() is None:
+        future.result().stop()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_moe_dir, cases):
+    return {name: _reference(tiny_moe_dir, *case, _max_tokens(i)) for i, (name, case) in enumerate(cases)}
+
+
+def test_the_checkpoint_is_sparse_and_hybrid(tiny_moe_dir):
+    text = json.loads((tiny_moe_dir / "config.json").read_text())["text_config"]
+    assert text["num_experts"] == 8 and text["shared_expert_intermediate_size"] == 48
+    assert text["layer_types"].count("linear_attention") == 6 and text["layer_types"][3] == "full_attention"
+
+
+def test_parity_alone_then_concurrently_under_tp2_split_and_preempted(launched, cases, references):
+    server = launched.result()
+    for index, (name, case) in enumerate(cases):
+        status, body = server.chat(_body(*case, _max_tokens(index)))
+        assert status == 200, body
+        assert_chat_parity(body, references[name])
+    for _ in range(8):  # preemption needs the requests to overlap (timing): at most eight rounds
+        with ThreadPoolExecutor(len(cases)) as pool:
+            bodies = list(pool.map(lambda i: server.chat(_body(*cases[i][1], _max_tokens(i))), range(len(cases))))
+        for (status, body), (name, _) in zip(bodies, cases):
+            assert status == 200, body
+            assert_chat_parity(body, references[name])
+        if server.metrics()["vlmd_num_preemptions_total"] > 0:
+            break
+    assert server.metrics()["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
