@@ -104,3 +104,49 @@ def test_parity_one_request_at_a_time(server, cases, references):
 def test_parity_all_concurrently(server, cases, references):
     for (name, _), body in zip(cases, _run_concurrently(server, cases)):
         assert_chat_parity(body, references[name])
+
+
+def _checkpoint_weights(model_dir):
+    from vlmd.models.loader import iterate_weights
+
+    return list(iterate_weights(model_dir))
+
+
+def _config(model_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def test_the_multi_token_prediction_head_is_read_past_and_an_unknown_weight_refused(tiny_qwen3_5_dir):
+    """Published checkpoints carry an ``mtp.*`` head (speculative decoding, D107): loaded past;
+    a weight the model has no place for is still an error naming it."""
+    import torch
+
+    from vlmd_qwen3_5.model import Qwen3_5Model
+
+    weights = _checkpoint_weights(tiny_qwen3_5_dir)
+    model = Qwen3_5Model(_config(tiny_qwen3_5_dir))
+    model.load_weights([*weights, ("mtp.fc.weight", torch.zeros(64, 128)), ("mtp.norm.weight", torch.zeros(64))])
+    with pytest.raises(ValueError, match="layers.0.linear_attn.extra"):
+        Qwen3_5Model(_config(tiny_qwen3_5_dir)).load_weights(
+            [*weights, ("model.language_model.layers.0.linear_attn.extra", torch.zeros(1))])
+    with pytest.raises(ValueError, match="lacks weights"):
+        Qwen3_5Model(_config(tiny_qwen3_5_dir)).load_weights(
+            [(name, tensor) for name, tensor in weights if not name.endswith("layers.0.linear_attn.A_log")])
+
+
+def test_the_kv_spec_names_each_linear_attention_layers_state(tiny_qwen3_5_dir):
+    """The processing info's spec (``vlmd cost``, from the config alone) equals the model's:
+    every decoder layer counted, the full-attention ones paged, each linear-attention one
+    holding its state's bytes (the convolution's last 3 inputs of 2 * 2 * 16 + 4 * 16
+    channels and 4 delta-rule matrices of 16 x 16, float32)."""
+    from vlmd_qwen3_5.kv import kv_spec_for
+    from vlmd_qwen3_5.model import Qwen3_5Model
+
+    config = _config(tiny_qwen3_5_dir)
+    spec = Qwen3_5Model(config).kv_spec
+    assert spec == kv_spec_for(config.text_config)
+    state = (128 * 3 + 4 * 16 * 16) * 4
+    assert spec.layer_state_bytes == (state, state, state, None, state, state, state, None)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (8, 2, 64)

@@ -77,3 +77,17 @@ def test_parity_alone_then_concurrently_under_tp2_split_and_preempted(launched, 
         if server.metrics()["vlmd_num_preemptions_total"] > 0:
             break
     assert server.metrics()["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+
+
+def test_a_missing_expert_is_refused(tiny_moe_dir):
+    """transformers saves each expert's projections apart; the loader fills the fused tensors
+    from them and refuses a checkpoint that lacks one."""
+    from transformers import AutoConfig
+
+    from vlmd.models.loader import iterate_weights
+    from vlmd_qwen3_5.model import Qwen3_5Model
+
+    weights = [(name, tensor) for name, tensor in iterate_weights(tiny_moe_dir)
+               if not name.endswith("layers.2.mlp.experts.5.up_proj.weight")]
+    with pytest.raises(ValueError, match="15 of the 16 per-expert tensors of layers.2.mlp.experts.gate_up_proj"):
+        Qwen3_5Model(AutoConfig.from_pretrained(tiny_moe_dir)).load_weights(weights)
