@@ -14,7 +14,8 @@ from vlmd.runner.batch import StepBatch, build_batch
 from vlmd.runner.cross_cache import CrossCache, cross_states
 from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.host_staging import HostStaging
-from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
+from vlmd.layers.linear_attention.state import commit_states
+from vlmd.runner.kv_cache import allocate_kv_slots, copy_pages, layer_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
 from vlmd.sched.kv_spec import CrossAttention, KVCacheConfig
@@ -142,6 +143,13 @@ class ModelRunner:
             # for a penalized request).
             for state, token, _ in kept:
                 state.append_token(token)
+        # The step ran: the linear-attention layers' new states are stored, then copied into
+        # the snapshots the scheduler asked for at this chunk's end (D105).
+        commit_states(batch.meta)
+        for request_id in request_ids:
+            for group, pages in out.state_snapshots.get(request_id, {}).items():
+                table = self.requests[request_id].block_tables[group]
+                copy_pages(self.kv_config, self.kv_slots, group, table[:len(pages)], pages)
         for piece in batch.slices:
             piece.state.num_computed_tokens = piece.end
         return result
@@ -165,7 +173,10 @@ class ModelRunner:
         for identifier in out.evicted_encoder_identifiers:
             self.encoder_outputs.pop(identifier, None)
         for data in out.new_requests:
-            self.requests[data.request_id] = RunnerRequestState.from_new(data)
+            state = self.requests[data.request_id] = RunnerRequestState.from_new(data)
+            # A prefix hit of a model with recurrent state starts from a snapshot's copy.
+            for group, pages in data.state_sources.items():
+                copy_pages(self.kv_config, self.kv_slots, group, pages, state.block_tables[group][:len(pages)])
         for data in out.cached_requests:
             state = self.requests[data.request_id]
             for group, new_blocks in data.new_block_ids.items():
