@@ -60,6 +60,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoder_forwards = 0
+        self.num_encoder_calls = 0
         # What the model offers beyond the required contract, as its class declares it
         # (models/base.py:ModelCapabilities; checked when the model loaded). A hook the
         # model does not declare is None here.
@@ -226,6 +227,7 @@ class ModelRunner:
             group = [item for item in items if item.modality == modality]
             encoded = self.model.embed_multimodal(modality, [item.encoder_inputs for item in group])
             self.num_encoder_forwards += len(group)
+            self.num_encoder_calls += 1
             for item, output in zip(group, encoded):
                 if output.shape[0] != item.num_encoder_tokens:
                     raise RuntimeError(
