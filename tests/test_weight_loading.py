@@ -24,6 +24,7 @@ def _encoder_weight(weights) -> int:
 
 @pytest.mark.parametrize("fixture, family", [
     ("tiny_llava_dir", "LLaVA"), ("tiny_qwen2_vl_dir", "Qwen2-VL"), ("tiny_qwen2_audio_dir", "Qwen2-Audio"),
+    ("tiny_qwen2_5_vl_dir", "Qwen2.5-VL"),
 ])
 def test_bad_checkpoints_are_refused_by_name(request, fixture, family):
     model_dir = request.getfixturevalue(fixture)
