@@ -48,24 +48,22 @@ def test_bad_checkpoints_are_refused_by_name(request, fixture, family):
 # The tiny checkpoints are written in one layout each; a family's table also names the other
 # layout its published checkpoints use (transformers 5 saves under "model.", the 4.x -hf
 # checkpoints do not). Renamed into that layout, the same tensors must load the same model.
+def _transformers5(tower: str, its_prefix: str) -> tuple[tuple[str, str], ...]:
+    """A 4.x -hf layout (the tiny checkpoints') -> transformers 5's, for a tower under ``tower``."""
+    return (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+            (tower, its_prefix), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+# Qwen2-VL's and Qwen2.5-VL's tiny checkpoints are transformers 4.x's (model.* is the decoder).
+_QWEN2_VL_TRANSFORMERS5 = (("model.", "model.language_model."), ("visual.", "model.visual."), ("lm_head.", "lm_head."))
 OTHER_LAYOUT = {
-    "tiny_llava_dir": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                       ("vision_tower.", "model.vision_tower.vision_model."),
-                       ("multi_modal_projector.", "model.multi_modal_projector.")),
-    "tiny_gemma3_dir": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                        ("vision_tower.", "model.vision_tower.vision_model."),
-                        ("multi_modal_projector.", "model.multi_modal_projector.")),
-    "tiny_internvl_dir": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                          ("vision_tower.", "model.vision_tower."),
-                          ("multi_modal_projector.", "model.multi_modal_projector.")),
-    "tiny_qwen2_audio_dir": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                             ("audio_tower.", "model.audio_tower."),
-                             ("multi_modal_projector.", "model.multi_modal_projector.")),
-    "tiny_qwen2_vl_dir": (("model.", "model.language_model."), ("visual.", "model.visual."), ("lm_head.", "lm_head.")),
-    "tiny_qwen2_5_vl_dir": (("model.", "model.language_model."), ("visual.", "model.visual."), ("lm_head.", "lm_head.")),
-    "tiny_mllama_dir": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                        ("vision_model.", "model.vision_model."),
-                        ("multi_modal_projector.", "model.multi_modal_projector.")),
+    "tiny_llava_dir": _transformers5("vision_tower.", "model.vision_tower.vision_model."),
+    "tiny_gemma3_dir": _transformers5("vision_tower.", "model.vision_tower.vision_model."),
+    "tiny_internvl_dir": _transformers5("vision_tower.", "model.vision_tower."),
+    "tiny_qwen2_audio_dir": _transformers5("audio_tower.", "model.audio_tower."),
+    "tiny_mllama_dir": _transformers5("vision_model.", "model.vision_model."),
+    "tiny_qwen2_vl_dir": _QWEN2_VL_TRANSFORMERS5,
+    "tiny_qwen2_5_vl_dir": _QWEN2_VL_TRANSFORMERS5,
 }
 
 
