@@ -19,28 +19,20 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import SKIP, WeightNames, iterate_weights, load_multimodal_weights
 from vlmd_qwen3_5.decoder import Qwen3_5ForCausalLM
 from vlmd_qwen3_vl.model import VisionItems
 from vlmd_qwen3_vl.settings import VisionSettings
 
-# Checkpoint prefixes (transformers 5 layout, as published) -> ours. The multi-token
+# Checkpoint names (transformers 5 layout, as published) -> ours. The multi-token
 # prediction head (``mtp.``) of published checkpoints serves speculative decoding, which
-# vlmd does not do: its weights are read past.
-PREFIXES = (
+# vlmd does not do: its weights are read past (D107).
+WEIGHT_NAMES = WeightNames("Qwen3.5", (
     ("model.language_model.", "language_model.model."),
     ("model.visual.", "visual."),
     ("lm_head.", "language_model.lm_head."),
-    ("mtp.", "mtp."),
-)
-UNUSED_PREFIX = "mtp."
-
-
-def _rename(name: str) -> str:
-    for old, new in PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"unexpected weight {name!r} in Qwen3.5 checkpoint")
+    ("mtp.", SKIP),
+))
 
 
 def _vision_model_class(config) -> type:
@@ -87,8 +79,8 @@ class Qwen3_5Model(VisionItems, nn.Module):
         return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
-                                "Qwen3.5", encoder_prefix="visual.", skip=lambda target: target.startswith(UNUSED_PREFIX))
+        load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,
+                                encoder_prefix="visual.")
 
     # ---- the runner's contract -----------------------------------------------------
 
