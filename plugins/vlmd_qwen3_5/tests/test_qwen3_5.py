@@ -17,6 +17,7 @@ within 1e-3 up to it.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -27,6 +28,7 @@ from test_qwen3_vl import MEDIA_IO, _body, _reference, decoded_video
 
 CASE_NAMES = ["text_only", "image_640x480", "two_images", "video", "long_text"]
 BUDGET = 64  # --max-num-batched-tokens: the chunk a long prompt is split into
+BLOCK_SIZE = 16  # the server's default
 LONG_TEXT = " ".join(f"Line {index}: the tide comes in over the stones and goes out again." for index in range(14))
 
 
@@ -104,6 +106,37 @@ def test_parity_one_request_at_a_time(server, cases, references):
 def test_parity_all_concurrently(server, cases, references):
     for (name, _), body in zip(cases, _run_concurrently(server, cases)):
         assert_chat_parity(body, references[name])
+
+
+def _image_span(body, model_dir) -> tuple[int, int]:
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    rows = [index for index, token in enumerate(body["prompt_token_ids"]) if token == image_token]
+    return rows[0], rows[-1] + 1
+
+
+def test_another_question_and_a_second_turn_start_from_the_image_s_state(server, tiny_qwen3_5_dir):
+    """Prefix hits on a hybrid model (D105): the recurrent states are kept at the last block
+    boundary at or before the image's end and before the prompt's last token, so another
+    question about the same image reuses the image's blocks and states, and a second turn
+    about it the whole first prompt's but its last block; the answers are still
+    transformers'."""
+    parts = [{"type": "image", "media": random_image(40, 500, 400)}]
+    turns = [("What is in this image?", None), ("Describe its colours.", None),
+             ("What is in this image?", ("It is a picture of noise.", "And its colours?"))]
+    bodies = []
+    for text, follow_up in turns:
+        status, body = server.chat(_body(parts, text, {}, follow_up, 6))
+        assert status == 200, body
+        assert_chat_parity(body, _reference(tiny_qwen3_5_dir, parts, text, {}, follow_up, 6))
+        bodies.append(body)
+    first, other_question, second_turn = bodies
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    start, end = _image_span(first, tiny_qwen3_5_dir)
+    cached = other_question["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == end // BLOCK_SIZE * BLOCK_SIZE and cached > start, (start, end, cached)
+    first_prompt = len(first["prompt_token_ids"])
+    cached = second_turn["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (first_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE, (first_prompt, cached)
 
 
 def _checkpoint_weights(model_dir):
