@@ -25,6 +25,8 @@ import pytest
 from conftest import Server, random_image
 from oracle import assert_chat_parity
 from test_qwen3_vl import MEDIA_IO, _body, _reference, decoded_video
+# Qwen3-VL's bad-input cases (its processor is this family's), run against this module's server.
+from test_qwen3_vl import test_bad_input_is_a_400_and_the_server_still_serves  # noqa: F401
 
 CASE_NAMES = ["text_only", "image_640x480", "two_images", "video", "long_text"]
 BUDGET = 64  # --max-num-batched-tokens: the chunk a long prompt is split into

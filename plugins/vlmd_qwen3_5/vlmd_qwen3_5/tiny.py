@@ -36,6 +36,16 @@ SIZES: dict[str, dict] = {
         # Rotary over a quarter of head_dim (16 columns, 8 frequencies): time, height, width.
         "mrope_section": [3, 3, 2],
     },
+    # About 100M parameters, for benchmarks: 128-wide linear-attention heads (the size the
+    # published checkpoints use, and the one vLLM's CPU Gated DeltaNet kernel takes).
+    "small": {
+        "vision": dict(depth=8, hidden_size=384, intermediate_size=1536, num_heads=6, num_position_embeddings=576),
+        "text": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
+                     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4),
+        "mrope_section": [6, 5, 5],  # 32 rotary columns of head_dim 128
+    },
 }
 
 
