@@ -18,13 +18,12 @@ within 1e-3 up to it.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import Server, random_image
 from oracle import assert_chat_parity
-from test_qwen3_vl import MEDIA_IO, _body, _reference, decoded_video
+from test_qwen3_vl import MEDIA_IO, _body, _max_tokens, _reference, _run_concurrently, decoded_video
 # Qwen3-VL's bad-input cases (its processor is this family's), run against this module's server.
 from test_qwen3_vl import test_bad_input_is_a_400_and_the_server_still_serves  # noqa: F401
 
@@ -55,10 +54,6 @@ def _cases():
     return cases
 
 
-def _max_tokens(index: int) -> int:
-    return 8 + 2 * index
-
-
 @pytest.fixture(scope="module")
 def cases():
     return list(_cases().items())
@@ -78,16 +73,6 @@ def server(tiny_qwen3_5_dir, tmp_path_factory):
     server = Server(tiny_qwen3_5_dir, *FLAGS, log_dir=tmp_path_factory.mktemp("qwen3-5-logs"))
     yield server
     server.stop()
-
-
-def _run_concurrently(server, cases):
-    def one(index):
-        status, body = server.chat(_body(*cases[index][1], _max_tokens(index)))
-        assert status == 200, body
-        return body
-
-    with ThreadPoolExecutor(len(cases)) as pool:
-        return list(pool.map(one, range(len(cases))))
 
 
 def test_parity_one_request_at_a_time(server, cases, references):

@@ -19,8 +19,8 @@ import pytest
 
 from conftest import Server
 from oracle import assert_chat_parity
-from test_qwen3_5 import _cases, _max_tokens
-from test_qwen3_vl import _body, _reference
+from test_qwen3_5 import _cases
+from test_qwen3_vl import _body, _max_tokens, _reference
 
 NAMES = ["image_640x480", "two_images", "text_only", "long_text"]
 FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2,video=0",

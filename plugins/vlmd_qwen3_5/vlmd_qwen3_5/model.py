@@ -12,14 +12,13 @@ video's timestamp text between its frame pairs. Positions are Qwen3-VL's M-RoPE 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import SKIP, WeightNames, iterate_weights, load_multimodal_weights
+from vlmd.models.loader import SKIP, WeightNames, load_multimodal_weights
 from vlmd_qwen3_5.decoder import Qwen3_5ForCausalLM
 from vlmd_qwen3_vl.model import VisionItems
 from vlmd_qwen3_vl.settings import VisionSettings
@@ -69,14 +68,6 @@ class Qwen3_5Model(VisionItems, nn.Module):
             text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), tp=tp)
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
-
-    @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen3_5Model":
-        model = cls(config, tp)
-        model.load_weights(iterate_weights(model_dir))
-        model = model.to(dtype).eval()
-        model.read_vision_settings(model_dir)
-        return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from vlmd.tiny.weights import StdRule
 from vlmd_qwen3_vl.tiny import PARAM_STD as QWEN3_VL_PARAM_STD
-from vlmd_qwen3_vl.tiny import PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE, ROPE_THETA, build_checkpoint
+from vlmd_qwen3_vl.tiny import build_checkpoint, config_fields
 
 __all__ = ["SIZES", "build_tiny_qwen3_5", "qwen3_5_config"]
 
@@ -72,26 +72,12 @@ PARAM_STD = Qwen3_5ParamStd()
 
 
 def qwen3_5_config(size: str, *, vocab_size: int, ids: dict[str, int]):
-    """The ``Qwen3_5Config`` of a ``size`` checkpoint."""
+    """The ``Qwen3_5Config`` of a ``size`` checkpoint: Qwen3-VL's fields at Qwen3.5's sizes,
+    rotary over a quarter of each head."""
     from transformers import Qwen3_5Config
 
-    spec = SIZES[size]
-    config = Qwen3_5Config(
-        text_config=dict(
-            vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
-            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": spec["mrope_section"],
-                             "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-            **spec["text"],
-        ),
-        vision_config=dict(
-            hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
-            temporal_patch_size=TEMPORAL_PATCH_SIZE, out_hidden_size=spec["text"]["hidden_size"], **spec["vision"],
-        ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    config = Qwen3_5Config(**config_fields(SIZES[size], vocab_size=vocab_size, ids=ids,
+                                           rope={"partial_rotary_factor": 0.25}))
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     return config
 

@@ -68,12 +68,20 @@ def interleaved_mrope(text_config) -> MRotaryEmbedding:
 
 class VisionItems:
     """The vision half of a Qwen3-VL-style model, shared with the families built on its tower
-    (Qwen3.5): the pixel settings, dropping the tower, encoding a batch of items into rows,
+    (Qwen3.5): loading, the pixel settings, dropping the tower, encoding a batch of items into rows,
     and the positions of the M-RoPE table. The model sets ``visual``, ``settings`` and
     ``encoder_output_width`` and defines ``tower_rows(out)`` (its row per placeholder from
     the tower's output) and ``embed_input_ids``."""
 
     family_name = "Qwen3-VL"
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE):
+        model = cls(config, tp)
+        model.load_weights(iterate_weights(model_dir))
+        model = model.to(dtype).eval()
+        model.read_vision_settings(model_dir)
+        return model
 
     def read_vision_settings(self, model_dir: str | Path) -> None:
         """The checkpoint's image and video settings, their normalisation as buffers
@@ -152,14 +160,6 @@ class Qwen3VLModel(VisionItems, nn.Module):
         )
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
-
-    @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen3VLModel":
-        model = cls(config, tp)
-        model.load_weights(iterate_weights(model_dir))
-        model = model.to(dtype).eval()
-        model.read_vision_settings(model_dir)
-        return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,
