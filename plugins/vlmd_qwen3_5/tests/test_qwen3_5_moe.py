@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import Server
-from oracle import assert_chat_parity
 from test_qwen3_5 import _cases
-from test_qwen3_vl import _body, _max_tokens, _reference
+from test_qwen3_vl import _max_tokens, _reference
+from test_qwen3_vl_moe import assert_parity_alone_then_concurrently_until_preempted
 
 NAMES = ["image_640x480", "two_images", "text_only", "long_text"]
 FLAGS = ("--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt", "image=2,video=0",
@@ -63,20 +63,7 @@ def test_the_checkpoint_is_sparse_and_hybrid(tiny_moe_dir):
 
 
 def test_parity_alone_then_concurrently_under_tp2_split_and_preempted(launched, cases, references):
-    server = launched.result()
-    for index, (name, case) in enumerate(cases):
-        status, body = server.chat(_body(*case, _max_tokens(index)))
-        assert status == 200, body
-        assert_chat_parity(body, references[name])
-    for _ in range(8):  # preemption needs the requests to overlap (timing): at most eight rounds
-        with ThreadPoolExecutor(len(cases)) as pool:
-            bodies = list(pool.map(lambda i: server.chat(_body(*cases[i][1], _max_tokens(i))), range(len(cases))))
-        for (status, body), (name, _) in zip(bodies, cases):
-            assert status == 200, body
-            assert_chat_parity(body, references[name])
-        if server.metrics()["vlmd_num_preemptions_total"] > 0:
-            break
-    assert server.metrics()["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
+    assert_parity_alone_then_concurrently_until_preempted(launched.result(), cases, references)
 
 
 def test_a_missing_expert_is_refused(tiny_moe_dir):

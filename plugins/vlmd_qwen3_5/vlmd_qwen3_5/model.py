@@ -11,14 +11,12 @@ video's timestamp text between its frame pairs. Positions are Qwen3-VL's M-RoPE 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import SKIP, WeightNames, load_multimodal_weights
+from vlmd.models.loader import SKIP, WeightNames
 from vlmd_qwen3_5.decoder import Qwen3_5ForCausalLM
 from vlmd_qwen3_vl.model import VisionItems
 from vlmd_qwen3_vl.settings import VisionSettings
@@ -50,6 +48,7 @@ class Qwen3_5Model(VisionItems, nn.Module):
     """Under tensor parallelism (``tp``) the decoder is sharded; the vision tower is
     replicated: every rank encodes every image (docs/architecture.md)."""
 
+    weight_names = WEIGHT_NAMES
     capabilities = ModelCapabilities(slice_positions=True, drop_encoders=True)
     family_name = "Qwen3.5"
 
@@ -69,14 +68,7 @@ class Qwen3_5Model(VisionItems, nn.Module):
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,
-                                encoder_prefix="visual.")
-
     # ---- the runner's contract -----------------------------------------------------
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
 
     def tower_rows(self, out) -> torch.Tensor:
         """Each placeholder's row: the merged vector alone."""

@@ -69,9 +69,9 @@ def interleaved_mrope(text_config) -> MRotaryEmbedding:
 class VisionItems:
     """The vision half of a Qwen3-VL-style model, shared with the families built on its tower
     (Qwen3.5): loading, the pixel settings, dropping the tower, encoding a batch of items into rows,
-    and the positions of the M-RoPE table. The model sets ``visual``, ``settings`` and
-    ``encoder_output_width`` and defines ``tower_rows(out)`` (its row per placeholder from
-    the tower's output) and ``embed_input_ids``."""
+    and the positions of the M-RoPE table. The model sets ``visual``, ``language_model``,
+    ``settings`` and ``encoder_output_width``, names its checkpoint's ``weight_names`` and
+    defines ``tower_rows(out)`` (its row per placeholder from the tower's output)."""
 
     family_name = "Qwen3-VL"
 
@@ -82,6 +82,15 @@ class VisionItems:
         model = model.to(dtype).eval()
         model.read_vision_settings(model_dir)
         return model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's tower into ``visual``, its text model through the decoder's
+        loader (``weight_names``: the family's table)."""
+        load_multimodal_weights(weights, self.weight_names, dict(self.visual.named_parameters()), self.language_model,
+                                encoder_prefix="visual.")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
 
     def read_vision_settings(self, model_dir: str | Path) -> None:
         """The checkpoint's image and video settings, their normalisation as buffers
@@ -135,6 +144,7 @@ class Qwen3VLModel(VisionItems, nn.Module):
     """Under tensor parallelism (``tp``) the Qwen3 decoder is sharded; the vision tower is
     replicated: every rank encodes every image (docs/architecture.md)."""
 
+    weight_names = WEIGHT_NAMES
     capabilities = ModelCapabilities(slice_positions=True, merge_multimodal=True, drop_encoders=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
@@ -161,14 +171,7 @@ class Qwen3VLModel(VisionItems, nn.Module):
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,
-                                encoder_prefix="visual.")
-
     # ---- the runner's contract -----------------------------------------------------
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
 
     def tower_rows(self, out) -> torch.Tensor:
         """Each placeholder's row: the merged vector and its DeepStack ones."""
