@@ -147,7 +147,9 @@ def test_recurrent_step_equals_reference_for_a_batch():
     """N sequences with their own states, one token each, grouped value heads."""
     q, k, v, g, beta = _rule_inputs(1, 2, 4, 16, 8, seed=12, batch=(3,))
     states = _state(4, 16, 8, seed=13, batch=(3,))
+    before = states.clone()
     ours, new_states = recurrent_gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], states)
+    assert torch.equal(states, before)  # the caller's states are left as they are
     theirs, their_states = _their_recurrent(q, k, v, g, beta, states)
     torch.testing.assert_close(ours, theirs[:, 0], **TOLERANCE)
     torch.testing.assert_close(new_states, their_states, **TOLERANCE)
