@@ -11,7 +11,7 @@ from collections import Counter
 from vlmd.sched.block_pool import blocks_needed
 from vlmd.sched.kv_managers import FREED
 from vlmd.sched.kv_spec import (
-    CrossAttention, FullAttention, SlidingWindow, build_kv_cache_config, first_visible_block,
+    CrossAttention, FullAttention, RecurrentState, SlidingWindow, build_kv_cache_config, first_visible_block,
 )
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler, SchedulerConfig
@@ -22,7 +22,7 @@ FILLER = 7  # what the fake runner samples when a request has no script
 
 
 def make_scheduler(*, block_size: int = 4, num_kv_blocks: int = 128, layers=(FullAttention(),),
-                   **overrides) -> Scheduler:
+                   slot_bytes: int = 0, **overrides) -> Scheduler:
     """``layers``: the KV model's layer kinds (sched/kv_spec.py); one full-attention layer
     by default (one group, as every model without windows or cross-attention)."""
     config = dict(
@@ -39,7 +39,7 @@ def make_scheduler(*, block_size: int = 4, num_kv_blocks: int = 128, layers=(Ful
         # A small test cache also bounds the context: the config rejects a cache that
         # cannot hold one max_model_len sequence.
         config["max_model_len"] = min(512, num_kv_blocks * block_size)
-    kv_cache = build_kv_cache_config(layers, block_size, num_kv_blocks)
+    kv_cache = build_kv_cache_config(layers, block_size, num_kv_blocks, slot_bytes)
     return Scheduler(SchedulerConfig(kv_cache=kv_cache, **config))
 
 
@@ -193,6 +193,9 @@ class FakeRunner:
             if isinstance(group.kind, CrossAttention):
                 assert table == ours and len(table) == blocks_needed(request.num_cross_tokens, size)
                 continue
+            if isinstance(group.kind, RecurrentState):  # the state's pages, whatever the length
+                assert table == ours and len(table) == group.blocks_per_request
+                continue
             assert len(table) == len(ours) == blocks_needed(end, size)
             first = first_visible_block(start, group.window, size) if isinstance(group.kind, SlidingWindow) else 0
             assert FREED not in table[first:]
@@ -208,7 +211,9 @@ class FakeRunner:
             for table in tables:
                 live_blocks = [block for block in table if block != FREED]
                 assert len(set(live_blocks)) == len(live_blocks)  # a request never holds a block twice
-            held_by_group.append({block for table in tables for block in table if block != FREED})
+            held_by_group.append({block for table in tables for block in table if block != FREED}
+                                 # recurrent-state snapshots, until their requests' next step
+                                 | kv.pending_state_pages().get(group.index, set()))
         for first, other in ((a, b) for a in held_by_group for b in held_by_group if a is not b):
             assert not first & other, "a block held by two KV groups"
         held = set().union(*held_by_group)  # shared prefix blocks count once

@@ -76,7 +76,10 @@ def imports_in_file(path: Path, root: Path) -> list[tuple[int, str]]:
 
 
 def source_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
+    """The code under ``directory``, without a family's tests (``plugins/NAME/tests/``, which
+    pytest collects beside tests/): they are not the family's production code."""
+    return sorted(p for p in directory.rglob("*.py")
+                  if "__pycache__" not in p.parts and "tests" not in p.relative_to(directory).parts[:-1])
 
 
 def family_packages() -> dict[str, tuple[Path, Path]]:
@@ -222,8 +225,9 @@ def test_the_cache_directory_is_resolved_in_one_place():
     the tests and the benches ask it, so they cannot disagree on where the built models are."""
     from vlmd.config import CACHE_DIR_ENV, cache_dir
 
-    named_by = [str(path.relative_to(REPO)) for directory in (VLMD, PLUGINS, TESTS, REPO / "contrib")
-                for path in source_files(directory) if CACHE_DIR_ENV in path.read_text(encoding="utf-8")]
+    files = [REPO / "conftest.py", *(path for directory in (VLMD, PLUGINS, TESTS, *PLUGINS.glob("*/tests"), REPO / "contrib")
+                                     for path in source_files(directory))]
+    named_by = [str(path.relative_to(REPO)) for path in files if CACHE_DIR_ENV in path.read_text(encoding="utf-8")]
     assert named_by == ["vlmd/config.py"]
     assert cache_dir({CACHE_DIR_ENV: "/srv/vlmd-cache"}) == Path("/srv/vlmd-cache")
     assert cache_dir({}) == cache_dir({CACHE_DIR_ENV: ""}) == Path.home() / ".cache" / "vlmd"
@@ -271,7 +275,8 @@ def hook_calls_in_source(source: str, filename: str = "<src>") -> dict[str, list
 
 def hook_calls_in_tests() -> dict[str, list[str]]:
     calls: dict[str, list[str]] = {}
-    for path in sorted(TESTS.glob("test_*.py")):
+    # A family's own tests (plugins/*/tests/, collected by pytest's testpaths) count too.
+    for path in sorted([*TESTS.glob("test_*.py"), *PLUGINS.glob("*/tests/test_*.py")]):
         for hook, tests in hook_calls_in_source(path.read_text(encoding="utf-8"), str(path)).items():
             calls.setdefault(hook, []).extend(f"{path.name}::{test}" for test in tests)
     return calls
@@ -296,7 +301,7 @@ def test_calls_it():
 def test_every_hook_is_tested(hook):
     # Datasette-style, but a test must run the hook (manager.hook.<name>(...)), not name it.
     assert hook_calls_in_tests().get(hook), (
-        f"no test under tests/ calls the hook {hook} (manager.hook.{hook}(...) in a def test_...)")
+        f"no test under tests/ or plugins/*/tests/ calls the hook {hook} (manager.hook.{hook}(...) in a def test_...)")
 
 
 def test_vlmd_register_model_families_registers_every_built_in_family():

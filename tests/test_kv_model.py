@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from sched_support import FakeRunner, make_request, make_scheduler
-from vlmd.sched.block_pool import blocks_needed
+from sched_support import FakeRunner, image, make_request, make_scheduler
+from vlmd.sched.block_pool import BlockPool, blocks_needed
 from vlmd.sched.kv_manager import KVCacheManager
 from vlmd.sched.kv_managers import FREED, window_hit_lengths
 from vlmd.sched.kv_spec import (
@@ -28,6 +28,7 @@ from vlmd.sched.kv_spec import (
     build_kv_cache_config,
     first_visible_block,
     layer_kinds,
+    snapshot_positions,
     window_blocks_held,
 )
 from vlmd.sched.request import Request
@@ -114,16 +115,111 @@ def test_shared_kv_layers_hold_nothing_and_recurrent_state_is_sized_in_pages():
         build_kv_cache_config([F, RecurrentState(8)], SIZE, 10)
 
 
-def test_a_recurrent_state_is_taken_once_and_never_hit():
+def test_a_recurrent_state_is_taken_once():
     kv = _kv([F, RecurrentState(250)], 40, caching=True, slot_bytes=100)
     first = _request("a", 20)
     assert [len(blocks) for blocks in _grow(kv, first, 8).values()] == [2, 3]
     assert _grow(kv, first, 20) == {0: [5, 6, 7]}  # the state does not grow with the length
     kv.free("a")
-    # The same prompt again: full attention has it cached, the state at a block boundary is
-    # not kept (D95), so no group-wide hit.
+    # The same prompt again: full attention has it cached, but no chunk ended at a snapshot
+    # position (the scheduler cuts chunks there: chunk_limit), so no state was kept: no hit.
     assert kv.computed_blocks(_request("b", 20)).num_blocks == 0
     assert kv.num_free_blocks == 40
+
+
+def test_snapshot_positions():
+    # An image at [3, 14) and a 30-token prompt, blocks of 4: after the image's last whole
+    # block (12) and before the prompt's last token (28).
+    assert snapshot_positions([(3, 14)], 30, 4) == (12, 28)
+    assert snapshot_positions([(3, 14), (14, 20)], 30, 4) == (12, 20, 28)
+    assert snapshot_positions([], 4, 4) == ()  # nothing before the last token's block
+    assert snapshot_positions([(3, 14)], 30, 4, avoid_inside_items=True) == (28,)
+
+
+def test_recurrent_snapshots_serve_later_prefix_hits():
+    kv = _kv([F, RecurrentState(250)], 60, caching=True, slot_bytes=100)  # a state: 3 pages
+    first = _request("a", 20)  # its snapshot position: 16
+    assert kv.chunk_limit(first, 0, 20) == 16 and kv.chunk_limit(first, 16, 4) == 4
+    new = _grow(kv, first, 16)
+    assert [len(blocks) for blocks in new.values()] == [4, 3]
+    snapshot = kv.new_snapshots("a")[1]
+    assert len(snapshot) == 3 and not set(snapshot) & set(new[1])
+    # Not findable before the step that fills it has run (the request's next allocation).
+    assert kv.computed_blocks(_request("b", 20)).num_blocks == 0
+    _grow(kv, first, 20)
+    assert kv.new_snapshots("a") == {}
+    again = _request("b", 20)
+    hit = kv.computed_blocks(again)
+    assert hit.num_blocks == 4 and hit.state_sources == {1: snapshot}
+    again.num_computed_tokens = 16
+    assert kv.allocate_slots(again, 20, hit) is not None
+    kv.free("a")
+    # The copy is not made yet: the snapshot's pages stay referenced until b's next step.
+    assert kv.pool.count_unreferenced(snapshot) == 0
+    kv.allocate_slots(again, 21)
+    assert kv.pool.count_unreferenced(snapshot) == 3
+    kv.free("b")
+    assert kv.num_free_blocks == 60
+    # A longer prompt with the same first 16 tokens starts there too.
+    longer = _request("c", 40)
+    assert kv.computed_blocks(longer).num_blocks == 4
+
+
+def test_a_snapshot_of_a_step_that_failed_is_never_found():
+    kv = _kv([F, RecurrentState(250)], 60, caching=True, slot_bytes=100)
+    first = _request("a", 20)
+    _grow(kv, first, 16)
+    (snapshot,) = kv.new_snapshots("a").values()
+    kv.forget_hashes_from("a", 0)  # the step raised for this request (Scheduler.fail_requests)
+    kv.free("a")
+    assert kv.computed_blocks(_request("b", 20)).num_blocks == 0
+    assert kv.num_free_blocks == 60
+    keys = kv._recurrent[0].page_keys(first.block_hashes[3])
+    assert all(kv.pool.lookup(key) is None for key in keys)
+
+
+def test_the_scheduler_ends_chunks_at_snapshots_and_starts_hits_from_them():
+    layers = (F, RecurrentState(250))
+    sched = make_scheduler(layers=layers, slot_bytes=100, enable_prefix_caching=True, num_kv_blocks=80,
+                           max_model_len=64)
+    runner = FakeRunner(sched)
+    item = image("img", 3, 11)  # placeholders [3, 14): snapshots at 12 and 28 of 30 tokens
+    sched.add_request(make_request("a", 30, items=(item,), max_tokens=2))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 12} and set(out.state_snapshots["a"]) == {1}
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 16} and len(out.state_snapshots["a"][1]) == 3
+    runner.run()
+    # The same image with the same text: it starts from the state after 28 tokens.
+    sched.add_request(make_request("b", 30, items=(image("img", 3, 11),), max_tokens=2))
+    out, _ = runner.step()
+    (data,) = out.new_requests
+    assert data.num_computed_tokens == 28 and len(data.state_sources[1]) == 3
+    runner.run()
+    # Another question about the image (the text after it differs): it starts after the image.
+    other = make_request("c", 30, items=(image("img", 3, 11),), max_tokens=2)
+    other.prompt_token_ids[20:] = [900 + i for i in range(10)]
+    sched.add_request(other)
+    out, _ = runner.step()
+    (data,) = out.new_requests
+    assert data.num_computed_tokens == 12 and len(data.state_sources[1]) == 3
+    runner.run()
+    assert sched.kv.num_free_blocks == 80
+
+
+def test_a_pool_short_of_a_snapshot_takes_none():
+    kv = _kv([F, RecurrentState(250)], 8, caching=True, slot_bytes=100)
+    first = _request("a", 20)
+    assert kv.allocate_slots(first, 16) is not None  # 4 + 3 pages fit, 4 + 3 + 3 do not
+    assert kv.new_snapshots("a") == {} and kv.num_free_blocks == 1
+
+
+def test_no_snapshots_without_prefix_caching():
+    kv = _kv([F, RecurrentState(250)], 60, caching=False, slot_bytes=100)
+    first = _request("a", 20)
+    assert kv.chunk_limit(first, 0, 20) == 20
+    _grow(kv, first, 16)
+    assert kv.new_snapshots("a") == {}
 
 
 # ---- windows --------------------------------------------------------------------------------
@@ -314,3 +410,16 @@ def test_layers_from_a_kv_spec_size_the_pool_pages():
     assert config.num_slots == 2 and config.slot_bytes == 2 * 16 * 2 * 8 * 4
     # By default the pool holds one request of max_model_len at its most: 64 + 5 blocks.
     assert config.num_blocks == 64 + (40 + 24 + 2 * 16 - 3) // 16 == 69
+
+
+def test_a_run_is_taken_from_blocks_that_hold_no_cached_prefix_first():
+    pool = BlockPool(12)
+    held = pool.allocate(4)  # 0..3
+    for index, block in enumerate(held):
+        pool.cache(block, (0, bytes([index])))
+    pool.free(held)  # cached, free: a later request's prefix hit
+    assert pool.allocate_run(3, owner=1) == [4, 5, 6]
+    assert all(pool.lookup((0, bytes([index]))) == index for index in range(4))
+    # No uncached run left that long: a cached run is taken (its hashes forgotten).
+    assert pool.allocate_run(5, owner=1) == [7, 8, 9, 10, 11] and pool.allocate_run(3, owner=1) == [0, 1, 2]
+    assert pool.lookup((0, bytes([0]))) is None

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from tests.conftest import Server, image_message, random_image
+from conftest import Server, image_message, random_image
 from vlmd.layers.cpu import decoder_step
 from vlmd.layers.cpu import packed_linear as native_linear
 from vlmd.layers.cpu.fused_step import FusedDecodeSteps

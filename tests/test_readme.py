@@ -1,6 +1,6 @@
 """The README's Quick start works as written: its curl and Python blocks run against a real
-server of the default model's checkpoint, and its install lines name every family plugin in
-the repository (the test command is also the one .ci/run runs)."""
+server of the default model's checkpoint, and its install lines install every family plugin
+in the repository by glob (the test command is also the one .ci/run runs)."""
 
 from __future__ import annotations
 
@@ -55,11 +55,32 @@ def test_the_python_example_streams_an_answer(server):
     assert done.stdout.strip(), "the stream printed no text"
 
 
-def test_the_install_lines_name_every_family_plugin_and_ci_runs_the_test_command():
+def _pip_arguments(command: str) -> list[str]:
+    """The arguments pip gets from ``command`` as bash expands it in the repository (globs
+    included): ``pip`` and ``python`` are stand-ins there that print their arguments and install
+    or run nothing."""
+    done = subprocess.run(["bash", "-c", 'pip() { printf "%s\\n" "$@"; }; python() { :; }; ' + command],
+                          cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def _pip_line(block: str) -> str:
+    lines = [line for line in block.splitlines() if line.startswith("pip install")]
+    assert len(lines) == 1, block
+    return lines[0]
+
+
+def test_the_install_lines_install_every_family_plugin_and_ci_runs_the_test_command():
+    """The install lines find the plugins by glob (``plugins/*/``), so a new family is installed
+    without editing them: as bash expands them they name every plugin, and every folder the
+    glob finds is a plugin (pip would stop at one that is not a package)."""
     plugins = sorted(path.parent.name for path in (REPO / "plugins").glob("*/pyproject.toml"))
-    serve_install = _block("bash", "# 1.")
+    assert plugins and plugins == sorted(path.name for path in (REPO / "plugins").iterdir() if path.is_dir())
+    serve = _pip_arguments(_pip_line(_block("bash", "# 1.")))
     test_command = _block("bash", "pip install -q").strip()
-    for plugin in plugins:
-        assert f"./plugins/{plugin} " in serve_install + " ", plugin
-        assert f"-e plugins/{plugin} " in test_command, plugin
+    tests = _pip_arguments(test_command)
+    installed = [tests[i + 1] for i, arg in enumerate(tests[:-1]) if arg == "-e"]
+    assert installed == [".[test]", *(f"plugins/{plugin}/" for plugin in plugins)], tests
+    assert serve == ["install", "torch==2.13.0", "./", *(f"./plugins/{plugin}/" for plugin in plugins), "openai"]
     assert test_command in (REPO / ".ci" / "run").read_text()

@@ -10,7 +10,7 @@ import torch
 
 from vlmd.layers.attention import attention_backend_for
 from vlmd.layers.attention.backend import SequenceChunk
-from vlmd.layers.linear_attention.state import RecurrentStateLayout, read_states, write_states
+from vlmd.layers.linear_attention.state import RecurrentStateLayout, commit_states, read_states, write_states
 from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
 from vlmd.types import KVSpec
 
@@ -72,6 +72,9 @@ def test_states_round_trip(dtype, split):
     conv = torch.randn(2, 12, 3)
     recurrent = torch.randn(2, 2, 4, 6)
     write_states(layer, meta, LAYOUT, conv, recurrent)
+    # Nothing is stored before the step has run (a re-run starts from the states before it).
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(slots, before))
+    commit_states(meta)
     got_conv, got_recurrent = read_states(layer, meta, LAYOUT)
     assert torch.equal(got_conv, conv) and torch.equal(got_recurrent, recurrent)
     # Only the layer's own slot changed, and only in the requests' pages, in K and in V.
@@ -95,6 +98,7 @@ def test_a_fresh_sequence_reads_zeros():
     tables = [{0: [1, 2], group: [7]}]
     resumed = _meta(backend, config, tables, [4], [2])
     write_states(caches[0], resumed, LAYOUT, torch.ones(1, 12, 3), torch.ones(1, 2, 4, 6))
+    commit_states(resumed)
     fresh = _meta(backend, config, tables, [0], [6])
     conv, recurrent = read_states(caches[0], fresh, LAYOUT)
     assert not conv.any() and not recurrent.any()

@@ -34,7 +34,7 @@ step "install (no network)"
 # Into the machine's own Python environment (the one holding its torch; the machine is
 # given back after the run): a venv made from it would not see its packages.
 { python3 -m pip install -q --no-deps "$wheels"/*.whl
-  python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/vlmd_llava -e plugins/vlmd_qwen2_vl; } \
+  python3 -m pip install -q --no-deps --no-build-isolation -e . $(printf ' -e %s' plugins/*/); } \
   > "$out/install.log" 2>&1
 tail -3 "$out/install.log"
 ls vlmd/layers/cpu/_kernels_*.so 2>&1 | tee -a "$out/summary.txt"

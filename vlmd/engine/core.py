@@ -28,6 +28,7 @@ class EngineStats:
     kv_usage: float = 0.0
     num_preemptions: int = 0
     num_encoder_forwards: int = 0
+    num_encoder_calls: int = 0  # encoder invocations (a step's items of one modality go in one)
     encoder_cache_usage: float = 0.0
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
@@ -162,6 +163,7 @@ class EngineCore:
             kv_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_encoder_forwards=self.executor.num_encoder_forwards,
+            num_encoder_calls=self.executor.num_encoder_calls,
             decode_steps=self.executor.decode_steps,
             encoder_cache_usage=self.scheduler.encoder_cache.usage,
             encoder_cache_queries=self.scheduler.encoder_cache.num_queries,

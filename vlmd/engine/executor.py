@@ -45,6 +45,9 @@ class Executor(Protocol):
     def num_encoder_forwards(self) -> int: ...
 
     @property
+    def num_encoder_calls(self) -> int: ...  # encoder invocations: one per modality per step that encodes
+
+    @property
     def decode_steps(self) -> dict[str, int]: ...  # steps of decodes alone, by path ("fused", "modules")
 
     def on_failure(self, callback: Callable[[str], None]) -> None: ...
@@ -81,6 +84,10 @@ class InProcessExecutor:
     @property
     def num_encoder_forwards(self) -> int:
         return self.runner.num_encoder_forwards
+
+    @property
+    def num_encoder_calls(self) -> int:
+        return self.runner.num_encoder_calls
 
     @property
     def decode_steps(self) -> dict[str, int]:

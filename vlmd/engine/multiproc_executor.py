@@ -168,6 +168,10 @@ class MultiprocExecutor:
         return self.runner.num_encoder_forwards
 
     @property
+    def num_encoder_calls(self) -> int:
+        return self.runner.num_encoder_calls
+
+    @property
     def decode_steps(self) -> dict[str, int]:  # rank 0's: every rank takes the same path
         return dict(self.runner.attention.decode_steps)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import sys
 import time
@@ -86,24 +88,77 @@ def _header(path: Path) -> tuple[int, dict]:
     return 8 + length, table
 
 
+class _Skip:
+    """The target of a ``WeightNames`` row whose tensors the model does not use."""
+
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+SKIP: Final = _Skip()
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """A family's checkpoint names -> the names of its modules, as data.
+
+    ``prefixes`` is an ordered table of ``(checkpoint prefix, our prefix)`` rows. ``target(name)``
+    takes the first row whose checkpoint prefix starts ``name`` and puts our prefix in its
+    place; a row whose target is ``SKIP`` drops those tensors (``target`` returns None); a
+    name no row matches is an error naming it and ``family``. Longer prefixes go first: a row
+    that an earlier row's prefix already covers could never match, so the table is refused
+    when it is made (the order is checked once, not discovered at load time).
+    """
+
+    family: str
+    prefixes: tuple[tuple[str, str | _Skip], ...]
+
+    def __post_init__(self) -> None:
+        seen: list[str] = []
+        for row in self.prefixes:
+            if len(row) != 2 or not isinstance(row[0], str) or not (isinstance(row[1], str) or row[1] is SKIP):
+                raise ValueError(f"{self.family} weight names: {row!r} is not a (prefix, prefix or SKIP) row")
+            prefix = row[0]
+            if not prefix:
+                raise ValueError(f"{self.family} weight names: an empty checkpoint prefix matches every name")
+            shadow = next((earlier for earlier in seen if prefix.startswith(earlier)), None)
+            if shadow is not None:
+                raise ValueError(f"{self.family} weight names: {prefix!r} comes after {shadow!r}, which "
+                                 f"matches every name it would, so it never applies (put the longer first)")
+            seen.append(prefix)
+
+    def target(self, name: str) -> str | None:
+        """Our name for checkpoint tensor ``name``, or None where its row says ``SKIP``."""
+        for prefix, ours in self.prefixes:
+            if name.startswith(prefix):
+                return None if ours is SKIP else ours + name[len(prefix):]
+        raise ValueError(f"unexpected weight {name!r} in {self.family} checkpoint")
+
+
 def load_multimodal_weights(
-    weights, rename, encoder_params: dict[str, torch.nn.Parameter], language_model, family: str,
-    encoder_prefix: str = "", skip=None,
+    weights: Iterable[tuple[str, torch.Tensor]], names: WeightNames,
+    encoder_params: dict[str, torch.nn.Parameter], language_model, encoder_prefix: str = "",
+    not_built: Callable[[str], bool] | None = None,
 ) -> None:
-    """A vision/audio-language checkpoint into its model: ``language_model.*`` (after
-    ``rename``) goes to ``language_model.load_weights`` (which loads only this rank's shard),
-    every other tensor into ``encoder_params`` (keyed without ``encoder_prefix``). A name
-    that is unknown, a shape that differs, or a parameter left unfilled is an error naming
-    the family; ``skip(target)`` names weights the model does not build (and parameters it
-    does not expect to be filled)."""
+    """A vision/audio-language checkpoint into its model. Each name goes through ``names``
+    (a ``SKIP`` row drops the tensor); ``language_model.*`` targets go to
+    ``language_model.load_weights`` (which loads only this rank's shard), every other tensor
+    into ``encoder_params`` (keyed without ``encoder_prefix``). A name that is unknown, a
+    shape that differs, or a parameter left unfilled is an error naming the family.
+    ``not_built(target)`` names weights this configuration of the model does not build (tower
+    layers past the feature layer: it depends on the config, so it is not a table row); their
+    parameters are not expected to be filled either."""
+    family = names.family
     text_weights = []
     filled: set[str] = set()
     for name, tensor in weights:
-        target = rename(name)
+        target = names.target(name)
+        if target is None:
+            continue
         if target.startswith("language_model."):
             text_weights.append((target[len("language_model."):], tensor))
             continue
-        if skip is not None and skip(target):
+        if not_built is not None and not_built(target):
             continue
         key = target[len(encoder_prefix):] if target.startswith(encoder_prefix) else target
         if key not in encoder_params:
@@ -116,7 +171,7 @@ def load_multimodal_weights(
             encoder_params[key].copy_(tensor)
         filled.add(key)
     loaded = language_model.load_weights(text_weights)
-    expected = {key for key in encoder_params if skip is None or not skip(encoder_prefix + key)}
+    expected = {key for key in encoder_params if not_built is None or not not_built(encoder_prefix + key)}
     # named_parameters() lists a tied lm_head once, as embed_tokens.
     missing = sorted(expected - filled) + sorted({name for name, _ in language_model.named_parameters()} - loaded)
     if missing:

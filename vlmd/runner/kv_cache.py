@@ -40,6 +40,25 @@ def layer_caches(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Te
     return [LayerCache(*slots[config.layer_slot[layer]], config.layer_group[layer]) for layer in layers]
 
 
+def copy_pages(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]], group: int,
+               source: list[int], target: list[int]) -> None:
+    """Copy pages ``source`` onto pages ``target`` in every layer slot of KV group ``group``
+    (K and V rows alike): a recurrent state into its snapshot, or a snapshot into the state
+    of a request that starts from it (D105)."""
+    if len(source) != len(target):
+        raise ValueError(f"copying {len(source)} pages onto {len(target)}")
+    if not source:
+        return
+    block_size = config.block_size
+    device = slots[0][0].device
+    offsets = torch.arange(block_size)
+    rows_from = (torch.tensor(source)[:, None] * block_size + offsets).flatten().to(device)
+    rows_to = (torch.tensor(target)[:, None] * block_size + offsets).flatten().to(device)
+    for slot in range(len(config.groups[group].layers)):
+        for cache in slots[slot]:
+            cache.index_copy_(0, rows_to, cache.index_select(0, rows_from))
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])

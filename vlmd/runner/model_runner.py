@@ -14,7 +14,8 @@ from vlmd.runner.batch import StepBatch, build_batch
 from vlmd.runner.cross_cache import CrossCache, cross_states
 from vlmd.runner.grammar_mask import advance_grammars
 from vlmd.runner.host_staging import HostStaging
-from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
+from vlmd.layers.linear_attention.state import commit_states
+from vlmd.runner.kv_cache import allocate_kv_slots, copy_pages, layer_caches
 from vlmd.runner.request_state import RunnerRequestState
 from vlmd.runner.sampler import sample
 from vlmd.sched.kv_spec import CrossAttention, KVCacheConfig
@@ -59,6 +60,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoder_forwards = 0
+        self.num_encoder_calls = 0
         # What the model offers beyond the required contract, as its class declares it
         # (models/base.py:ModelCapabilities; checked when the model loaded). A hook the
         # model does not declare is None here.
@@ -142,6 +144,13 @@ class ModelRunner:
             # for a penalized request).
             for state, token, _ in kept:
                 state.append_token(token)
+        # The step ran: the linear-attention layers' new states are stored, then copied into
+        # the snapshots the scheduler asked for at this chunk's end (D105).
+        commit_states(batch.meta)
+        for request_id in request_ids:
+            for group, pages in out.state_snapshots.get(request_id, {}).items():
+                table = self.requests[request_id].block_tables[group]
+                copy_pages(self.kv_config, self.kv_slots, group, table[:len(pages)], pages)
         for piece in batch.slices:
             piece.state.num_computed_tokens = piece.end
         return result
@@ -165,7 +174,10 @@ class ModelRunner:
         for identifier in out.evicted_encoder_identifiers:
             self.encoder_outputs.pop(identifier, None)
         for data in out.new_requests:
-            self.requests[data.request_id] = RunnerRequestState.from_new(data)
+            state = self.requests[data.request_id] = RunnerRequestState.from_new(data)
+            # A prefix hit of a model with recurrent state starts from a snapshot's copy.
+            for group, pages in data.state_sources.items():
+                copy_pages(self.kv_config, self.kv_slots, group, pages, state.block_tables[group][:len(pages)])
         for data in out.cached_requests:
             state = self.requests[data.request_id]
             for group, new_blocks in data.new_block_ids.items():
@@ -215,6 +227,7 @@ class ModelRunner:
             group = [item for item in items if item.modality == modality]
             encoded = self.model.embed_multimodal(modality, [item.encoder_inputs for item in group])
             self.num_encoder_forwards += len(group)
+            self.num_encoder_calls += 1
             for item, output in zip(group, encoded):
                 if output.shape[0] != item.num_encoder_tokens:
                     raise RuntimeError(

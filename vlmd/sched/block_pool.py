@@ -59,22 +59,20 @@ class BlockPool:
         self.held_by[owner] += 1
 
     def allocate_run(self, count: int, owner: int = 0) -> list[int]:
-        """``count`` consecutive block ids where the free blocks have such a run (the lowest),
-        else any ``count`` free blocks: a table taken whole and read as one view of the cache
-        (a request's cross-attention K/V) needs no gather then."""
+        """``count`` consecutive block ids where the free blocks have such a run (the lowest,
+        among blocks that hold no cached prefix first), else any ``count`` free blocks: a
+        table taken whole and read as one view of the cache (a request's cross-attention
+        K/V, a recurrent state) needs no gather then."""
         if count > len(self._free):
             raise ValueError(f"asked for {count} blocks, {len(self._free)} free")
-        ordered = sorted(self._free)
-        run_start = 0
-        for index in range(1, len(ordered) + 1):
-            if index - run_start >= count:
-                blocks = ordered[run_start:run_start + count]
+        uncached = sorted(block for block in self._free if self._hash_of[block] is None)
+        for candidates in (uncached, sorted(self._free)):
+            blocks = _lowest_run(candidates, count)
+            if blocks is not None:
                 for block_id in blocks:
                     del self._free[block_id]
                     self._take(block_id, owner)
                 return blocks
-            if index < len(ordered) and ordered[index] != ordered[index - 1] + 1:
-                run_start = index
         return self.allocate(count, owner)
 
     def free(self, block_ids: list[int]) -> None:
@@ -117,3 +115,14 @@ class BlockPool:
             self._hash_of[block_id] = None
             if self._by_hash.get(block_hash) == block_id:
                 del self._by_hash[block_hash]
+
+
+def _lowest_run(ordered: list[int], count: int) -> list[int] | None:
+    """The first ``count`` consecutive ids in the sorted ``ordered``, or None."""
+    run_start = 0
+    for index in range(1, len(ordered) + 1):
+        if index - run_start >= count:
+            return ordered[run_start:run_start + count]
+        if index < len(ordered) and ordered[index] != ordered[index - 1] + 1:
+            run_start = index
+    return None

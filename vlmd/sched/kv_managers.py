@@ -11,8 +11,12 @@ group's own key. One interface, four behaviours:
   so an entry's index keeps naming the same tokens (docs/decisions.md D91).
 - ``WholeRequestManager``: a table taken whole at the request's first allocation and never
   grown: cross-attention K/V (its encoder tokens' blocks, a run of consecutive ids where the
-  pool has one) and recurrent state (a fixed number of pages). Never prefix-cached: a
-  request computes them again after a hit or a preemption (D93; D95 for recurrent state).
+  pool has one), computed again after a hit or a preemption (D93).
+- ``RecurrentStateManager``: the same for a linear-attention layer's state (a fixed number of
+  pages), plus snapshots: where a chunk ends at one of the request's snapshot positions
+  (``kv_spec.snapshot_positions``), the runner copies the state into pages taken for it,
+  findable afterwards under the group and the block hash there; a later request whose
+  prefix reaches that block starts from a copy of it (D105).
 
 Torch-free.
 """
@@ -20,7 +24,15 @@ Torch-free.
 from __future__ import annotations
 
 from vlmd.sched.block_pool import BlockPool, blocks_needed
-from vlmd.sched.kv_spec import CrossAttention, FullAttention, KVGroupSpec, SlidingWindow, first_visible_block
+from vlmd.sched.kv_spec import (
+    CrossAttention,
+    FullAttention,
+    KVGroupSpec,
+    RecurrentState,
+    SlidingWindow,
+    first_visible_block,
+    snapshot_positions,
+)
 from vlmd.sched.request import Request
 
 # A window table's entry whose block was given back (or never adopted after a prefix hit):
@@ -96,6 +108,10 @@ class GroupManager:
 
     def release_out_of_window(self, request_id: str, next_position: int) -> None:
         """Blocks no query at ``next_position`` or later can read go back (window groups)."""
+
+    def settle(self, request_id: str) -> None:
+        """The request's previous step ran: what it left pending is settled (recurrent-state
+        snapshots become findable; the pages a hit's state was copied from are let go)."""
 
     def cache_full_blocks(self, request: Request, num_total_tokens: int) -> None:
         """Register the blocks that this step fills, so later requests can share them."""
@@ -176,10 +192,8 @@ class WholeRequestManager(GroupManager):
 
     def hit_lengths(self, hashes: list[bytes]) -> list[bool]:
         # Cross K/V are derived again from the encoder output by the hit's first chunk, so
-        # any hit serves; a recurrent state at a block boundary is not kept (D95): none does.
-        if isinstance(self.spec.kind, CrossAttention):
-            return [True] * (len(hashes) + 1)
-        return [True] + [False] * len(hashes)
+        # any hit serves.
+        return [True] * (len(hashes) + 1)
 
     def hit_entries(self, hashes: list[bytes]) -> list[int]:
         return []
@@ -197,11 +211,112 @@ class WholeRequestManager(GroupManager):
         super().grow(request, num_total_tokens, [], count)
 
 
-def manager_for(spec: KVGroupSpec, pool: BlockPool, block_size: int) -> GroupManager:
+class RecurrentStateManager(WholeRequestManager):
+    """A linear-attention group: each request's state pages, and snapshots of the state at
+    its snapshot positions for later requests' prefix hits (D105).
+
+    A snapshot is ``blocks_per_request`` pages taken with the allocation of the chunk that
+    ends at the position; the runner copies the state into them once that chunk has run.
+    They become findable (key: the group, the hash of the block that ends at the position,
+    and the page's index) only when the request's next allocation shows the step ran (or it
+    finished), never before: a request admitted in the same step cannot start from a copy not
+    yet made. A hit takes a reference on the snapshot's pages until its copy is made."""
+
+    def __init__(self, spec: KVGroupSpec, pool: BlockPool, block_size: int, avoid_inside_items: bool = False):
+        super().__init__(spec, pool, block_size)
+        self.avoid_inside_items = avoid_inside_items
+        self.positions: dict[str, tuple[int, ...]] = {}
+        # Request id -> (pages, their keys; None: a hit's source, let go without caching).
+        self.pending: dict[str, list[tuple[list[int], list[tuple[int, bytes]] | None]]] = {}
+        self.last_snapshot: dict[str, list[int]] = {}
+        # Set by the coordinator while it plans an allocation without snapshots (a snapshot
+        # is an optimisation: a pool short of its pages takes none rather than preempt).
+        self.snapshots_off = False
+
+    def page_keys(self, block_hash: bytes) -> list[tuple[int, bytes]]:
+        return [self.key(block_hash + index.to_bytes(4, "little")) for index in range(self.spec.blocks_per_request)]
+
+    def snapshot_positions(self, request: Request) -> tuple[int, ...]:
+        positions = self.positions.get(request.request_id)
+        if positions is None:
+            spans = [(item.offset, item.end) for item in request.mm_items if item.length]
+            positions = snapshot_positions(spans, request.num_prompt_tokens, self.block_size, self.avoid_inside_items)
+            self.positions[request.request_id] = positions
+        return positions
+
+    def snapshot_due(self, request: Request, num_total_tokens: int) -> bool:
+        """Whether a chunk ending at ``num_total_tokens`` ends at a snapshot position whose
+        snapshot nobody has made yet."""
+        if (self.snapshots_off or not self.pool.enable_caching
+                or num_total_tokens not in self.snapshot_positions(request)):
+            return False
+        block = num_total_tokens // self.block_size - 1
+        if block >= len(request.block_hashes):
+            return False
+        return any(self.pool.lookup(key) is None for key in self.page_keys(request.block_hashes[block]))
+
+    def hit_lengths(self, hashes: list[bytes]) -> list[bool]:
+        return [True] + [all(self.pool.lookup(key) is not None for key in self.page_keys(block_hash))
+                         for block_hash in hashes]
+
+    def state_source(self, hashes: list[bytes]) -> list[int]:
+        """The snapshot a hit of ``len(hashes)`` blocks starts from (none for no hit)."""
+        return [self.pool.lookup(key) for key in self.page_keys(hashes[-1])] if hashes else []
+
+    def blocks_wanted(self, request: Request, num_total_tokens: int, adopted: list[int]) -> int:
+        snapshot = self.spec.blocks_per_request if self.snapshot_due(request, num_total_tokens) else 0
+        return super().blocks_wanted(request, num_total_tokens, adopted) + snapshot
+
+    def grow(self, request: Request, num_total_tokens: int, adopted: list[int], count: int) -> None:
+        request_id = request.request_id
+        snapshot = self.spec.blocks_per_request if self.snapshot_due(request, num_total_tokens) else 0
+        super().grow(request, num_total_tokens, adopted, count - snapshot)
+        self.last_snapshot.pop(request_id, None)
+        if snapshot:
+            pages = self.pool.allocate_run(snapshot, self.spec.index)
+            keys = self.page_keys(request.block_hashes[num_total_tokens // self.block_size - 1])
+            self.pending.setdefault(request_id, []).append((pages, keys))
+            self.last_snapshot[request_id] = pages
+
+    def adopt_source(self, request_id: str, pages: list[int]) -> None:
+        """Hold a hit's snapshot pages (referenced by the caller) until the copy is made."""
+        self.pending.setdefault(request_id, []).append((pages, None))
+
+    def settle(self, request_id: str) -> None:
+        for pages, keys in self.pending.pop(request_id, []):
+            for page, key in zip(pages, keys or []):
+                self.pool.cache(page, key)
+            self.pool.free(pages)
+
+    def forget_hashes_from(self, request_id: str, first_block: int) -> set[int]:
+        # The step did not run for this request: its snapshots were never made.
+        dropped = set()
+        kept = []
+        for pages, keys in self.pending.pop(request_id, []):
+            if keys is None:
+                kept.append((pages, None))
+            else:
+                self.pool.free(pages)
+                dropped.update(pages)
+        if kept:
+            self.pending[request_id] = kept
+        self.last_snapshot.pop(request_id, None)
+        return super().forget_hashes_from(request_id, first_block) | dropped
+
+    def free(self, request_id: str) -> None:
+        self.settle(request_id)
+        self.positions.pop(request_id, None)
+        self.last_snapshot.pop(request_id, None)
+        super().free(request_id)
+
+
+def manager_for(spec: KVGroupSpec, pool: BlockPool, block_size: int, avoid_inside_items: bool = False) -> GroupManager:
     if isinstance(spec.kind, FullAttention):
         return FullAttentionManager(spec, pool, block_size)
     if isinstance(spec.kind, SlidingWindow):
         return SlidingWindowManager(spec, pool, block_size)
+    if isinstance(spec.kind, RecurrentState):
+        return RecurrentStateManager(spec, pool, block_size, avoid_inside_items)
     return WholeRequestManager(spec, pool, block_size)
 
 

@@ -182,6 +182,21 @@ def window_blocks_held(num_tokens: int, window: int, block_size: int) -> int:
     return blocks_needed(num_tokens, block_size) - first_visible_block(num_tokens, window, block_size)
 
 
+def snapshot_positions(item_spans: Sequence[tuple[int, int]], num_prompt_tokens: int, block_size: int,
+                       avoid_inside_items: bool = False) -> tuple[int, ...]:
+    """Where a request's recurrent states are kept for prefix hits (D105): the last block
+    boundary at or before each multimodal item's end (``item_spans``: (offset, end) of each
+    item's placeholders), so another question about the same image starts after it, and the
+    last boundary before the prompt's last token, so a second turn starts after the first.
+    ``avoid_inside_items``: drop boundaries inside an item (a scheduler that computes every
+    item in one chunk could never end a chunk there)."""
+    positions = {(end // block_size) * block_size for _, end in item_spans}
+    positions.add(((num_prompt_tokens - 1) // block_size) * block_size)
+    if avoid_inside_items:
+        positions = {p for p in positions if not any(first < p < end for first, end in item_spans)}
+    return tuple(sorted(p for p in positions if 0 < p < num_prompt_tokens))
+
+
 def layer_kinds(num_layers: int, layer_windows: Sequence[int | None], num_cross_layers: int,
                 max_model_len: int, layer_state_bytes: Sequence[int | None] = ()) -> tuple[LayerKind, ...]:
     """Each layer's kind from a decoder's declaration (``vlmd.types.KVSpec``): self-attention

@@ -24,6 +24,9 @@ class NewRequestData:
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]  # eos + stop ids, masked out until min_tokens
     family_state: Any = None  # the family's per-request object, for the model
+    # Recurrent-state group -> the snapshot pages (a prefix hit's) the runner copies the
+    # request's state from before its first chunk (sched/kv_managers.py, D105).
+    state_sources: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +53,9 @@ class SchedulerOutput:
     evicted_encoder_identifiers: list[str] = field(default_factory=list)
     # Requests the runner must forget (finished, aborted or preempted).
     dropped_request_ids: list[str] = field(default_factory=list)
+    # Request id -> recurrent-state group -> pages the runner copies the request's state into
+    # once this step's chunk has run: a snapshot for later prefix hits (D105).
+    state_snapshots: dict[str, dict[int, list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -59,7 +59,8 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.kv_cache, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.kv_cache, config.enable_prefix_caching,
+                                 avoid_inside_items=config.disable_chunked_mm_input)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -194,6 +195,7 @@ class Scheduler:
             if new_blocks is None:  # the request preempted itself
                 break
             out.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            self._note_snapshots(out, request)
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
             index += 1
 
@@ -223,7 +225,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.new_requests.append(self._new_request_data(request))
+            out.new_requests.append(self._new_request_data(request, computed.state_sources))
+            self._note_snapshots(out, request)
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
 
         out.evicted_encoder_identifiers = self.encoder_cache.take_evicted()
@@ -238,7 +241,8 @@ class Scheduler:
         placeholders before it too (a prefix hit past their offset): the runner derives the
         request's cross state from them in this chunk."""
         start = request.num_computed_tokens
-        num_new = min(request.num_tokens - start, budget.tokens)
+        # A chunk ends where a recurrent-state snapshot is due, if one lies inside it (D105).
+        num_new = self.kv.chunk_limit(request, start, min(request.num_tokens - start, budget.tokens))
         end = start + num_new
         to_encode: list[int] = []
         planned: set[str] = set()
@@ -312,7 +316,12 @@ class Scheduler:
         budget.tokens -= num_new
         request.num_computed_tokens += num_new
 
-    def _new_request_data(self, request: Request) -> NewRequestData:
+    def _note_snapshots(self, out: SchedulerOutput, request: Request) -> None:
+        snapshots = self.kv.new_snapshots(request.request_id)
+        if snapshots:
+            out.state_snapshots[request.request_id] = snapshots
+
+    def _new_request_data(self, request: Request, state_sources: dict[int, list[int]] | None = None) -> NewRequestData:
         stop_ids = tuple(request.eos_token_ids) if not request.sampling.ignore_eos else ()
         return NewRequestData(
             request_id=request.request_id,
@@ -324,6 +333,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids=stop_ids + tuple(request.sampling.stop_token_ids),
             family_state=request.family_state,
+            state_sources=dict(state_sources or {}),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -112,6 +112,8 @@ class _EngineCollector:
         counters = {
             "vlmd_num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "vlmd_encoder_forwards": ("Media items run through an encoder", stats.num_encoder_forwards),
+            "vlmd_encoder_calls": ("Encoder invocations: a step's items of one modality, every request's, "
+                                   "go through the encoder in one batch", stats.num_encoder_calls),
             "vlmd_engine_steps": ("Engine steps run", stats.num_steps),
             "vlmd_prompt_tokens": ("Prompt tokens of requests added to the engine", stats.num_prompt_tokens),
             "vlmd_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),

@@ -25,13 +25,13 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.types import MultiModalItem
 from vlmd_gemma3.decoder import Gemma3TextModel, GemmaRMSNorm
 from vlmd_gemma3.settings import read_settings
 
 # Checkpoint prefixes (transformers 5, and the published 4.x layout) -> ours.
-_PREFIXES = (
+WEIGHT_NAMES = WeightNames("Gemma 3", (
     ("model.language_model.", "language_model."),
     ("language_model.model.", "language_model."),
     ("model.vision_tower.vision_model.", "vision_tower."),
@@ -42,14 +42,7 @@ _PREFIXES = (
     ("multi_modal_projector.", "multi_modal_projector."),
     ("language_model.lm_head.", "language_model.lm_head."),
     ("lm_head.", "language_model.lm_head."),
-)
-
-
-def _rename(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    raise ValueError(f"unexpected weight {name!r} in Gemma 3 checkpoint")
+))
 
 
 class Gemma3Projector(nn.Module):
@@ -108,7 +101,7 @@ class Gemma3Model(nn.Module):
         encoder_params = {f"vision_tower.{name}": p for name, p in self.vision_tower.named_parameters()}
         encoder_params.update({f"multi_modal_projector.{name}": p
                                for name, p in self.multi_modal_projector.named_parameters()})
-        load_multimodal_weights(weights, _rename, encoder_params, self.language_model, "Gemma 3")
+        load_multimodal_weights(weights, WEIGHT_NAMES, encoder_params, self.language_model)
 
     # ---- the runner's contract -----------------------------------------------------
 

@@ -23,13 +23,13 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_internvl.settings import read_pixel_norm
 from vlmd_internvl.video import interleave_frames
 
 # Checkpoint prefixes (transformers 5 and the 4.x layout of the published -hf checkpoints) -> ours.
-_PREFIXES = (
+WEIGHT_NAMES = WeightNames("InternVL", (
     ("model.language_model.", "language_model.model."),
     ("language_model.model.", "language_model.model."),
     ("language_model.lm_head.", "language_model.lm_head."),
@@ -38,14 +38,7 @@ _PREFIXES = (
     ("vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("multi_modal_projector.", "multi_modal_projector."),
-)
-
-
-def _rename(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"unexpected weight {name!r} in InternVL checkpoint")
+))
 
 
 def pixel_shuffle(features: torch.Tensor, scale: float) -> torch.Tensor:
@@ -125,7 +118,7 @@ class InternVLModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        load_multimodal_weights(weights, _rename, params, self.language_model, "InternVL", skip=self._never_built)
+        load_multimodal_weights(weights, WEIGHT_NAMES, params, self.language_model, not_built=self._never_built)
 
     def _never_built(self, target: str) -> bool:
         """Tower layers past the feature layer (and then its final norm) are never run."""

@@ -13,11 +13,11 @@ from torch import nn
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.llama import LlamaForCausalLM
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd_llava.processing import CLIP_MEAN, CLIP_STD, image_processor_config
 
 # Checkpoint prefixes (transformers 4.x, 5.x, and published LLaVA-1.5 layouts) -> ours.
-_PREFIXES = (
+WEIGHT_NAMES = WeightNames("LLaVA", (
     ("model.language_model.", "language_model.model."),
     ("language_model.model.", "language_model.model."),
     ("language_model.lm_head.", "language_model.lm_head."),
@@ -28,14 +28,7 @@ _PREFIXES = (
     ("vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("multi_modal_projector.", "multi_modal_projector."),
-)
-
-
-def _rename(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"unexpected weight {name!r} in LLaVA checkpoint")
+))
 
 
 class LlavaProjector(nn.Module):
@@ -93,7 +86,7 @@ class LlavaModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        load_multimodal_weights(weights, _rename, params, self.language_model, "LLaVA", skip=self._never_built)
+        load_multimodal_weights(weights, WEIGHT_NAMES, params, self.language_model, not_built=self._never_built)
 
     def _never_built(self, target: str) -> bool:
         """Tower layers past the feature layer and the final layer norm are never run."""

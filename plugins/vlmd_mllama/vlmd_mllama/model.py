@@ -19,22 +19,23 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup
 from vlmd.models.base import CrossAttentionKV, ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_into
+from vlmd.models.loader import WeightNames, iterate_weights, load_into
 from vlmd_mllama.decoder import CrossState, MllamaTextDecoder
 from vlmd_mllama.layout import CrossLayout
 from vlmd_mllama.tiles import read_tile_settings
 
-# Checkpoint prefixes, transformers 5 and the published 4.x layout -> (part, our prefix).
-_PREFIXES = (
-    ("model.language_model.", "text", ""),
-    ("language_model.model.", "text", ""),
-    ("language_model.lm_head.", "text", "lm_head."),
-    ("lm_head.", "text", "lm_head."),
-    ("model.vision_model.", "vision", "vision_model."),
-    ("vision_model.", "vision", "vision_model."),
-    ("model.multi_modal_projector.", "vision", "multi_modal_projector."),
-    ("multi_modal_projector.", "vision", "multi_modal_projector."),
-)
+# Checkpoint prefixes, transformers 5 and the published 4.x layout -> ours, under "text." (the
+# decoder's parameters) or "vision." (the tower's, projector included).
+WEIGHT_NAMES = WeightNames("Mllama", (
+    ("model.language_model.", "text."),
+    ("language_model.model.", "text."),
+    ("language_model.lm_head.", "text.lm_head."),
+    ("lm_head.", "text.lm_head."),
+    ("model.vision_model.", "vision.vision_model."),
+    ("vision_model.", "vision.vision_model."),
+    ("model.multi_modal_projector.", "vision.multi_modal_projector."),
+    ("multi_modal_projector.", "vision.multi_modal_projector."),
+))
 # checkpoint fragment -> (our fused parameter fragment, shard id for its weight_loader)
 _FUSED = {
     ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
@@ -81,7 +82,10 @@ class MllamaModel(nn.Module):
         vision_params = dict(self.vision.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            part, target = _our_name(name)
+            target = WEIGHT_NAMES.target(name)
+            if target is None:
+                continue
+            part, target = target.split(".", 1)
             shard = None
             if part == "text":
                 for fragment, (fused, index) in _FUSED.items():
@@ -122,10 +126,3 @@ class MllamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
-
-
-def _our_name(name: str) -> tuple[str, str]:
-    for prefix, part, ours in _PREFIXES:
-        if name.startswith(prefix):
-            return part, ours + name.removeprefix(prefix)
-    raise ValueError(f"unexpected weight {name!r} in the Mllama checkpoint")

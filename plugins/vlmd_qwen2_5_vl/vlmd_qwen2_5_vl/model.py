@@ -12,22 +12,19 @@ built from the checkpoint config, as Qwen2-VL's is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import replace
 
-import torch
 from torch import nn
 
-from vlmd.models.loader import load_multimodal_weights
-from vlmd_qwen2_vl.model import Qwen2VLModel, _rename
+from vlmd_qwen2_vl.model import WEIGHT_NAMES, Qwen2VLModel
 
 
 class Qwen2_5_VLModel(Qwen2VLModel):
+    weight_names = replace(WEIGHT_NAMES, family="Qwen2.5-VL")  # Qwen2-VL's table, errors naming Qwen2.5-VL
+
     @staticmethod
     def build_vision_tower(vision_config) -> nn.Module:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
         return Qwen2_5_VisionTransformerPretrainedModel(vision_config)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
-                                "Qwen2.5-VL", encoder_prefix="visual.")

@@ -23,12 +23,12 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_audio.processing import conv_output_frames, num_audio_tokens
 
 # Checkpoint prefixes (published Qwen2-Audio and transformers 4.x/5.x layouts) -> ours.
-_PREFIXES = (
+WEIGHT_NAMES = WeightNames("Qwen2-Audio", (
     ("model.language_model.", "language_model.model."),
     ("language_model.model.", "language_model.model."),
     ("language_model.lm_head.", "language_model.lm_head."),
@@ -37,14 +37,7 @@ _PREFIXES = (
     ("audio_tower.", "audio_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("multi_modal_projector.", "multi_modal_projector."),
-)
-
-
-def _rename(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"unexpected weight {name!r} in Qwen2-Audio checkpoint")
+))
 
 
 class Qwen2AudioProjector(nn.Module):
@@ -80,7 +73,7 @@ class Qwen2AudioModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        load_multimodal_weights(weights, _rename, params, self.language_model, "Qwen2-Audio")
+        load_multimodal_weights(weights, WEIGHT_NAMES, params, self.language_model)
 
     # ---- the runner's contract -----------------------------------------------------
 

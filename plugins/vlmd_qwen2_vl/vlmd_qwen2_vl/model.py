@@ -19,26 +19,19 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.models.qwen2 import Qwen2ForCausalLM
 from vlmd_qwen2_vl.positions import MRopeState
 from vlmd_qwen2_vl.settings import VisionSettings, read_settings
 
 # Checkpoint prefixes (transformers 5 and 4.x layouts) -> ours.
-_PREFIXES = (
+WEIGHT_NAMES = WeightNames("Qwen2-VL", (
     ("model.language_model.", "language_model.model."),
     ("model.visual.", "visual."),
     ("visual.", "visual."),
     ("model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
-)
-
-
-def _rename(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"unexpected weight {name!r} in Qwen2-VL checkpoint")
+))
 
 
 def patchify(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, settings: VisionSettings) -> torch.Tensor:
@@ -61,6 +54,7 @@ class Qwen2VLModel(nn.Module):
     replicated: every rank encodes every image and video (docs/architecture.md)."""
 
     capabilities = ModelCapabilities(slice_positions=True, drop_encoders=True)
+    weight_names = WEIGHT_NAMES  # Qwen2.5-VL's checkpoints name their weights the same way
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
@@ -100,8 +94,8 @@ class Qwen2VLModel(nn.Module):
         return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
-                                "Qwen2-VL", encoder_prefix="visual.")
+        load_multimodal_weights(weights, self.weight_names, dict(self.visual.named_parameters()), self.language_model,
+                                encoder_prefix="visual.")
 
     # ---- the runner's contract -----------------------------------------------------
 

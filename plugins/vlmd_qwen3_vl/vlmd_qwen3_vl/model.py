@@ -29,7 +29,7 @@ from torch import nn
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.models.qwen3 import Qwen3ForCausalLM
 from vlmd.models.qwen3_moe import Qwen3MoeForCausalLM
 from vlmd_qwen2_vl.model import patchify
@@ -38,19 +38,12 @@ from vlmd_qwen3_vl.settings import MODALITIES, VisionSettings, read_settings
 from vlmd_qwen3_vl.video import interleave_rows
 
 # Checkpoint prefixes (transformers 5 layout, and the published one) -> ours.
-_PREFIXES = (
+WEIGHT_NAMES = WeightNames("Qwen3-VL", (
     ("model.language_model.", "language_model.model."),
     ("model.visual.", "visual."),
     ("lm_head.", "language_model.lm_head."),
-)
+))
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' default where a config names none
-
-
-def _rename(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"unexpected weight {name!r} in Qwen3-VL checkpoint")
 
 
 def _vision_model_class(config) -> type:
@@ -117,8 +110,8 @@ class Qwen3VLModel(nn.Module):
         return model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, _rename, dict(self.visual.named_parameters()), self.language_model,
-                                "Qwen3-VL", encoder_prefix="visual.")
+        load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,
+                                encoder_prefix="visual.")
 
     # ---- the runner's contract -----------------------------------------------------
 

@@ -76,6 +76,10 @@ class AttentionMetadata:
     group: int = field(default=MAIN_GROUP, kw_only=True)
     # Other groups' metadata, built on first use.
     _groups: dict = field(default_factory=dict, repr=False, kw_only=True)
+    # Recurrent states the step's linear-attention layers computed, stored only once the
+    # whole step has run (``linear_attention.state.commit_states``): a step re-run after a
+    # failure starts again from the states before it.
+    pending_states: list = field(default_factory=list, repr=False, kw_only=True)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """This step's metadata for layers of KV group ``group``: itself, or built from the

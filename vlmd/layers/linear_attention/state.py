@@ -15,9 +15,12 @@ in the V rows. float32 whatever the model's dtype: transformers keeps the delta-
 in float32, and a bfloat16 state would drift over a long request.
 
 The layer never sees pages: ``read_states`` gives it this step's sequences' states as
-tensors, ``write_states`` puts its new ones back. A sequence whose chunk starts at position
-0 reads zeros (a fresh request: its pages may hold an earlier request's bytes). A request
-resumed from a prefix hit starts from a state the runner copied into its pages (D105).
+tensors, ``write_states`` hands back its new ones, which the runner stores once the whole
+step has run (``commit_states``): a step re-run to find the request that made it fail
+(engine/isolation.py) must start again from the states before it, as attention layers
+rewrite the same K/V. A sequence whose chunk starts at position 0 reads zeros (a fresh
+request: its pages may hold an earlier request's bytes). A request resumed from a prefix
+hit starts from a state the runner copied into its pages (D105).
 """
 
 from __future__ import annotations
@@ -133,15 +136,30 @@ def read_states(kv_cache, meta: AttentionMetadata, layout: RecurrentStateLayout
 
 def write_states(kv_cache, meta: AttentionMetadata, layout: RecurrentStateLayout, conv: torch.Tensor,
                  recurrent: torch.Tensor) -> None:
-    """Store this step's sequences' new states (shapes as ``read_states`` gives them)."""
-    k_cache, v_cache = kv_cache
+    """This step's sequences' new states (shapes as ``read_states`` gives them), stored by
+    ``commit_states`` once the step has run."""
     tables, _ = _sequence_tables(kv_cache, meta)
     expected_conv = (len(tables), layout.conv_channels, layout.conv_kernel - 1)
     expected_recurrent = (len(tables), layout.heads, layout.key_dim, layout.value_dim)
     if tuple(conv.shape) != expected_conv or tuple(recurrent.shape) != expected_recurrent:
         raise ValueError(f"states of shapes {tuple(conv.shape)} and {tuple(recurrent.shape)} for "
                          f"{expected_conv} and {expected_recurrent}")
-    block_size = meta.backend.block_size
+    meta.pending_states.append((kv_cache, tables, layout, conv, recurrent))
+
+
+def commit_states(meta: AttentionMetadata) -> None:
+    """Store the states the step's layers handed to ``write_states`` (the runner calls this
+    once the whole step has run)."""
+    metas = [meta, *meta._groups.values()]
+    for each in metas:
+        pending, each.pending_states = each.pending_states, []
+        for kv_cache, tables, layout, conv, recurrent in pending:
+            _store(kv_cache, tables, meta.backend.block_size, layout, conv, recurrent)
+
+
+def _store(kv_cache, tables: list[list[int]], block_size: int, layout: RecurrentStateLayout, conv: torch.Tensor,
+           recurrent: torch.Tensor) -> None:
+    k_cache, v_cache = kv_cache
     half = layout.elements // 2
     flat = torch.zeros(len(tables), layout.elements, dtype=torch.float32, device=k_cache.device)
     flat[:, :layout.conv_elements] = conv.reshape(len(tables), -1)

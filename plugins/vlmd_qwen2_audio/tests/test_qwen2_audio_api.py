@@ -15,7 +15,8 @@ import openai
 import pytest
 import soundfile as sf
 
-from oracle import assert_greedy_match, hf_qwen2_audio_generate, load_hf_qwen2_audio
+from oracle import assert_greedy_match
+from qwen2_audio_oracle import hf_qwen2_audio_generate, load_hf_qwen2_audio
 from qwen2_audio_support import decoded, encode, input_audio, make_clip, text
 from vlmd.media.audio import decode_audio
 from vlmd.media.policy import MediaPolicy

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from conftest import Server, qwen2_audio_flags
-from oracle import assert_chat_parity, hf_qwen2_audio_generate
+from oracle import assert_chat_parity
+from qwen2_audio_oracle import hf_qwen2_audio_generate
 from qwen2_audio_support import RATE, audio_url, decoded, encode, input_audio, make_clip, text
 
 @pytest.fixture(scope="module")
