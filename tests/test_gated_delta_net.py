@@ -14,6 +14,7 @@ from vlmd.layers.attention import attention_backend_for
 from vlmd.layers.attention.backend import SequenceChunk
 from vlmd.layers.linear import TPGroup
 from vlmd.layers.linear_attention.gated_delta_net import GatedDeltaNet
+from vlmd.layers.linear_attention.state import commit_states
 from vlmd.models.loader import load_into
 from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
 from vlmd.types import KVSpec
@@ -79,6 +80,7 @@ def _run_steps(ours, sequences, steps):
         hidden = torch.cat([sequences[name][start:start + count] for name, start, count in step])
         with torch.no_grad():
             out = ours(hidden, meta, cache)
+        commit_states(meta)  # as the runner does once the step has run
         row = 0
         for name, start, count in step:
             outputs[name].append(out[row:row + count])

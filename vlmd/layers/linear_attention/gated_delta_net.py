@@ -8,8 +8,9 @@ family maps a checkpoint's ``linear_attn.*`` tensors onto the layer 1:1.
 
 A step is decodes first (``meta.num_decodes`` sequences of one token: one batched recurrent
 step and one batched convolution step), then each prefill chunk in turn (the chunked rule from
-the sequence's state). Each sequence's state is read and written through the KV model's seam
-(``state.py``: ``read_states`` / ``write_states``), never kept in the module.
+the sequence's state). Each sequence's state is read and handed back through the KV model's
+seam (``state.py``: ``read_states`` / ``write_states``; the runner stores the new states once
+the whole step has run), never kept in the module.
 
 Tensor parallelism splits by heads: rank r holds key heads [r Hk/tp, ...) and the value heads
 that read them, their rows of in_proj_qkv (q, k and v rows each split), conv channels,
