@@ -29,17 +29,13 @@ from vlmd.layers.linear_attention.state import commit_states, read_states, write
 from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
 from vlmd.types import KVSpec
 
+from bench_attention import best_ms  # contrib/bench is the script's directory, first on sys.path
+
 BLOCK = 16
 
 
 def least_cpu_ms(run, rounds: int) -> float:
-    run()
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.process_time()
-        run()
-        best = min(best, time.process_time() - started)
-    return round(best * 1e3, 3)
+    return best_ms(run, rounds, clock=time.process_time)
 
 
 def build(args):
