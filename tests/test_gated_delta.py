@@ -183,6 +183,11 @@ def test_half_precision_inputs_keep_float32_states():
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     full, _ = chunk_gated_delta_rule(q, k, v, g, beta, None)
     torch.testing.assert_close(out.float(), full, rtol=0.05, atol=0.05)
+    weight, _ = _conv_weights(8, 4, False)
+    y, conv_state = causal_conv1d_prefill(torch.randn(5, 8).bfloat16(), weight, None, None)
+    assert y.dtype == torch.bfloat16 and conv_state.dtype == torch.float32
+    y, conv_states = causal_conv1d_decode(torch.randn(2, 8).bfloat16(), weight, None, torch.zeros(2, 8, 3))
+    assert y.dtype == torch.bfloat16 and conv_states.dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -155,3 +155,21 @@ def test_rows_that_do_not_match_the_steps_chunks_are_refused():
     meta = backend.prepare_metadata([SequenceChunk.of(tables, 0, 6)], 0)
     with pytest.raises(ValueError, match="cover 6 rows"), torch.no_grad():
         ours(torch.zeros(5, 64), meta, cache)
+
+
+def test_bfloat16_layer_is_as_close_to_float32_as_the_reference_in_bfloat16():
+    """A bfloat16 model (float32 states in the pages): over a prompt in two steps and a
+    decode, its outputs are bfloat16 and as close to the float32 layer's as transformers' own
+    layer run in bfloat16 is (which convolves in bfloat16; outputs reach 10, so a bfloat16
+    rounding is up to 0.04)."""
+    reference_layer = _reference_layer(seed=4)
+    ours = _ours(reference_layer).to(torch.bfloat16)
+    hidden = torch.randn(90, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = _run_steps(ours, {"only": hidden}, [[("only", 0, 50)], [("only", 50, 39)], [("only", 89, 1)]])["only"]
+    assert got.dtype == torch.bfloat16
+    with torch.no_grad():
+        truth = reference_layer(hidden.float()[None])[0]
+        theirs = reference_layer.to(torch.bfloat16)(hidden[None])[0].float()
+    ours_error, their_error = (got.float() - truth).abs(), (theirs - truth).abs()
+    assert ours_error.mean() <= 1.25 * their_error.mean(), (ours_error.mean(), their_error.mean())
+    assert ours_error.max() <= 1.25 * their_error.max(), (ours_error.max(), their_error.max())
