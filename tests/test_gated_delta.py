@@ -147,7 +147,9 @@ def test_recurrent_step_equals_reference_for_a_batch():
     """N sequences with their own states, one token each, grouped value heads."""
     q, k, v, g, beta = _rule_inputs(1, 2, 4, 16, 8, seed=12, batch=(3,))
     states = _state(4, 16, 8, seed=13, batch=(3,))
+    before = states.clone()
     ours, new_states = recurrent_gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], states)
+    assert torch.equal(states, before)  # the caller's states are left as they are
     theirs, their_states = _their_recurrent(q, k, v, g, beta, states)
     torch.testing.assert_close(ours, theirs[:, 0], **TOLERANCE)
     torch.testing.assert_close(new_states, their_states, **TOLERANCE)
@@ -181,6 +183,11 @@ def test_half_precision_inputs_keep_float32_states():
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     full, _ = chunk_gated_delta_rule(q, k, v, g, beta, None)
     torch.testing.assert_close(out.float(), full, rtol=0.05, atol=0.05)
+    weight, _ = _conv_weights(8, 4, False)
+    y, conv_state = causal_conv1d_prefill(torch.randn(5, 8).bfloat16(), weight, None, None)
+    assert y.dtype == torch.bfloat16 and conv_state.dtype == torch.float32
+    y, conv_states = causal_conv1d_decode(torch.randn(2, 8).bfloat16(), weight, None, torch.zeros(2, 8, 3))
+    assert y.dtype == torch.bfloat16 and conv_states.dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -62,6 +62,28 @@ def test_chunks_match_the_reference(heads, kv_heads, n, dim, start, block_size, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,n,dim,start,block_size", [
+    (12, 4, 600, 64, 0, 16),
+    (12, 4, 37, 64, 600, 16),
+    (6, 1, 50, 32, 13, 5),
+    (4, 2, 9, 16, 100, 1),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bfloat16_caches_are_read_in_place(heads, kv_heads, n, dim, start, block_size, causal):
+    """A bfloat16 cache (the dtype a user of an AVX512-BF16 or AMX host runs): the attention
+    of the bfloat16 values, computed in float32, rounded once to bfloat16 at the end."""
+    q, k_cache, v_cache, table, keys, values = _case(heads, kv_heads, n, dim, start, block_size)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    out = torch.empty_like(q)
+    paged_prefill(q, k_cache, v_cache, table, block_size, start, dim ** -0.5, out, causal)
+    expected = _reference(q.float(), keys.bfloat16().float(), values.bfloat16().float(), start, causal)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected.bfloat16().double(), rtol=0, atol=1e-2)
+    # Within float32 rounding before the one bfloat16 rounding: never a rounding step apart.
+    assert (out.double() - expected).abs().max() <= expected.abs().max() * 2 ** -8 + 1e-6
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_strided_queries_and_thread_counts(threads):
     q, k_cache, v_cache, table, keys, values = _case(12, 4, 100, 64, 20, 16)
@@ -90,7 +112,11 @@ def test_what_it_cannot_serve_raises_instead_of_reading_out_of_bounds():
     with pytest.raises(ValueError, match="int32"):
         paged_prefill(q, k_cache, v_cache, table.long(), 16, 0, 0.25, out)
     assert native_prefill.supports(k_cache, q)
-    assert not native_prefill.supports(k_cache.bfloat16(), q)
+    assert not native_prefill.supports(k_cache.bfloat16(), q)  # queries and cache of one dtype
+    assert native_prefill.supports(k_cache.bfloat16(), q.bfloat16())
+    assert not native_prefill.supports(k_cache.half(), q.half())
+    with pytest.raises(ValueError, match="one dtype"):
+        paged_prefill(q, k_cache.bfloat16(), v_cache.bfloat16(), table, 16, 0, 0.25, out)
     assert not native_prefill.supports(torch.zeros(32, 2, 128), torch.zeros(1, 4, 128))  # no copy for 128
 
 

@@ -9,6 +9,7 @@ native / torch per point:
 
     python contrib/bench/bench_prefill_attention.py
     python contrib/bench/bench_prefill_attention.py --heads 16 --kv-heads 4 --head-dim 128
+    python contrib/bench/bench_prefill_attention.py --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the caches', queries' and keys' dtype (a bfloat16 cache is read in place)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     block_size = 16
     torch.manual_seed(0)
     total = max(args.starts) + max(args.new_tokens)
     num_blocks = -(-total // block_size)
-    k_cache = torch.randn(num_blocks * block_size, args.kv_heads, args.head_dim)
+    k_cache = torch.randn(num_blocks * block_size, args.kv_heads, args.head_dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     table = list(range(num_blocks))
     scale = args.head_dim**-0.5
@@ -51,8 +55,9 @@ def main() -> None:
         cpu_paged.NATIVE_PREFILL_MAX_KEYS = 1 << 62  # the native backend takes every chunk here
         for n in args.new_tokens:
             for start in args.starts:
-                q = torch.randn(n, args.heads, args.head_dim)
-                k, v = torch.randn(n, args.kv_heads, args.head_dim), torch.randn(n, args.kv_heads, args.head_dim)
+                q = torch.randn(n, args.heads, args.head_dim, dtype=dtype)
+                k = torch.randn(n, args.kv_heads, args.head_dim, dtype=dtype)
+                v = torch.randn(n, args.kv_heads, args.head_dim, dtype=dtype)
                 row = {}
                 with torch.inference_mode():
                     for name, backend in backends.items():
@@ -63,7 +68,7 @@ def main() -> None:
                 points[f"n{n}_start{start}_keys{start + n}"] = row
     finally:
         cpu_paged.NATIVE_PREFILL_MAX_KEYS = bound
-    print(json.dumps({"bench": "prefill_attention", "heads": args.heads, "kv_heads": args.kv_heads,
+    print(json.dumps({"bench": "prefill_attention", "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads,
                       "head_dim": args.head_dim, "threads": torch.get_num_threads(),
                       "native_prefill_max_keys": bound, "points": points}))
 

@@ -4,7 +4,7 @@ Decodes, where this host built the C kernel (``vlmd/layers/cpu/paged_decode.c``;
 default, ``--attention-kernels auto``): one call per layer walks every decode's blocks in
 place, all heads at once, and the blocks decodes share once for all of them, 1.3-2.5x
 faster than the torch paths below (``contrib/bench/bench_attention.py``;
-docs/decisions.md D44, D49). Prefill chunks of float32 caches with head sizes up to 64 take
+docs/decisions.md D44, D49). Prefill chunks of float32 or bfloat16 caches with head sizes up to 64 take
 ``paged_prefill.c`` (one call per chunk and layer: its whole context and, causally, its
 own tokens through the block table) while their keys are at most
 ``NATIVE_PREFILL_MAX_KEYS``: there 1.3-1.6x faster than torch's causal flash, past it slower.

@@ -52,6 +52,10 @@ struct vlmd_step;
       (const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int32_t *table,        \
        int num_table_blocks, int64_t num_slots, int block_size, int start, int n, int heads, int kv_heads,       \
        int dim, float scale, int causal, float *out, int64_t out_stride, int threads))                           \
+    X(int, vlmd_paged_prefill_bf16,                                                                               \
+      (const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,  \
+       int num_table_blocks, int64_t num_slots, int block_size, int start, int n, int heads, int kv_heads,       \
+       int dim, float scale, int causal, float *out, int64_t out_stride, int threads))                           \
     X(int, vlmd_paged_prefill_serves, (int dim))                                                                  \
     /* elementwise.c */                                                                                           \
     X(int, vlmd_add_rms_norm,                                                                                     \

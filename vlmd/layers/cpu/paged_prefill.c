@@ -10,7 +10,8 @@
  * with one broadcast query value per row and step (no horizontal sums); online softmax;
  * then the chunk's V rows, read in place through the table, are added into the rows'
  * outputs, which stay in registers for the whole walk (AVX-512; with AVX2 they live in
- * L1, below). Float32 caches, head sizes 16, 32 and 64.
+ * L1, below). Float32 or bfloat16 caches (the latter's chunk keys and values widened to
+ * float32 once, in the transposed K scratch and a V scratch), head sizes 16, 32 and 64.
  *
  * Why: torch's flash kernel computes a causal prefill at ~2/3 of its rate without the
  * mask. The small LLaVA's causal 600-token prefill (12 heads over 4 KV heads of 64), AMD
@@ -242,10 +243,18 @@ static int rows_for(int dim, Tile *tile) {
  * causal 0: every query sees all start + n keys. Returns 0, or -1 heads not a multiple
  * of KV heads, -2 a head size without a copy here, -3 sizes, -5 out of memory, -6 a block
  * id outside the cache. */
-int vlmd_paged_prefill(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                       const int32_t *table, int num_table_blocks, int64_t num_slots, int block_size, int start,
-                       int n, int heads, int kv_heads, int dim, float scale, int causal, float *out,
-                       int64_t out_stride, int threads) {
+static inline float bf16_to_float(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+/* Both entry points: caches of float32 (bf16 0) or bfloat16 (bf16 1, read as uint16). */
+static int prefill(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int bf16,
+                   const int32_t *table, int num_table_blocks, int64_t num_slots, int block_size, int start, int n,
+                   int heads, int kv_heads, int dim, float scale, int causal, float *out, int64_t out_stride,
+                   int threads) {
     if (kv_heads <= 0 || heads <= 0 || heads % kv_heads != 0) return -1;
     Tile tile = NULL;
     const int rows = rows_for(dim, &tile);
@@ -265,7 +274,20 @@ int vlmd_paged_prefill(const float *q, int64_t q_stride, const float *k_cache, c
      * (3-9 % of the AVX2 tile's time). */
     float *kt = (float *)aligned_alloc(64, sizeof(float) * kv_heads * dim * kt_stride);
     if (kt == NULL) return -5;
-    const Keys keys = {v_cache, table, block_size, token_floats, kt_stride, causal};
+    /* A bfloat16 cache's V rows of the chunk are widened once into float32 rows, in token
+     * order (each row is read by every tile of its KV head's query heads); the tiles then
+     * read them as a one-block table whose block holds every key. */
+    float *values = NULL;
+    static const int32_t one_block = 0;
+    if (bf16) {
+        values = (float *)aligned_alloc(64, sizeof(float) * token_floats * kt_stride);
+        if (values == NULL) {
+            free(kt);
+            return -5;
+        }
+    }
+    const Keys keys = bf16 ? (Keys){values, &one_block, (int)kt_stride, token_floats, kt_stride, causal}
+                           : (Keys){(const float *)v_cache, table, block_size, token_floats, kt_stride, causal};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
@@ -273,9 +295,18 @@ int vlmd_paged_prefill(const float *q, int64_t q_stride, const float *k_cache, c
             for (int g = 0; g < kv_heads; g++) {
                 float *column = kt + (int64_t)g * dim * kt_stride + t;
                 if (t < total) {
-                    const float *row = k_cache +
+                    const int64_t offset =
                         ((int64_t)table[t / block_size] * block_size + t % block_size) * token_floats + (int64_t)g * dim;
-                    for (int d = 0; d < dim; d++) column[d * kt_stride] = row[d];
+                    if (bf16) {
+                        const uint16_t *row = (const uint16_t *)k_cache + offset;
+                        const uint16_t *value_row16 = (const uint16_t *)v_cache + offset;
+                        float *widened = values + t * token_floats + (int64_t)g * dim;
+                        for (int d = 0; d < dim; d++) column[d * kt_stride] = bf16_to_float(row[d]);
+                        for (int d = 0; d < dim; d++) widened[d] = bf16_to_float(value_row16[d]);
+                    } else {
+                        const float *row = (const float *)k_cache + offset;
+                        for (int d = 0; d < dim; d++) column[d * kt_stride] = row[d];
+                    }
                 } else {
                     for (int d = 0; d < dim; d++) column[d * kt_stride] = 0.0f;
                 }
@@ -295,7 +326,26 @@ int vlmd_paged_prefill(const float *q, int64_t q_stride, const float *k_cache, c
         }
     }
     free(kt);
+    free(values);
     return 0;
+}
+
+int vlmd_paged_prefill(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int num_table_blocks, int64_t num_slots, int block_size, int start,
+                       int n, int heads, int kv_heads, int dim, float scale, int causal, float *out,
+                       int64_t out_stride, int threads) {
+    return prefill(q, q_stride, k_cache, v_cache, 0, table, num_table_blocks, num_slots, block_size, start, n, heads,
+                   kv_heads, dim, scale, causal, out, out_stride, threads);
+}
+
+/* The same over bfloat16 caches (queries and output float32: the binding widens and narrows
+ * them, a chunk's rows, where the caches are every key's). */
+int vlmd_paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *table, int num_table_blocks, int64_t num_slots, int block_size, int start,
+                            int n, int heads, int kv_heads, int dim, float scale, int causal, float *out,
+                            int64_t out_stride, int threads) {
+    return prefill(q, q_stride, k_cache, v_cache, 1, table, num_table_blocks, num_slots, block_size, start, n, heads,
+                   kv_heads, dim, scale, causal, out, out_stride, threads);
 }
 
 /* 1 if head size `dim` has a copy here (the binding asks before it calls). */

@@ -8,8 +8,9 @@ family maps a checkpoint's ``linear_attn.*`` tensors onto the layer 1:1.
 
 A step is decodes first (``meta.num_decodes`` sequences of one token: one batched recurrent
 step and one batched convolution step), then each prefill chunk in turn (the chunked rule from
-the sequence's state). Each sequence's state is read and written through the KV model's seam
-(``state.py``: ``read_states`` / ``write_states``), never kept in the module.
+the sequence's state). Each sequence's state is read and handed back through the KV model's
+seam (``state.py``: ``read_states`` / ``write_states``; the runner stores the new states once
+the whole step has run), never kept in the module.
 
 Tensor parallelism splits by heads: rank r holds key heads [r Hk/tp, ...) and the value heads
 that read them, their rows of in_proj_qkv (q, k and v rows each split), conv channels,
@@ -53,6 +54,10 @@ class QKVRows(MergedColumnParallelLinear):
             return
         full = [size * self.tp.size for size in self.output_sizes]
         _copy_into(param, _rank_rows(loaded, full, self.tp), "in_proj_qkv")
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _copy_into(param: torch.Tensor, rows: torch.Tensor, what: str) -> None:
@@ -128,25 +133,26 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(hidden).sigmoid()
         decay = gate_decay(self.in_proj_a(hidden), self.A_log, self.dt_bias)
         weight = self.conv1d.weight[:, 0]
-        mixed = torch.empty(hidden.shape[0], self.num_value_heads, self.value_head_dim, dtype=qkv.dtype,
-                            device=qkv.device)
+        # Each part's outputs and new states, in batch order: the decodes' batch, then each
+        # prefill chunk's (a step of decodes alone hands its batch's states on uncopied).
+        outputs, new_conv, new_delta = [], [], []
         decodes = meta.num_decodes
         if decodes:
-            convolved, conv_states[:decodes] = causal_conv1d_decode(qkv[:decodes], weight, None,
-                                                                    conv_states[:decodes])
+            convolved, conv = causal_conv1d_decode(qkv[:decodes], weight, None, conv_states[:decodes])
             q, k, v = self._heads(convolved)
-            mixed[:decodes], delta_states[:decodes] = recurrent_gated_delta_step(
-                q, k, v, decay[:decodes], beta[:decodes], delta_states[:decodes])
+            mixed, delta = recurrent_gated_delta_step(q, k, v, decay[:decodes], beta[:decodes],
+                                                      delta_states[:decodes])
+            outputs.append(mixed), new_conv.append(conv), new_delta.append(delta)
         first = decodes
         for index in range(decodes, len(counts)):
             rows = slice(first, first + counts[index])
             first += counts[index]
-            convolved, conv_states[index] = causal_conv1d_prefill(qkv[rows], weight, None, conv_states[index])
+            convolved, conv = causal_conv1d_prefill(qkv[rows], weight, None, conv_states[index])
             q, k, v = self._heads(convolved)
-            mixed[rows], delta_states[index] = chunk_gated_delta_rule(q, k, v, decay[rows], beta[rows],
-                                                                      delta_states[index])
-        write_states(kv_cache, meta, layout, conv_states, delta_states)
-        normed = self.norm(mixed, gate.view(-1, self.num_value_heads, self.value_head_dim))
+            mixed, delta = chunk_gated_delta_rule(q, k, v, decay[rows], beta[rows], delta_states[index])
+            outputs.append(mixed), new_conv.append(conv[None]), new_delta.append(delta[None])
+        write_states(kv_cache, meta, layout, _joined(new_conv), _joined(new_delta))
+        normed = self.norm(_joined(outputs), gate.view(-1, self.num_value_heads, self.value_head_dim))
         return normed.reshape(hidden.shape[0], self.value_dim)
 
     def _heads(self, convolved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -118,9 +118,10 @@ def read_states(kv_cache, meta: AttentionMetadata, layout: RecurrentStateLayout
     tables, starts = _sequence_tables(kv_cache, meta)
     block_size = meta.backend.block_size
     half = layout.elements // 2
-    flat = torch.zeros(len(tables), layout.elements, dtype=torch.float32, device=k_cache.device)
+    flat = torch.empty(len(tables), layout.elements, dtype=torch.float32, device=k_cache.device)
     for row, (table, start) in enumerate(zip(tables, starts)):
         if start == 0:
+            flat[row] = 0.0
             continue
         offset = 0
         for cache in (k_cache, v_cache):
@@ -161,9 +162,12 @@ def _store(kv_cache, tables: list[list[int]], block_size: int, layout: Recurrent
            recurrent: torch.Tensor) -> None:
     k_cache, v_cache = kv_cache
     half = layout.elements // 2
-    flat = torch.zeros(len(tables), layout.elements, dtype=torch.float32, device=k_cache.device)
-    flat[:, :layout.conv_elements] = conv.reshape(len(tables), -1)
-    flat[:, layout.conv_elements:layout.conv_elements + layout.recurrent_elements] = recurrent.reshape(len(tables), -1)
+    rows = len(tables)
+    pad = layout.elements - layout.conv_elements - layout.recurrent_elements
+    parts = [conv.reshape(rows, -1).float(), recurrent.reshape(rows, -1).float()]
+    if pad:
+        parts.append(torch.zeros(rows, pad, dtype=torch.float32, device=k_cache.device))
+    flat = torch.cat(parts, dim=1)
     for row, table in enumerate(tables):
         offset = 0
         for cache in (k_cache, v_cache):
