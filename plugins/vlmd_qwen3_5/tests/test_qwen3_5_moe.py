@@ -2,8 +2,8 @@
 equal transformers' generate.
 
 The tiny checkpoint (``vlmd_qwen3_5/tiny_moe.py``) has 8 experts, 2 a token, and a shared
-expert on every text layer of Qwen3.5's hybrid layout, its experts saved one tensor each, as
-transformers saves them. One server, under ``--tensor-parallel-size 2`` (each rank holds half
+expert on every text layer of Qwen3.5's hybrid layout (six layers, the last a linear-attention
+one), its experts saved one tensor each, as transformers saves them. One server, under ``--tensor-parallel-size 2`` (each rank holds half
 of every expert's columns, half of the attention and linear-attention heads, and its half of
 each recurrent state) with a 32-token step budget that splits prompts across steps (the
 states carried between chunks) and a KV cache small enough to preempt (a preempted request's
@@ -59,7 +59,7 @@ def references(tiny_moe_dir, cases):
 def test_the_checkpoint_is_sparse_and_hybrid(tiny_moe_dir):
     text = json.loads((tiny_moe_dir / "config.json").read_text())["text_config"]
     assert text["num_experts"] == 8 and text["shared_expert_intermediate_size"] == 48
-    assert text["layer_types"].count("linear_attention") == 6 and text["layer_types"][3] == "full_attention"
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
 
 
 def test_parity_alone_then_concurrently_under_tp2_split_and_preempted(launched, cases, references):

@@ -17,8 +17,10 @@ from vlmd_qwen3_vl.tiny import build_checkpoint
 
 __all__ = ["MOE", "build_tiny_qwen3_5_moe"]
 
+# Six layers (linear, linear, linear, full, linear, linear): the last one a linear-attention
+# layer, so a step's last layer advances every row's state before keeping the sampled rows.
 MOE = {"tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                    shared_expert_intermediate_size=48)}
+                    shared_expert_intermediate_size=48, num_hidden_layers=6)}
 
 
 def _param_std(hidden: int, intermediate: int) -> Qwen3_5ParamStd:
@@ -40,7 +42,8 @@ def build_tiny_qwen3_5_moe(out_dir, seed: int = 0, size: str = "tiny") -> Path:
         from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
         dense = qwen3_5_config(size, vocab_size=vocab_size, ids=ids).to_dict()
-        dense["text_config"].pop("intermediate_size", None)
+        for key in ("intermediate_size", "layer_types"):  # no dense MLP; the layout follows the layer count
+            dense["text_config"].pop(key, None)
         dense["text_config"].update(MOE[size])
         for key in ("architectures", "model_type", "transformers_version"):
             dense.pop(key, None)
