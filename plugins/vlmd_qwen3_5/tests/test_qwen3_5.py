@@ -18,6 +18,7 @@ within 1e-3 up to it.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -93,6 +94,19 @@ def test_parity_one_request_at_a_time(server, cases, references):
 def test_parity_all_concurrently(server, cases, references):
     for (name, _), body in zip(cases, _run_concurrently(server, cases)):
         assert_chat_parity(body, references[name])
+
+
+def test_eight_concurrent_image_requests(server, tiny_qwen3_5_dir):
+    """Eight image requests at once (a peer's Qwen3.5 died at two): each answer is
+    transformers', however the steps batch and split them."""
+    requests = [([{"type": "image", "media": random_image(50 + index, 160 + 64 * index, 480 - 32 * index)}],
+                 f"Question {index}: what is in this image?") for index in range(8)]
+    references = [_reference(tiny_qwen3_5_dir, parts, text, {}, None, 6) for parts, text in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda request: server.chat(_body(*request, {}, None, 6)), requests))
+    for (status, body), reference in zip(answers, references):
+        assert status == 200, body
+        assert_chat_parity(body, reference)
 
 
 def _image_span(body, model_dir) -> tuple[int, int]:
