@@ -18,8 +18,9 @@ attention) and gated full-attention layers, as ``layer_types`` lays them out.
   sigmoid(``shared_expert_gate``): ``SharedExpertMoeBlock``.
 
 Tensor parallelism: the q/k/v product splits by heads as Qwen3's; a head's query and gate are
-adjacent rows of ``q_proj``, so a rank's share of the ``2 H`` rows of width ``D`` holds whole
-(query, gate) pairs.
+adjacent rows of ``q_proj``; the loader puts each rank's queries before its gates
+(``queries_then_gates``), so a rank's share of the ``2 H`` rows of width ``D`` holds whole
+(query, gate) pairs and its queries are adjacent heads.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from vlmd.models.llama import LlamaMLP, _head_dim
 from vlmd.models.loader import load_into
 from vlmd_qwen3_5.kv import FULL_ATTENTION, layer_types
 
-__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "SharedExpertMoeBlock", "partial_rotary"]
+__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "SharedExpertMoeBlock", "partial_rotary", "queries_then_gates"]
 
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' Qwen3.5 text rotary, where a config names none
 
@@ -83,14 +84,15 @@ class GatedAttention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata, outputs: OutputRows | None = None):
         """[T, hidden] -> [T, hidden], or with ``outputs`` -> [R, hidden] for its rows alone."""
         tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden)  # [queries | gates | k | v] (the loader's order, ``queries_then_gates``)
         kv_size = self.num_kv_heads * self.head_dim
-        query_gate, k, v = qkv.split([2 * self.q_size, kv_size, kv_size], dim=-1)
-        query_gate = query_gate.view(tokens, self.num_heads, 2, self.head_dim)
-        q = self._rotate(self.q_norm(query_gate[:, :, 0]), cos, sin)
-        gate = query_gate[:, :, 1].reshape(tokens, self.q_size)
-        k = self._rotate(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        # The heads are normed in place, as Qwen3's are (the CPU room's kernel on float32 rows).
+        self.q_norm.heads_(qkv, 0, self.num_heads)
+        self.k_norm.heads_(qkv, 2 * self.q_size, self.num_kv_heads)
+        q, gate, k, v = qkv.split([self.q_size, self.q_size, kv_size, kv_size], dim=-1)
+        q = self._rotate(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = self._rotate(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if outputs is not None:
             store_kv(k, v, kv_cache, meta)  # every row's K/V; only the used rows' queries attend
             rows = outputs.rows
@@ -98,7 +100,7 @@ class GatedAttention(nn.Module):
                 return hidden.new_empty(0, hidden.shape[1])
             q, k, v, gate, meta = q[rows], k[rows], v[rows], gate[rows], outputs.meta
             tokens = rows.shape[0]
-        attended = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, meta, self.scale)
+        attended = paged_attention(q, k, v.contiguous(), kv_cache, meta, self.scale)
         return self.o_proj(attended.reshape(tokens, self.q_size) * torch.sigmoid(gate))
 
 
@@ -121,6 +123,17 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 def has_experts(config) -> bool:
     return int(getattr(config, "num_experts", 0) or 0) > 0
+
+
+def queries_then_gates(loaded: torch.Tensor, num_heads: int, tp_size: int) -> torch.Tensor:
+    """``q_proj``'s rows (or bias), each head's query then its gate (``[H, 2, D]``), reordered
+    so that each tensor-parallel rank's share is its heads' queries, then their gates: the
+    queries are adjacent heads (normed in place as Qwen3's) and the gates one block."""
+    head_dim = loaded.shape[0] // (2 * num_heads)
+    if head_dim * 2 * num_heads != loaded.shape[0]:
+        raise ValueError(f"q_proj has {loaded.shape[0]} rows, not 2 x {num_heads} heads")
+    parts = loaded.reshape(tp_size, num_heads // tp_size, 2, head_dim, *loaded.shape[1:])
+    return parts.transpose(1, 2).reshape(loaded.shape)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -190,6 +203,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def __init__(self, config, *, tie_word_embeddings: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.rotary = partial_rotary(config)
         kinds = layer_types(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -232,6 +246,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             target = name.removeprefix("model.")
             if target == "norm.weight" or target.endswith(OFFSET_NORMS):
                 tensor = tensor.float() + 1.0  # 1 + w, once
+            elif ".self_attn.q_proj." in target:
+                tensor = queries_then_gates(tensor, int(self.config.num_attention_heads), self.tp.size)
             shard = None
             expert = PER_EXPERT.fullmatch(target)
             if expert is not None:  # experts.{e}.{gate,up,down}_proj.weight into the fused tensors
