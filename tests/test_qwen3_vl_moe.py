@@ -60,7 +60,12 @@ def test_the_checkpoint_is_sparse(tiny_moe_dir):
 
 
 def test_parity_alone_then_concurrently_under_tp2_split_and_preempted(launched, cases, references):
-    server = launched.result()
+    assert_parity_alone_then_concurrently_until_preempted(launched.result(), cases, references)
+
+
+def assert_parity_alone_then_concurrently_until_preempted(server, cases, references) -> None:
+    """Each case alone, then all at once until the server has preempted a request (at most
+    eight rounds), every answer transformers'."""
     for index, (name, case) in enumerate(cases):
         status, body = server.chat(_body(*case, _max_tokens(index)))
         assert status == 200, body

@@ -11,8 +11,10 @@ outputs are summed across ranks once per block.
 
 Weights are the fused 3D tensors Qwen3-VL-MoE checkpoints store (``experts.gate_up_proj``
 ``[experts, hidden, 2 * intermediate]``, ``experts.down_proj`` ``[experts, intermediate,
-hidden]``) or transformers' in-memory transpose of them; a square case is read as the
-checkpoint layout.
+hidden]``) or transformers' in-memory transpose of them (a square case is read as the
+checkpoint layout), or one tensor per expert and projection (``experts.{e}.gate_proj.weight``
+``[intermediate, hidden]``, ``up_proj``, ``down_proj`` ``[hidden, intermediate]``: what
+transformers saves for Qwen3.5-MoE), each loaded with ``shard_id`` (expert, part).
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ class FusedExperts(nn.Module):
                          f"{(self.num_experts, columns, rows)} (or its transpose)")
 
     def _load_gate_up(self, param, loaded: torch.Tensor, shard_id=None) -> None:
+        """The fused tensor, or with ``shard_id`` = (expert, "gate" or "up") one expert's
+        ``[intermediate, hidden]`` projection (checkpoints that store experts one by one)."""
+        if shard_id is not None:
+            expert, part = self._expert_shard(shard_id, ("gate", "up"))
+            rows = self._expert_part(loaded, (self.full_intermediate, self.hidden), f"experts.{expert}.{part}_proj")
+            offset = 0 if part == "gate" else self.intermediate
+            with torch.no_grad():
+                param[expert, offset : offset + self.intermediate].copy_(
+                    rows.narrow(0, self.tp.rank * self.intermediate, self.intermediate))
+            return
         full = self._as_rows(loaded, 2 * self.full_intermediate, self.hidden, "experts.gate_up_proj")
         start, width = self.tp.rank * self.intermediate, self.intermediate
         with torch.no_grad():
@@ -58,10 +70,30 @@ class FusedExperts(nn.Module):
             param[:, width:].copy_(full[:, self.full_intermediate + start : self.full_intermediate + start + width])
 
     def _load_down(self, param, loaded: torch.Tensor, shard_id=None) -> None:
+        """The fused tensor, or with ``shard_id`` = (expert, "down") one expert's ``[hidden,
+        intermediate]`` projection."""
+        if shard_id is not None:
+            expert, part = self._expert_shard(shard_id, ("down",))
+            columns = self._expert_part(loaded, (self.hidden, self.full_intermediate), f"experts.{expert}.down_proj")
+            with torch.no_grad():
+                param[expert].copy_(columns.narrow(1, self.tp.rank * self.intermediate, self.intermediate))
+            return
         full = self._as_rows(loaded, self.hidden, self.full_intermediate, "experts.down_proj")
         start = self.tp.rank * self.intermediate
         with torch.no_grad():
             param.copy_(full[:, :, start : start + self.intermediate])
+
+    def _expert_shard(self, shard_id, parts: tuple[str, ...]) -> tuple[int, str]:
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and isinstance(shard_id[0], int)
+                and 0 <= shard_id[0] < self.num_experts and shard_id[1] in parts):
+            raise ValueError(f"expert shard {shard_id!r} is not (expert in 0..{self.num_experts - 1}, one of {parts})")
+        return shard_id
+
+    @staticmethod
+    def _expert_part(loaded: torch.Tensor, shape: tuple[int, int], what: str) -> torch.Tensor:
+        if tuple(loaded.shape) != shape:
+            raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected {shape}")
+        return loaded
 
     def forward(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``hidden`` [T, H]; ``experts``/``weights`` [T, k]: each token's experts and their

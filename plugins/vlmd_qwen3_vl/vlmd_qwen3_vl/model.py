@@ -66,10 +66,85 @@ def interleaved_mrope(text_config) -> MRotaryEmbedding:
     return MRotaryEmbedding(head_dim, text_config.max_position_embeddings, theta, scaling, section, interleaved=True)
 
 
-class Qwen3VLModel(nn.Module):
+class VisionItems:
+    """The vision half of a Qwen3-VL-style model, shared with the families built on its tower
+    (Qwen3.5): loading, the pixel settings, dropping the tower, encoding a batch of items into rows,
+    and the positions of the M-RoPE table. The model sets ``visual``, ``language_model``,
+    ``settings`` and ``encoder_output_width``, names its checkpoint's ``weight_names`` and
+    defines ``tower_rows(out)`` (its row per placeholder from the tower's output)."""
+
+    family_name = "Qwen3-VL"
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE):
+        model = cls(config, tp)
+        model.load_weights(iterate_weights(model_dir))
+        model = model.to(dtype).eval()
+        model.read_vision_settings(model_dir)
+        return model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's tower into ``visual``, its text model through the decoder's
+        loader (``weight_names``: the family's table)."""
+        load_multimodal_weights(weights, self.weight_names, dict(self.visual.named_parameters()), self.language_model,
+                                encoder_prefix="visual.")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def read_vision_settings(self, model_dir: str | Path) -> None:
+        """The checkpoint's image and video settings, their normalisation as buffers
+        (registered after the dtype cast: it stays float32, as the reference's)."""
+        for modality in MODALITIES:
+            settings = read_settings(str(model_dir), modality)
+            self.settings[modality] = settings
+            self.register_buffer(f"{modality}_mean", torch.tensor(settings.mean), persistent=False)
+            self.register_buffer(f"{modality}_std", torch.tensor(settings.std), persistent=False)
+
+    def slice_positions(self, state: PositionTable | None, start: int, end: int,
+                        num_prompt_tokens: int) -> torch.Tensor | None:
+        """[3, end - start] M-RoPE positions from the request's table; None (plain
+        positions, which are M-RoPE's (p, p, p)) for a request without media."""
+        return None if state is None else state.positions(start, end, num_prompt_tokens)
+
+    def drop_encoders(self, modalities: set[str]) -> list[str]:
+        if not set(MODALITIES) <= modalities:
+            return []
+        self.visual = None
+        return ["visual"]
+
+    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """One vision-tower pass over all items; per item ``[tokens, encoder_output_width]``.
+        A video's rows run over its whole span: each frame pair's rows, and between pairs the
+        rows of the timestamp text there (``video.py``)."""
+        if self.visual is None:
+            raise ValueError(f"this {self.family_name}'s vision tower is off (--limit-mm-per-prompt image=0,video=0)")
+        if modality not in self.settings:
+            raise ValueError(f"{self.family_name} does not encode {modality}")
+        settings = self.settings[modality]
+        mean, std = getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std")
+        device = mean.device
+        patches = [patchify(torch.from_numpy(np.asarray(inputs["pixels"])).to(device), mean, std, settings)
+                   for inputs in encoder_inputs]
+        grids = torch.tensor([list(inputs["grid_thw"]) for inputs in encoder_inputs], dtype=torch.long, device=device)
+        dtype = next(self.visual.parameters()).dtype
+        out = self.visual(torch.cat(patches).to(dtype), grid_thw=grids)
+        rows = self.tower_rows(out)
+        sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
+        outputs = list(rows.split(sizes))
+        if modality == "video":
+            for index, (inputs, grid) in enumerate(zip(encoder_inputs, grids.tolist())):
+                pairs = list(outputs[index].split(grid[1] * grid[2] // settings.merge_size**2))
+                between = [self.embed_input_ids(torch.as_tensor(ids, device=device)) for ids in inputs["between"]]
+                outputs[index] = interleave_rows(pairs, between, self.encoder_output_width)
+        return outputs
+
+
+class Qwen3VLModel(VisionItems, nn.Module):
     """Under tensor parallelism (``tp``) the Qwen3 decoder is sharded; the vision tower is
     replicated: every rank encodes every image (docs/architecture.md)."""
 
+    weight_names = WEIGHT_NAMES
     capabilities = ModelCapabilities(slice_positions=True, merge_multimodal=True, drop_encoders=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
@@ -96,59 +171,11 @@ class Qwen3VLModel(nn.Module):
         self.kv_spec = self.language_model.kv_spec
         self.settings: dict[str, VisionSettings] = {}
 
-    @classmethod
-    def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Qwen3VLModel":
-        model = cls(config, tp)
-        model.load_weights(iterate_weights(model_dir))
-        model = model.to(dtype).eval()
-        # Registered after the dtype cast: normalisation stays float32, as the reference's.
-        for modality in MODALITIES:
-            settings = read_settings(str(model_dir), modality)
-            model.settings[modality] = settings
-            model.register_buffer(f"{modality}_mean", torch.tensor(settings.mean), persistent=False)
-            model.register_buffer(f"{modality}_std", torch.tensor(settings.std), persistent=False)
-        return model
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_multimodal_weights(weights, WEIGHT_NAMES, dict(self.visual.named_parameters()), self.language_model,
-                                encoder_prefix="visual.")
-
     # ---- the runner's contract -----------------------------------------------------
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def drop_encoders(self, modalities: set[str]) -> list[str]:
-        if not set(MODALITIES) <= modalities:
-            return []
-        self.visual = None
-        return ["visual"]
-
-    def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """One vision-tower pass over all items; per item ``[tokens, hidden * (1 + deepstack)]``.
-        A video's rows run over its whole span: each frame pair's rows, and between pairs the
-        rows of the timestamp text there (``video.py``)."""
-        if self.visual is None:
-            raise ValueError("this Qwen3-VL's vision tower is off (--limit-mm-per-prompt image=0,video=0)")
-        if modality not in self.settings:
-            raise ValueError(f"Qwen3-VL does not encode {modality}")
-        settings = self.settings[modality]
-        mean, std = getattr(self, f"{modality}_mean"), getattr(self, f"{modality}_std")
-        device = mean.device
-        patches = [patchify(torch.from_numpy(np.asarray(inputs["pixels"])).to(device), mean, std, settings)
-                   for inputs in encoder_inputs]
-        grids = torch.tensor([list(inputs["grid_thw"]) for inputs in encoder_inputs], dtype=torch.long, device=device)
-        dtype = next(self.visual.parameters()).dtype
-        out = self.visual(torch.cat(patches).to(dtype), grid_thw=grids)
-        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
-        sizes = (grids.prod(-1) // settings.merge_size**2).tolist()
-        outputs = list(rows.split(sizes))
-        if modality == "video":
-            for index, (inputs, grid) in enumerate(zip(encoder_inputs, grids.tolist())):
-                pairs = list(outputs[index].split(grid[1] * grid[2] // settings.merge_size**2))
-                between = [self.embed_input_ids(torch.as_tensor(ids, device=device)) for ids in inputs["between"]]
-                outputs[index] = interleave_rows(pairs, between, self.encoder_output_width)
-        return outputs
+    def tower_rows(self, out) -> torch.Tensor:
+        """Each placeholder's row: the merged vector and its DeepStack ones."""
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
     def merge_multimodal(self, inputs_embeds: torch.Tensor, rows: torch.Tensor,
                          features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +186,6 @@ class Qwen3VLModel(nn.Module):
         inputs_embeds[rows] = features[:, : self.hidden_size].to(inputs_embeds.dtype)
         deepstack = features[:, self.hidden_size :].reshape(len(rows), self.num_deepstack, self.hidden_size)
         return rows, deepstack.transpose(0, 1)
-
-    def slice_positions(self, state: PositionTable | None, start: int, end: int,
-                        num_prompt_tokens: int) -> torch.Tensor | None:
-        """[3, end - start] M-RoPE positions from the request's table; None (plain
-        positions, which are M-RoPE's (p, p, p)) for a request without media."""
-        return None if state is None else state.positions(start, end, num_prompt_tokens)
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None, multimodal=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs, additions=multimodal)

@@ -19,7 +19,7 @@ from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 from vlmd_qwen2_vl.tiny import SPECIAL_TOKENS, build_tokenizer
 
-__all__ = ["SIZES", "build_checkpoint", "build_tiny_qwen3_vl", "qwen3_vl_config"]
+__all__ = ["SIZES", "build_checkpoint", "build_tiny_qwen3_vl", "config_fields", "qwen3_vl_config"]
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -73,16 +73,15 @@ SIZES: dict[str, dict] = {
 }
 
 
-def qwen3_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
-    """The ``Qwen3VLConfig`` of a ``size`` ("tiny" or "small") checkpoint."""
-    from transformers import Qwen3VLConfig
-
-    spec = SIZES[size]
-    config = Qwen3VLConfig(
+def config_fields(spec: dict, *, vocab_size: int, ids: dict[str, int], rope: dict | None = None) -> dict:
+    """The fields of a Qwen3-VL-style config at ``spec``'s sizes (text and vision configs,
+    special token ids), with ``rope`` added to the text rotary's parameters (Qwen3.5's
+    partial rotary)."""
+    return dict(
         text_config=dict(
             vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
             rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": spec["mrope_section"],
-                             "mrope_interleaved": True},
+                             "mrope_interleaved": True, **(rope or {})},
             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
             **spec["text"],
         ),
@@ -94,6 +93,13 @@ def qwen3_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
+
+
+def qwen3_vl_config(size: str, *, vocab_size: int, ids: dict[str, int]):
+    """The ``Qwen3VLConfig`` of a ``size`` ("tiny" or "small") checkpoint."""
+    from transformers import Qwen3VLConfig
+
+    config = Qwen3VLConfig(**config_fields(SIZES[size], vocab_size=vocab_size, ids=ids))
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     return config
 
