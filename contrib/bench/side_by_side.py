@@ -53,7 +53,7 @@ from bench_chat import make_jpeg, run_level  # noqa: E402
 import llama_cpp_peer  # noqa: E402
 
 # Families whose chat takes one image a request, as every workload here sends.
-IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "gemma3")
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3")
 WORKLOADS = (("c1_new", 1, False), ("c1_repeated", 1, True), ("c8_new", 8, False), ("c8_repeated", 8, True))
 
 

@@ -74,6 +74,9 @@ class _EngineCollector:
             family.add_metric([part, fields["device"], fields["source"]], fields[key])
         yield family
         yield GaugeMetricFamily("vlmd_memory_plan_kv_blocks", "KV blocks the memory plan gave", value=fields["num_kv_blocks"])
+        yield GaugeMetricFamily("vlmd_memory_plan_kv_block_bytes",
+                                "Bytes of one KV block, whatever group holds it (every layer slot's K and V; "
+                                "a recurrent state's pages are such blocks)", value=fields["kv_bytes_per_block"])
         yield GaugeMetricFamily("vlmd_memory_plan_max_full_length_requests",
                                 "Requests of max_model_len tokens the KV cache holds at once, decoding",
                                 value=fields["max_full_length_requests"])

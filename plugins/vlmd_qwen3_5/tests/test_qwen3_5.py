@@ -107,6 +107,18 @@ def test_eight_concurrent_image_requests(server, tiny_qwen3_5_dir):
     for (status, body), reference in zip(answers, references):
         assert status == 200, body
         assert_chat_parity(body, reference)
+    # What one request's states hold, per recurrent-state group, in /metrics is vlmd cost's
+    # figure: its pages and, at the pool's block bytes, its bytes.
+    from vlmd.cost import CostOptions, compute_cost, parse_image
+
+    report = compute_cost(str(tiny_qwen3_5_dir), [parse_image("160x480")], CostOptions(max_tokens=6))
+    expected = {str(group["group"]): group["blocks"] for group in report["requests"][0]["kv_groups"]
+                if group["kind"] == "recurrent_state"}
+    metrics = server.metrics()
+    held = {name.split('group="', 1)[1].split('"', 1)[0]: int(value) for name, value in metrics.items()
+            if name.startswith("vlmd_kv_cache_group_peak_request_blocks{") and 'kind="recurrent_state"' in name}
+    assert len(expected) == 3 and held == expected
+    assert metrics["vlmd_memory_plan_kv_block_bytes"] == report["cache"]["block_bytes"]
 
 
 def _image_span(body, model_dir) -> tuple[int, int]:
