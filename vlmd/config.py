@@ -198,6 +198,10 @@ class ServeConfig:
     max_inflight_media_gb: float = setting(
         2.0, "decoded media held by requests in flight, GiB; beyond it a request gets 503", minimum=1e-6)
     warmup: bool = setting(True, "run one warm-up request before serving", negatable=True)
+    log_request_stages: bool = setting(
+        False, "log one line per request with its time to first token by stage (front end, preprocessing "
+        "queue, render, fetch, decode, process, engine queue, encoder, prefill, ...); /metrics has them as "
+        "vlmd_request_stage_seconds either way")
     # Tensor parallelism (vlmd/engine/executor.py, docs/architecture.md "Tensor parallelism").
     tensor_parallel_size: int = setting(
         1, "ranks the model is sharded over; >1 starts that many rank processes (gloo on CPU, NCCL on CUDA)",

@@ -23,6 +23,7 @@ Bounds, each with its answer (all 503 with Retry-After: the server is healthy, o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from typing import TypeVar
 from vlmd.errors import PayloadTooLargeError, ServiceUnavailableError
 from vlmd.media.budget import MediaBudget, MediaLease
 from vlmd.processing.deadline import Deadline, PreprocessTimeout
+from vlmd.processing.stages import PreprocessStages
 
 T = TypeVar("T")
 
@@ -98,8 +100,9 @@ class Admission:
     def media_lease(self) -> MediaLease:
         return self.media.lease()
 
-    async def preprocess(self, work: Callable[[Deadline], T]) -> T:
-        """Run ``work(deadline)`` on the pool within the queue bound and the time limit."""
+    async def preprocess(self, work: Callable[[Deadline], T], stages: PreprocessStages | None = None) -> T:
+        """Run ``work(deadline)`` on the pool within the queue bound and the time limit;
+        ``stages`` is stamped when it is handed to the pool, taken by a thread and done."""
         if self.num_queued >= self.max_queue:
             self.num_rejected += 1
             raise ServiceUnavailableError(
@@ -110,11 +113,18 @@ class Admission:
         started = loop.create_future()
 
         def run() -> T:
+            if stages is not None:
+                stages.started = time.perf_counter()
             deadline.start()
             loop.call_soon_threadsafe(_set_result, started)
             deadline.check("starting")  # abandoned while queued (the client left)
-            return work(deadline)
+            result = work(deadline)
+            if stages is not None:
+                stages.ended = time.perf_counter()
+            return result
 
+        if stages is not None:
+            stages.submitted = time.perf_counter()
         self.num_preprocessing += 1
         job = self.pool.submit(run)
         # The thread stays taken until the work returns, even after the client was answered.

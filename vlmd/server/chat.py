@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, VlmdError
+from vlmd.processing.stages import PreprocessStages
 from vlmd.server import responses
 from vlmd.server.admission import BodyAccount
 from vlmd.server.body import read_body
@@ -73,15 +74,19 @@ async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
+    stages = PreprocessStages()
     with state.admission.media_lease() as lease:
         processed = await state.admission.preprocess(
             lambda deadline: state.preprocessor.process_chat(
                 chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
-            )
+                stages=stages,
+            ),
+            stages,
         )
         engine_requests = choice_requests(state, f"{id_prefix}{uuid.uuid4().hex}", processed, chat.sampling, grammar)
         generations = [
-            Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0)
+            Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0,
+                       preprocess_stages=stages)
             for index, engine_request in enumerate(engine_requests)
         ]
         return await answer(generations)
