@@ -144,6 +144,47 @@ def test_the_queue_and_waiting_bounds_answer_503():
     asyncio.run(main())
 
 
+def test_media_work_leaves_one_thread_to_work_without_media():
+    """Two threads: media work holds at most one, so a second image request waits for it while
+    a text request is served at once (D110); with one thread, everything shares it."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def blocking(name):
+        def work(deadline):
+            started.append(name)
+            release.wait(5)
+            return name
+        return work
+
+    async def main():
+        with ThreadPoolExecutor(2) as pool:
+            admission = make_admission(pool, threads=2, max_queue=4, timeout_s=5)
+            first = asyncio.ensure_future(admission.preprocess(blocking("image 1")))
+            second = asyncio.ensure_future(admission.preprocess(blocking("image 2")))
+            await asyncio.sleep(0.05)
+            assert started == ["image 1"]
+            assert await asyncio.wait_for(admission.preprocess(lambda d: "text", media=False), 2) == "text"
+            assert started == ["image 1"] and admission.num_preprocessing == 2
+            second.cancel()  # a client that leaves while it waits for a media thread
+            await asyncio.gather(second, return_exceptions=True)
+            assert admission.num_preprocessing == 1
+            release.set()
+            assert await first == "image 1"
+            await asyncio.sleep(0.05)
+            assert admission.num_preprocessing == 0
+            release.clear()
+            third = asyncio.ensure_future(admission.preprocess(blocking("image 3")))
+            await asyncio.sleep(0.05)
+            assert started == ["image 1", "image 3"]  # the slot came back
+            release.set()
+            await third
+
+    asyncio.run(main())
+    with ThreadPoolExecutor(1) as pool:
+        assert make_admission(pool, threads=1).media_threads == 1
+
+
 # --- scheduler rollback after a failed step ------------------------------------------------------
 
 

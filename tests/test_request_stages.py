@@ -83,3 +83,33 @@ def test_a_text_request_has_no_media_stages(server):
     for stage in ("fetch", "decode", "encoder"):
         assert line[f"{stage}_ms"] == 0, (stage, line)
     assert line["render_ms"] > 0 and line["prefill_ms"] > 0
+
+
+def test_a_step_encodes_one_largest_item_by_default(llava_server):
+    """D110: without --max-num-encoder-input-tokens a step's encoder work is one largest item
+    (576 tokens for LLaVA), so two images are encoded in two steps, each step's encoder time
+    observed once."""
+    before = llava_server.metrics()
+    status, answer = llava_server.chat({"messages": image_message("Compare.", random_image(11, 96, 72),
+                                                                  random_image(12, 96, 72)),
+                                        "max_tokens": 1, "temperature": 0})
+    assert status == 200, answer
+    after = llava_server.metrics()
+    assert grown(before, after, "vlmd_encoder_forwards_total") == 2
+    assert grown(before, after, "vlmd_encoder_forward_seconds_count") == 2
+
+
+@pytest.mark.parametrize("messages, media", [
+    ([{"role": "user", "content": "hello"}], False),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}], False),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+     True),
+    ([{"role": "user", "content": [{"type": "image_embeds", "image_embeds": "x"}]}], True),
+    ([{"role": "user", "content": [{"type": "input_audio"}]}], True),
+    ([{"role": "user", "content": ["not a part"]}], True),
+    ("not a list", True),
+])
+def test_which_requests_wait_for_a_media_thread(messages, media):
+    from vlmd.processing.preprocess import InputPreprocessor
+
+    assert InputPreprocessor.holds_media(messages) is media

@@ -170,6 +170,21 @@ class InputPreprocessor:
                 param="messages",
             )
 
+    @staticmethod
+    def holds_media(messages: Any) -> bool:
+        """Whether the messages may hold an item (any content part but text): such a request
+        waits for a media thread (``server/admission.py``, D110). In O(parts), on the loop."""
+        if not isinstance(messages, list):
+            return True  # to_conversation says what is wrong with it, on any thread
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(not isinstance(part, dict) or part.get("type") != "text"
+                                                 for part in content):
+                return True
+            if content is not None and not isinstance(content, (str, list)):
+                return True
+        return False
+
     def chat_prompt_ids(
         self, messages: Any, chat_template_kwargs: dict | None = None, deadline: Deadline = NO_DEADLINE,
         stages: PreprocessStages = NO_STAGES,

@@ -26,8 +26,8 @@ log = structlog.get_logger(__name__)
 
 
 async def read_json(request: web.Request, account: BodyAccount, max_run_bytes: int | None = None,
-                    describe: str = ""):
-    raw = await read_body(request, account, max_run_bytes, describe)
+                    describe: str = "", max_values: int | None = None):
+    raw = await read_body(request, account, max_run_bytes, describe, max_values)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -47,7 +47,8 @@ async def read_text_body(request: web.Request, state: ServerState):
             request, account, 12 * preprocessor.max_prompt_chars,
             f"its text has more than {preprocessor.max_prompt_chars} characters: more than "
             f"max_model_len ({preprocessor.max_model_len}) tokens can hold "
-            f"({preprocessor.max_token_chars} characters per token at most)")
+            f"({preprocessor.max_token_chars} characters per token at most)",
+            state.config.max_request_json_values)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -81,7 +82,7 @@ async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started
                 chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
                 stages=stages,
             ),
-            stages,
+            stages, media=state.preprocessor.holds_media(chat.messages),
         )
         engine_requests = choice_requests(state, f"{id_prefix}{uuid.uuid4().hex}", processed, chat.sampling, grammar)
         generations = [

@@ -35,7 +35,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_prompt_lengths(state, completion)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, completion.structured) if completion.structured else None
     stages = PreprocessStages()  # tokenizing is its preprocess_other
-    processed = await state.admission.preprocess(lambda deadline: _process_prompts(state, completion), stages)
+    processed = await state.admission.preprocess(lambda deadline: _process_prompts(state, completion), stages,
+                                                 media=False)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = completion.sampling.n
     generations = []
