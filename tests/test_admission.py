@@ -170,7 +170,7 @@ def test_media_work_leaves_one_thread_to_work_without_media():
             await asyncio.gather(second, return_exceptions=True)
             assert admission.num_preprocessing == 1
             release.set()
-            assert await first == "image 1"
+            assert await asyncio.wait_for(first, 2) == "image 1"
             await asyncio.sleep(0.05)
             assert admission.num_preprocessing == 0
             release.clear()
@@ -178,7 +178,7 @@ def test_media_work_leaves_one_thread_to_work_without_media():
             await asyncio.sleep(0.05)
             assert started == ["image 1", "image 3"]  # the slot came back
             release.set()
-            await third
+            assert await asyncio.wait_for(third, 2) == "image 3"
 
     asyncio.run(main())
     with ThreadPoolExecutor(1) as pool:

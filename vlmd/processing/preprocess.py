@@ -19,10 +19,10 @@ from vlmd.errors import BadRequestError
 from vlmd.media.audio import load_audio
 from vlmd.media.budget import MediaLease, decoded_nbytes, encoder_input_nbytes
 from vlmd.media.fetch import fetch_bytes
-from vlmd.media.image import decode_image, load_image
+from vlmd.media.image import decode_image, header_size, load_image
 from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
-from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
+from vlmd.processing.base import BaseMultiModalProcessor, ItemSize, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, check_rendered, to_conversation
 from vlmd.processing.deadline import NO_DEADLINE, Deadline
@@ -75,7 +75,7 @@ class InputPreprocessor:
             )
         return self.info.chat_part(modality)
 
-    def _load(self, ref: MediaRef, stages: PreprocessStages = NO_STAGES) -> Any:
+    def _load(self, ref: MediaRef, stages: PreprocessStages = NO_STAGES, length: "PromptLength | None" = None) -> Any:
         """Fetch and decode one item; concurrent loads of one URL share a single fetch. An
         item sent with a ``uuid`` is remembered by it; one sent as a uuid alone is the item
         remembered (vlmd/media/by_uuid.py), or a 400 when there is none."""
@@ -92,14 +92,16 @@ class InputPreprocessor:
             with stages.stage("decode"):
                 item = decode_image_embeds(ref.embeds, ref.where, self.info.encoder_output_width(), self.max_model_len)
         else:
-            item = self._fetch_and_decode(ref, stages)
+            item = self._fetch_and_decode(ref, stages, length)
         if ref.uuid is not None and cache is not None:
             cache.by_uuid.remember(ref.modality, ref.uuid, item)
         return item
 
-    def _fetch_and_decode(self, ref: MediaRef, stages: PreprocessStages = NO_STAGES) -> Any:
+    def _fetch_and_decode(self, ref: MediaRef, stages: PreprocessStages = NO_STAGES,
+                          length: "PromptLength | None" = None) -> Any:
         """An image's fetch and decode are timed apart; a video's or audio's loader does both
-        at once, timed as its decode."""
+        at once, timed as its decode. ``length``: an image's header is counted into it before
+        the image is decoded."""
         started = time.perf_counter()
         loader = _LOADERS[ref.modality]
         if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
@@ -121,6 +123,8 @@ class InputPreprocessor:
                     return loader(ref.url, policy)
             with stages.stage("fetch"):
                 data = fetch_bytes(ref.url, policy)
+            if length is not None:
+                length.add_image(data)
             if cache is None:
                 return decode(data)
             return cache.decoded_images.decode(data, decode)  # an upload seen before is not decoded again
@@ -226,7 +230,8 @@ class InputPreprocessor:
     ) -> ProcessorOutput:
         """``stages``: where the request's time goes (render, fetch, decode, process)."""
         prompt_ids, refs = self.chat_prompt_ids(messages, chat_template_kwargs, deadline, stages)
-        media = self._load_all(refs, deadline, lease, stages)
+        length = PromptLength(self, len(prompt_ids) - len(refs), mm_processor_kwargs) if check_length else None
+        media = self._load_all(refs, deadline, lease, stages, length)
         output = self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease,
                              stages)
         # Items sent as a uuid alone have no URL to send on: this server encodes them (it
@@ -256,11 +261,11 @@ class InputPreprocessor:
         return self._apply(prompt_ids, media, mm_processor_kwargs, "items", False, deadline, lease).items
 
     def _load_all(self, refs: list[MediaRef], deadline: Deadline, lease: MediaLease | None,
-                  stages: PreprocessStages = NO_STAGES) -> dict[str, list]:
+                  stages: PreprocessStages = NO_STAGES, length: "PromptLength | None" = None) -> dict[str, list]:
         media: dict[str, list] = {}
         for index, ref in enumerate(refs):
             deadline.check(f"fetching {ref.modality} {index}")
-            item = self._load(ref, stages)
+            item = self._load(ref, stages, length)
             if lease is not None:
                 lease.hold(decoded_nbytes(item), f"{ref.modality} {index}")
             media.setdefault(ref.modality, []).append(item)
@@ -290,10 +295,38 @@ class InputPreprocessor:
         if check_length and num_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"the prompt has {num_tokens} tokens (text plus multimodal placeholders) but "
-                f"max_model_len is {self.max_model_len}; leave room for at least one output token",
+                f"max_model_len is {self.max_model_len} (--max-model-len); leave room for at least one output token",
                 param=param,
             )
         return output
+
+
+class PromptLength:
+    """A chat prompt's tokens as its images arrive: the text's, plus each image's replacement
+    tokens, known from its header (``ProcessingInfo.item_tokens``, what ``vlmd cost`` counts)
+    before it is decoded. A request whose images cannot fit max_model_len is refused when the
+    first header that passes it is read: 32 A4 pages are not all decoded and resized to be
+    told so (D110). Items without a header (video, audio, embeds, uuids) are counted by the
+    processor's output, checked after it as before."""
+
+    def __init__(self, preprocessor: InputPreprocessor, text_tokens: int, mm_processor_kwargs: dict | None):
+        self.info = preprocessor.info
+        self.max_model_len = preprocessor.max_model_len
+        self.kwargs = {**self.info.ctx.mm_processor_kwargs, **(mm_processor_kwargs or {})}
+        self.tokens = text_tokens
+        self.images = 0
+
+    def add_image(self, data: bytes) -> None:
+        size = header_size(data)
+        if size is None:
+            return  # the decode says what is wrong with it
+        self.images += 1
+        self.tokens += self.info.item_tokens("image", ItemSize(*size), self.kwargs).replacement
+        if self.tokens >= self.max_model_len:
+            raise BadRequestError(
+                f"the prompt needs at least {self.tokens} tokens with its first {self.images} images (text plus "
+                f"their placeholders) but max_model_len is {self.max_model_len} (--max-model-len); leave room for "
+                "at least one output token: send fewer or smaller images", param="messages")
 
 
 def template_variables(tokenizer, chat_template_kwargs: dict | None) -> dict:

@@ -87,7 +87,8 @@ class Scheduler:
         largest_output = max((item.num_encoder_tokens for item in request.mm_items), default=0)
         limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
         if largest_output > limit:
-            raise RequestRejected(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit}")
+            raise RequestRejected(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit} "
+                                  "(--max-num-encoder-input-tokens, --encoder-cache-size): send a smaller one")
         # Items without placeholders at one offset are all needed by the chunk that reaches it
         # (the decoder attends to them together from there): together they must fit.
         together: dict[int, int] = {}
