@@ -303,7 +303,7 @@ class InputPreprocessor:
 
 class PromptLength:
     """A chat prompt's tokens as its images arrive: the text's, plus each image's replacement
-    tokens, known from its header (``ProcessingInfo.item_tokens``, what ``vlmd cost`` counts)
+    tokens, known from its header (``BaseProcessingInfo.item_tokens``, what ``vlmd cost`` counts)
     before it is decoded. A request whose images cannot fit max_model_len is refused when the
     first header that passes it is read: 32 A4 pages are not all decoded and resized to be
     told so (D110). Items without a header (video, audio, embeds, uuids) are counted by the
