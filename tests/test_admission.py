@@ -325,6 +325,28 @@ def test_worker_reports_an_engine_refusal_as_400_and_a_bug_as_500():
         assert from_engine(delta.error, delta.error_status, "r").status == status
 
 
+def test_the_body_scanner_steps_in_python_per_chunk_not_per_quote(monkeypatch):
+    """A chunk of JSON structure (a quote every few bytes) is scanned at C speed: a step per
+    quote in Python held the event loop ~250 ms for each 768 KB of a tools list (D110).
+    Counted: the scanner's run boundaries per chunk, not per quote."""
+    from vlmd.server.body import _RunScanner
+
+    boundaries = 0
+    boundary = _RunScanner._boundary
+
+    def counting(self):
+        nonlocal boundaries
+        boundaries += 1
+        boundary(self)
+
+    monkeypatch.setattr(_RunScanner, "_boundary", counting)
+    scanner = _RunScanner(100, "too long")
+    chunk = b'{"type": "function", "name": "tool"}, ' * 10_000
+    scanner.feed(chunk)
+    scanner.feed(chunk)
+    assert boundaries <= 6
+
+
 def test_the_body_scanner_refuses_long_text_runs_but_never_data_urls():
     from vlmd.server.body import _RunScanner
 

@@ -60,25 +60,25 @@ class _RunScanner:
         return key in (_DATA_KEY, _EMBEDS_KEY) and between is not None and between.strip() == b":"
 
     def feed(self, chunk: bytes) -> None:
-        first = chunk.find(b'"')
-        if first < 0:
+        parts = chunk.split(b'"')
+        if len(parts) == 1:
             self._extend(chunk)
             return
-        self._extend(chunk[:first])
-        last = chunk.rfind(b'"')
-        if last - first > self.max_run_bytes:  # only then can a run between two of its quotes be too long
-            start = first
-            while start < last:
-                end = chunk.find(b'"', start + 1)
+        self._extend(parts[0])
+        inner = parts[1:-1]
+        # Whether a run between two of its quotes is too long, at C speed: a chunk of JSON
+        # structure holds a quote every few bytes, and a step per quote in Python held the
+        # loop ~250 ms for each 768 KB of a tools list (D110).
+        if inner and max(map(len, inner)) > self.max_run_bytes:
+            for piece in inner:
                 self._boundary()
-                self._extend(chunk[start + 1:end])
-                start = end
+                self._extend(piece)
         else:  # the runs between this chunk's quotes are short: remember only the last two
-            for inner in chunk[first + 1:last].split(b'"')[-2:] if last > first else ():
+            for piece in inner[-2:]:
                 self._boundary()
-                self._extend(inner)
+                self._extend(piece)
         self._boundary()
-        self._extend(chunk[last + 1:])
+        self._extend(parts[-1])
 
     def _extend(self, piece: bytes) -> None:
         if len(self.head) < _HEAD:
