@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_chat import make_jpeg, start_server, stream_chat  # noqa: E402
+from bench_chat import make_jpeg, start_server, stream_chat, tiny_llava_dir  # noqa: E402
 
 STAGE_METRIC = "vlmd_request_stage_seconds"
 
@@ -139,16 +139,7 @@ def main() -> None:
     process = None
     url, model = args.url, args.model
     if url is None:
-        model_dir = args.model_dir
-        if model_dir is None:
-            from vlmd.config import cache_dir
-            from vlmd.tiny import build_tiny
-
-            target = cache_dir() / "bench" / "llava-tiny-seed0"
-            if not (target / "config.json").exists():
-                build_tiny("llava", target, seed=0, size="tiny")
-            model_dir = str(target)
-        process = start_server(model_dir, args.port, args.server_flag)
+        process = start_server(args.model_dir or tiny_llava_dir("tiny"), args.port, args.server_flag)
         url, model = f"http://127.0.0.1:{args.port}", "bench"
     try:
         count = args.flood_requests * args.images
