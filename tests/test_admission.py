@@ -144,6 +144,47 @@ def test_the_queue_and_waiting_bounds_answer_503():
     asyncio.run(main())
 
 
+def test_media_work_leaves_one_thread_to_work_without_media():
+    """Two threads: media work holds at most one, so a second image request waits for it while
+    a text request is served at once (D110); with one thread, everything shares it."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def blocking(name):
+        def work(deadline):
+            started.append(name)
+            release.wait(5)
+            return name
+        return work
+
+    async def main():
+        with ThreadPoolExecutor(2) as pool:
+            admission = make_admission(pool, threads=2, max_queue=4, timeout_s=5)
+            first = asyncio.ensure_future(admission.preprocess(blocking("image 1")))
+            second = asyncio.ensure_future(admission.preprocess(blocking("image 2")))
+            await asyncio.sleep(0.05)
+            assert started == ["image 1"]
+            assert await asyncio.wait_for(admission.preprocess(lambda d: "text", media=False), 2) == "text"
+            assert started == ["image 1"] and admission.num_preprocessing == 2
+            second.cancel()  # a client that leaves while it waits for a media thread
+            await asyncio.gather(second, return_exceptions=True)
+            assert admission.num_preprocessing == 1
+            release.set()
+            assert await asyncio.wait_for(first, 2) == "image 1"
+            await asyncio.sleep(0.05)
+            assert admission.num_preprocessing == 0
+            release.clear()
+            third = asyncio.ensure_future(admission.preprocess(blocking("image 3")))
+            await asyncio.sleep(0.05)
+            assert started == ["image 1", "image 3"]  # the slot came back
+            release.set()
+            assert await asyncio.wait_for(third, 2) == "image 3"
+
+    asyncio.run(main())
+    with ThreadPoolExecutor(1) as pool:
+        assert make_admission(pool, threads=1).media_threads == 1
+
+
 # --- scheduler rollback after a failed step ------------------------------------------------------
 
 
@@ -282,6 +323,28 @@ def test_worker_reports_an_engine_refusal_as_400_and_a_bug_as_500():
         (delta,) = worker._handle(AddRequest(make_request("r", 4)))
         assert delta.error_status == status
         assert from_engine(delta.error, delta.error_status, "r").status == status
+
+
+def test_the_body_scanner_steps_in_python_per_chunk_not_per_quote(monkeypatch):
+    """A chunk of JSON structure (a quote every few bytes) is scanned at C speed: a step per
+    quote in Python held the event loop ~250 ms for each 768 KB of a tools list (D110).
+    Counted: the scanner's run boundaries per chunk, not per quote."""
+    from vlmd.server.body import _RunScanner
+
+    boundaries = 0
+    boundary = _RunScanner._boundary
+
+    def counting(self):
+        nonlocal boundaries
+        boundaries += 1
+        boundary(self)
+
+    monkeypatch.setattr(_RunScanner, "_boundary", counting)
+    scanner = _RunScanner(100, "too long")
+    chunk = b'{"type": "function", "name": "tool"}, ' * 10_000
+    scanner.feed(chunk)
+    scanner.feed(chunk)
+    assert boundaries <= 6
 
 
 def test_the_body_scanner_refuses_long_text_runs_but_never_data_urls():

@@ -115,8 +115,9 @@ def _send_chunked(server: Server, path: str, content_type: str, pieces) -> bytes
 
 
 def test_a_chunked_json_body_is_charged_as_it_arrives_and_refused_past_the_bound(llava_server):
-    # Short runs between quotes (the text scan passes them), 1 MiB a piece, 65 MiB in all.
-    piece = b'"ab",' * (2**20 // 5) + b" " * (2**20 % 5)
+    # Short runs between quotes (the text scan passes them), few values (the values bound passes
+    # them), 1 MiB a piece, 65 MiB in all.
+    piece = (b'"' + b"a" * (2**17 - 3) + b'",') * 8
     pieces = [b'{"model": "tiny", "pad": [', *[piece] * 65, b'""]}']
     reply = _send_chunked(llava_server, "/v1/chat/completions", "application/json", pieces)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
@@ -149,3 +150,50 @@ def test_a_long_text_run_is_refused_while_the_body_streams_in(llava_server, chun
     else:
         status, raw = llava_server.request("POST", "/v1/chat/completions", body)
     assert_error(status, raw, 400, "holds a run of more than 368640 bytes outside any data: url", param="messages")
+
+
+def _responses_with_tools(server: Server, count: int) -> tuple[int, dict]:
+    body = b'{"model": "%s", "input": "hi", "tools": [%s]}' % (server.model.encode(), b",".join([b'""'] * count))
+    status, raw = server.request("POST", "/v1/responses", body)
+    return status, orjson.loads(raw)
+
+
+def test_a_body_of_more_json_values_than_the_bound_is_refused_unparsed(llava_server):
+    """Issue 50: a huge ``tools`` list took seconds to parse on the event loop. Past
+    --max-request-json-values (2**18 by default) a body is refused from its commas and
+    brackets as it streams in; below it, it is parsed and refused for what it says."""
+    status, body = _responses_with_tools(llava_server, 2**18 - 8)  # just under 2**18 values: parsed
+    assert_error(status, body, 400, "'tools' is not supported", param="tools")
+    status, body = _responses_with_tools(llava_server, 2**18 + 8)
+    assert_error(status, body, 400, "more than 262144 JSON values", "--max-request-json-values")
+    _good_chat(llava_server)
+
+
+def test_the_json_values_bound_is_never_below_the_values_a_parse_makes():
+    from vlmd.server.body import json_values_bound
+
+    def values(value) -> int:
+        if isinstance(value, dict):
+            return 1 + sum(values(v) for v in value.values())  # keys are strings of their object
+        if isinstance(value, list):
+            return 1 + sum(values(v) for v in value)
+        return 1
+
+    rng = np.random.default_rng(0)
+
+    def random_value(depth: int):
+        kind = rng.integers(0, 5 if depth < 4 else 3)
+        if kind == 0:
+            return int(rng.integers(-5, 5))
+        if kind == 1:
+            return "a,b" if rng.random() < 0.3 else "x"
+        if kind == 2:
+            return None
+        if kind == 3:
+            return [random_value(depth + 1) for _ in range(rng.integers(0, 4))]
+        return {f"k{i}": random_value(depth + 1) for i in range(rng.integers(0, 4))}
+
+    for _ in range(200):
+        value = random_value(0)
+        assert 1 + json_values_bound(orjson.dumps(value)) >= values(value)
+    assert 1 + json_values_bound(b'[1, 2, {"a": 3, "b": [4]}]') == values([1, 2, {"a": 3, "b": [4]}])  # no slack

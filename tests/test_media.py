@@ -394,3 +394,23 @@ def test_modes_convert_to_rgb():
         assert img.mode == "RGB"
         if pixel is not None:
             assert img.getpixel((0, 0)) == pixel
+
+
+def test_a_long_data_url_is_decoded_a_piece_at_a_time_to_the_same_bytes_and_refusals():
+    """D110: base64 is decoded in pieces (binascii holds the GIL while it decodes); the bytes
+    and the refusals are those of one validating decode."""
+    import base64
+    import binascii
+    import os
+
+    from vlmd.media.fetch import _BASE64_PIECE, _b64decode
+
+    for size in (0, 5, 3 * _BASE64_PIECE // 4, 3 * _BASE64_PIECE // 4 + 1, 3 * _BASE64_PIECE + 2):
+        data = os.urandom(size)
+        assert _b64decode(base64.b64encode(data).decode()) == data
+    piece = _BASE64_PIECE
+    for bad in ("A" * (piece - 2) + "==" + "AAAA", "A" * (piece + 1), "A" * piece + "AA=A", "A" * (piece + 4) + "!AAA"):
+        with pytest.raises(binascii.Error):
+            base64.b64decode(bad, validate=True)
+        with pytest.raises(binascii.Error):
+            _b64decode(bad)

@@ -164,7 +164,8 @@ def test_random_load_with_preemption_and_aborts_keeps_every_promise(seed):
     max_item = min(12, budget) if disable_chunked_mm_input else 12
     sched = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=rng.choice([2, 4, 6]), max_model_len=96,
                            block_size=4, num_kv_blocks=24, max_num_encoder_input_tokens=16, encoder_cache_size=32,
-                           disable_chunked_mm_input=disable_chunked_mm_input)
+                           disable_chunked_mm_input=disable_chunked_mm_input,
+                           short_prefill_tokens=12 if seed % 2 else 0)
     runner = FakeRunner(sched)
     expected: dict[str, int] = {}
     aborted: set[str] = set()
@@ -199,6 +200,53 @@ def test_random_load_with_preemption_and_aborts_keeps_every_promise(seed):
     assert sched.kv.num_free_blocks == 24
     assert sched.encoder_cache.num_freeable_slots == 32
     assert sched.requests == {}
+
+
+# ---- short prompts first (D110) ---------------------------------------------------------
+
+
+def test_a_short_prompt_runs_with_the_decodes_alone_and_the_long_prefill_resumes_next_step():
+    sched = make_scheduler(max_num_batched_tokens=16, short_prefill_tokens=6)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("d", 4, max_tokens=20))
+    runner.step()
+    sched.add_request(make_request("long", 40, items=(image("img", 2, 10),), max_tokens=2))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"d": 1, "long": 15} and out.scheduled_encoder_inputs == {"long": [0]}
+    sched.add_request(make_request("short", 5, max_tokens=4))
+    out, deltas = runner.step()
+    assert out.num_scheduled_tokens == {"d": 1, "short": 5}  # no long chunk, no encoder work
+    assert out.scheduled_encoder_inputs == {}
+    assert "short" in {delta.request_id for delta in deltas if delta.new_token_ids}  # its first token, now
+    sched.add_request(make_request("short2", 5, max_tokens=4))
+    out, _ = runner.step()  # never two short steps in a row: the long prefill goes on, and its
+    # chunk leaves the decode after it (short's) its token
+    assert out.num_scheduled_tokens == {"d": 1, "long": 14, "short": 1}
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"d": 1, "short": 1, "short2": 5}
+    runner.run()
+
+
+def test_short_prompts_go_ahead_of_longer_waiting_ones_and_only_when_enabled():
+    for short_prefill_tokens, first_step in ((6, {"short": 4}), (0, {"long": 12, "short": 4})):
+        sched = make_scheduler(max_num_batched_tokens=16, short_prefill_tokens=short_prefill_tokens)
+        runner = FakeRunner(sched)
+        sched.add_request(make_request("long", 12))
+        sched.add_request(make_request("short", 4))
+        out, _ = runner.step()
+        assert out.num_scheduled_tokens == first_step
+        assert [request.request_id for request in sched.running] == list(first_step)
+        runner.run()
+        assert runner.finish_reason("long") is runner.finish_reason("short") is FinishReason.LENGTH
+
+
+def test_a_prompt_with_an_item_is_never_short():
+    sched = make_scheduler(max_num_batched_tokens=16, short_prefill_tokens=6)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("long", 12))
+    sched.add_request(make_request("tiny-image", 4, items=(image("img", 1, 2),)))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"long": 12, "tiny-image": 4}
 
 
 # ---- multimodal items ----------------------------------------------------------------

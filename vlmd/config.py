@@ -140,11 +140,16 @@ class ServeConfig:
         "(default: 1 for a CPU model whose weights fit in half the last-level cache, else "
         "torch's; with ranks, this host's cores divided among its ranks)", minimum=1)
     disable_chunked_mm_input: bool = setting(False, "schedule each media item's placeholders in one step")
+    short_prefill_tokens: int = setting(
+        256, "a waiting prompt of at most this many tokens and no media is short: a step runs it with the "
+        "decodes alone, before longer waiting prompts, with no encoder work and no longer prefill (those go on "
+        "the next step; at most every other step is such a step); 0 schedules in arrival order only", minimum=0)
     enable_prefix_caching: bool = setting(
         True, "share KV blocks of identical prefixes, media included", negatable=True)
     mm_processor_cache_gb: float = setting(4.0, "processed-media cache on the front end, GiB (0 disables)", minimum=0)
     max_num_encoder_input_tokens: int | None = setting(
-        None, "encoder work per step, in output tokens (default: --max-num-batched-tokens)", minimum=1)
+        None, "encoder work per step, in output tokens (default: the largest item's, so one item a step; for a model "
+        "that cross-attends, --max-num-batched-tokens)", minimum=1)
     encoder_cache_size: int | None = setting(
         None, "encoder outputs kept, in tokens (default: --max-num-batched-tokens)", minimum=1)
     api_key: str | None = setting(
@@ -160,6 +165,10 @@ class ServeConfig:
         None, 'media decode settings, JSON, e.g. \'{"video": {"num_frames": 16}, "audio": {"max_duration_s": 600}}\'',
         parse=lambda text: parse_json_object(text, "--media-io-kwargs"), metavar="JSON", default_factory=dict)
     max_request_bytes: int = setting(64 * 2**20, "largest request body, in bytes", minimum=1)
+    max_request_json_values: int = setting(
+        2**18, "most JSON values in a request body (counted from above as it arrives: its commas and opening "
+        "brackets); a body past it is a 400, never parsed: a parse holds the event loop ~1 us a value. Raise it "
+        "for /v1/completions batches of more token ids", minimum=1)
     request_read_timeout: float = setting(
         30.0, "seconds a request body may take to arrive once its headers have (a slower one is a 408 and the "
         "connection is closed)", minimum=0.001)
@@ -198,6 +207,10 @@ class ServeConfig:
     max_inflight_media_gb: float = setting(
         2.0, "decoded media held by requests in flight, GiB; beyond it a request gets 503", minimum=1e-6)
     warmup: bool = setting(True, "run one warm-up request before serving", negatable=True)
+    log_request_stages: bool = setting(
+        False, "log one line per request with its time to first token by stage (front end, preprocessing "
+        "queue, render, fetch, decode, process, engine queue, encoder, prefill, ...); /metrics has them as "
+        "vlmd_request_stage_seconds either way")
     # Tensor parallelism (vlmd/engine/executor.py, docs/architecture.md "Tensor parallelism").
     tensor_parallel_size: int = setting(
         1, "ranks the model is sharded over; >1 starts that many rank processes (gloo on CPU, NCCL on CUDA)",

@@ -200,6 +200,9 @@ class EngineRequest:
     mm_items: list[MultiModalItem] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
+    # perf_counter() when AsyncEngine.generate handed it to the engine: the start of its
+    # engine stages (EngineTimings), on the clock every thread of the process shares.
+    handed_time: float = 0.0
     # The family's own per-request object (processing/base.py ``family_state``): carried
     # unread through the scheduler to the runner, which hands it to the model.
     family_state: Any = None
@@ -220,6 +223,22 @@ class TokenLogprob:
 
 
 @dataclass
+class EngineTimings:
+    """Where one request's time went in the engine, up to its first token (perf_counter()
+    stamps and seconds; given with its first token's delta). Between ``first_scheduled`` and
+    ``first_token`` the request's prefill chunks ran (``chunk_seconds``: each step's, of which
+    ``encoder_seconds`` the steps' encoder work, its own items' or others'); the rest of that
+    span it waited while steps without it ran (its chunk did not fit the step's budget) or
+    between steps."""
+
+    handed: float = 0.0  # EngineRequest.handed_time
+    first_scheduled: float = 0.0  # the start of the first step that scheduled it
+    first_token: float = 0.0  # the end of the step that sampled its first token
+    encoder_seconds: float = 0.0
+    chunk_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
 class RequestDelta:
     """What one engine step produced for one request."""
 
@@ -233,3 +252,5 @@ class RequestDelta:
     # With FinishReason.ERROR: the HTTP status it means (vlmd.errors.ENGINE_REJECTED for a
     # request refused on arrival, ENGINE_FAILED for one whose step raised).
     error_status: int | None = None
+    # On the delta of a request's first token: where its engine time went until then.
+    timings: EngineTimings | None = None

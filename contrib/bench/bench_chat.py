@@ -124,6 +124,17 @@ def start_server(model_dir: str, port: int, flags: list[str]) -> subprocess.Pope
     raise RuntimeError("server did not start")
 
 
+def tiny_llava_dir(size: str) -> str:
+    """The benches' default model: a tiny (or small) random LLaVA, built once into the cache."""
+    from vlmd.config import cache_dir
+    from vlmd.tiny import build_tiny
+
+    target = cache_dir() / "bench" / f"llava-{size}-seed0"
+    if not (target / "config.json").exists():
+        build_tiny("llava", target, seed=0, size=size)
+    return str(target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="benchmark an already running server instead of starting vlmd")
@@ -142,17 +153,7 @@ def main() -> None:
     process = None
     url, model = args.url, args.model
     if url is None:
-        model_dir = args.model_dir
-        if model_dir is None:
-            from vlmd.config import cache_dir
-            from vlmd.tiny import build_tiny
-
-            cache = cache_dir() / "bench"
-            target = cache / f"llava-{args.size}-seed0"
-            if not (target / "config.json").exists():
-                build_tiny("llava", target, seed=0, size=args.size)
-            model_dir = str(target)
-        process = start_server(model_dir, args.port, args.server_flag)
+        process = start_server(args.model_dir or tiny_llava_dir(args.size), args.port, args.server_flag)
         url, model = f"http://127.0.0.1:{args.port}", "bench"
     try:
         images = [make_jpeg(seed, args.width, args.height) for seed in range(args.num_requests * len(args.concurrency) + 2)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
@@ -44,6 +45,7 @@ class AsyncEngine:
         """Yield the request's deltas until it finishes; leaving early aborts it."""
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = stream
+        request.handed_time = time.perf_counter()  # its engine stages start here (EngineTimings)
         self.worker.submit(AddRequest(request))
         finished = False
         try:

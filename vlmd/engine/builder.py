@@ -164,9 +164,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
             f"(the largest item), got {config.max_num_batched_tokens}"
         )
     check_items_fit(largest, max_model_len, config)
-    # Both default to the token budget and are raised to fit the largest item, so every
+    # The cache defaults to the token budget, and both are raised to fit the largest item, so every
     # item can be scheduled at all (a budget set explicitly too small is an error above).
-    encoder_budget = max(config.max_num_encoder_input_tokens or config.max_num_batched_tokens, max_item_tokens)
     encoder_cache_size = max(config.encoder_cache_size or config.max_num_batched_tokens, max_item_tokens)
 
     device = resolve_device(config.device)
@@ -196,6 +195,13 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
                            f"info's {info.kv_spec()}")
     enable_prefix_caching = config.enable_prefix_caching
     capabilities = model.capabilities
+    # The encoder work of a step defaults to one largest item, so a step that encodes stays
+    # about one item long: a short request arriving meanwhile waits for that, not for every
+    # image of a many-image request (D110). A decoder that cross-attends needs a chunk's
+    # items together: its budget stays the token budget.
+    default_encoder_budget = config.max_num_batched_tokens if capabilities.cross_attends else (
+        max_item_tokens or config.max_num_batched_tokens)
+    encoder_budget = max(config.max_num_encoder_input_tokens or default_encoder_budget, max_item_tokens)
     if enable_prefix_caching and capabilities.cross_attends and not capabilities.cross_attention_prefix_caching:
         # Decoder K/V depend on the request's encoder input through cross-attention. Block
         # hashes name it, and after a prefix hit the first chunk derives the cross state
@@ -213,6 +219,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         encoder_cache_size=encoder_cache_size,
         disable_chunked_mm_input=keep_items_whole,
         enable_prefix_caching=enable_prefix_caching,
+        short_prefill_tokens=config.short_prefill_tokens,
     )
     filler = (tokenizer.encode(" the", add_special_tokens=False) or [0])[0]
     if tensor_parallel is None:

@@ -12,7 +12,7 @@ from vlmd.engine.isolation import find_culprits
 from vlmd.errors import ENGINE_FAILED
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler
-from vlmd.types import EngineRequest, FinishReason, RequestDelta
+from vlmd.types import EngineRequest, EngineTimings, FinishReason, RequestDelta
 
 log = structlog.get_logger(__name__)
 
@@ -68,12 +68,17 @@ class EngineCore:
         self.num_requests_failed = 0
         self.num_prompt_tokens = 0
         self.last_step_metrics = StepMetrics()
+        # Requests that have no first token yet: where their engine time goes (given with it).
+        self.timings: dict[str, EngineTimings] = {}
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
         self.num_prompt_tokens += len(request.prompt_token_ids)
+        self.timings[request.request_id] = EngineTimings(handed=request.handed_time)
 
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        for request_id in request_ids:
+            self.timings.pop(request_id, None)
         return self.scheduler.abort_requests(request_ids)
 
     def has_work(self) -> bool:
@@ -113,13 +118,41 @@ class EngineCore:
                 result, culprits = find_culprits(self.executor, out, exc)
                 deltas = self._fail_culprits(out, culprits)
         self.num_steps += 1
+        ended = time.perf_counter()
+        if not out.is_empty:
+            self._time_chunks(out, result, started, ended)
         deltas += self.scheduler.update_from_output(out, result)
+        self._give_timings(deltas, ended)
         decode_only = not out.scheduled_encoder_inputs and all(n == 1 for n in out.num_scheduled_tokens.values())
         self.last_step_metrics = StepMetrics(
             result.encoder_seconds if out.scheduled_encoder_inputs else 0.0, queued,
             step_seconds=time.perf_counter() - started if not out.is_empty else 0.0,
             kind="" if out.is_empty else "decode" if decode_only else "prefill")
         return deltas, not out.is_empty
+
+    def _time_chunks(self, out: SchedulerOutput, result: RunnerOutput, started: float, ended: float) -> None:
+        """A step's time to each request it ran a chunk of before its first token; of it, the
+        step's encoder work (whoever's items it encoded: what the chunk waited for)."""
+        encoder_seconds = result.encoder_seconds if out.scheduled_encoder_inputs else 0.0
+        for request_id in out.num_scheduled_tokens:
+            timings = self.timings.get(request_id)
+            if timings is None:
+                continue
+            if not timings.first_scheduled:
+                timings.first_scheduled = started
+            timings.chunk_seconds.append(ended - started)
+            timings.encoder_seconds += encoder_seconds
+
+    def _give_timings(self, deltas: list[RequestDelta], ended: float) -> None:
+        """Each first token's delta carries its request's timings; an ended request's go."""
+        for delta in deltas:
+            if delta.new_token_ids:
+                timings = self.timings.pop(delta.request_id, None)
+                if timings is not None:
+                    timings.first_token = ended
+                    delta.timings = timings
+            elif delta.finish_reason is not None:
+                self.timings.pop(delta.request_id, None)
 
     def _fail_culprits(self, out: SchedulerOutput, culprits: dict[str, BaseException]) -> list[RequestDelta]:
         """End the requests a failed step was traced to, and undo what their chunk left behind."""
@@ -151,6 +184,7 @@ class EngineCore:
         flight with an error, keep serving."""
         ids = [r.request_id for r in self.scheduler.running] + [r.request_id for r in self.scheduler.waiting]
         self.scheduler.abort_requests(ids)
+        self.timings.clear()
         return [RequestDelta(rid, [], FinishReason.ERROR, error=message, error_status=ENGINE_FAILED) for rid in ids]
 
     def stats(self) -> EngineStats:

@@ -62,6 +62,16 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
             raise MediaError(f"cannot decode {img.format} image: {_reason(exc)}") from None
 
 
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """An image's (width, height) from its header alone (no pixel decoded), or None when the
+    header cannot be read (the decode then says why)."""
+    try:
+        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as img:
+            return img.size
+    except Exception:  # a malformed header can raise almost anything from a plugin
+        return None
+
+
 def to_rgb(img: Image.Image) -> Image.Image:
     """RGB as transformers' ``convert_rgb`` makes it: transparency is composited onto
     white (not dropped), so our pixels equal the reference processor's."""

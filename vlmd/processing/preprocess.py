@@ -19,14 +19,15 @@ from vlmd.errors import BadRequestError
 from vlmd.media.audio import load_audio
 from vlmd.media.budget import MediaLease, decoded_nbytes, encoder_input_nbytes
 from vlmd.media.fetch import fetch_bytes
-from vlmd.media.image import decode_image, load_image
+from vlmd.media.image import decode_image, header_size, load_image
 from vlmd.media.policy import MediaPolicy
 from vlmd.media.video import load_video
-from vlmd.processing.base import BaseMultiModalProcessor, ProcessorOutput
+from vlmd.processing.base import BaseMultiModalProcessor, ItemSize, ProcessorOutput
 from vlmd.media.single_flight import SingleFlight
 from vlmd.processing.chat import MediaRef, check_rendered, to_conversation
 from vlmd.processing.deadline import NO_DEADLINE, Deadline
 from vlmd.processing.embeds import decode_image_embeds
+from vlmd.processing.stages import NO_STAGES, PreprocessStages
 
 _LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
 # The content parts that carry an item (processing/chat.py converts them).
@@ -74,7 +75,7 @@ class InputPreprocessor:
             )
         return self.info.chat_part(modality)
 
-    def _load(self, ref: MediaRef) -> Any:
+    def _load(self, ref: MediaRef, stages: PreprocessStages = NO_STAGES, length: "PromptLength | None" = None) -> Any:
         """Fetch and decode one item; concurrent loads of one URL share a single fetch. An
         item sent with a ``uuid`` is remembered by it; one sent as a uuid alone is the item
         remembered (vlmd/media/by_uuid.py), or a 400 when there is none."""
@@ -88,29 +89,50 @@ class InputPreprocessor:
                     param="messages")
             return remembered
         if ref.embeds is not None:
-            item = decode_image_embeds(ref.embeds, ref.where, self.info.encoder_output_width(), self.max_model_len)
+            with stages.stage("decode"):
+                item = decode_image_embeds(ref.embeds, ref.where, self.info.encoder_output_width(), self.max_model_len)
         else:
-            item = self._fetch_and_decode(ref)
+            item = self._fetch_and_decode(ref, stages, length)
         if ref.uuid is not None and cache is not None:
             cache.by_uuid.remember(ref.modality, ref.uuid, item)
         return item
 
-    def _fetch_and_decode(self, ref: MediaRef) -> Any:
+    def _fetch_and_decode(self, ref: MediaRef, stages: PreprocessStages = NO_STAGES,
+                          length: "PromptLength | None" = None) -> Any:
+        """An image's fetch and decode are timed apart; a video's or audio's loader does both
+        at once, timed as its decode. ``length``: an image's header is counted into it before
+        the image is decoded."""
         started = time.perf_counter()
-        load = _LOADERS[ref.modality]
+        loader = _LOADERS[ref.modality]
         if ref.modality == "audio":  # decoded straight to the rate the model's encoder takes
             rate = getattr(self.processor, "sampling_rate", 16000)
-            load = functools.partial(load_audio, target_rate=rate)
+            loader = functools.partial(load_audio, target_rate=rate)
         if ref.modality == "video":  # the frames the family keeps
-            load = functools.partial(load_video, choose=self.choose_frames)
+            loader = functools.partial(load_video, choose=self.choose_frames)
+
         cache = self.processor.cache
-        if ref.modality == "image" and cache is not None:  # an upload seen before is not decoded again
-            def load(url, policy):
-                return cache.decoded_images.decode(fetch_bytes(url, policy), lambda data: decode_image(data, policy))
+        policy = self.policy
+
+        def decode(data: bytes):
+            with stages.stage("decode"):
+                return decode_image(data, policy)
+
+        def load():
+            if ref.modality != "image":
+                with stages.stage("decode"):
+                    return loader(ref.url, policy)
+            with stages.stage("fetch"):
+                data = fetch_bytes(ref.url, policy)
+            if length is not None:
+                length.add_image(data)
+            if cache is None:
+                return decode(data)
+            return cache.decoded_images.decode(data, decode)  # an upload seen before is not decoded again
+
         if ref.url.startswith("data:"):
-            item = load(ref.url, self.policy)
+            item = load()
         else:
-            item = self.single_flight.do((ref.modality, ref.url), lambda: load(ref.url, self.policy))
+            item = self.single_flight.do((ref.modality, ref.url), load)
         if self.observer is not None:
             self.observer.observe_fetch(ref.modality, time.perf_counter() - started)
         return item
@@ -152,8 +174,24 @@ class InputPreprocessor:
                 param="messages",
             )
 
+    @staticmethod
+    def holds_media(messages: Any) -> bool:
+        """Whether the messages may hold an item (any content part but text): such a request
+        waits for a media thread (``server/admission.py``, D110). In O(parts), on the loop."""
+        if not isinstance(messages, list):
+            return True  # to_conversation says what is wrong with it, on any thread
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(not isinstance(part, dict) or part.get("type") != "text"
+                                                 for part in content):
+                return True
+            if content is not None and not isinstance(content, (str, list)):
+                return True
+        return False
+
     def chat_prompt_ids(
         self, messages: Any, chat_template_kwargs: dict | None = None, deadline: Deadline = NO_DEADLINE,
+        stages: PreprocessStages = NO_STAGES,
     ) -> tuple[list[int], list[MediaRef]]:
         """The templated prompt (one marker per item) and the media references, in order.
 
@@ -174,10 +212,11 @@ class InputPreprocessor:
                 conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
             )
 
-        text = render(conversation)
-        check_rendered(conversation, render)
-        deadline.check("tokenizing")
-        return self.tokenizer.encode(text, add_special_tokens=False), refs
+        with stages.stage("render"):
+            text = render(conversation)
+            check_rendered(conversation, render)
+            deadline.check("tokenizing")
+            return self.tokenizer.encode(text, add_special_tokens=False), refs
 
     def process_chat(
         self,
@@ -187,10 +226,14 @@ class InputPreprocessor:
         check_length: bool = True,
         deadline: Deadline = NO_DEADLINE,
         lease: MediaLease | None = None,
+        stages: PreprocessStages = NO_STAGES,
     ) -> ProcessorOutput:
-        prompt_ids, refs = self.chat_prompt_ids(messages, chat_template_kwargs, deadline)
-        media = self._load_all(refs, deadline, lease)
-        output = self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease)
+        """``stages``: where the request's time goes (render, fetch, decode, process)."""
+        prompt_ids, refs = self.chat_prompt_ids(messages, chat_template_kwargs, deadline, stages)
+        length = PromptLength(self, len(prompt_ids) - len(refs), mm_processor_kwargs) if check_length else None
+        media = self._load_all(refs, deadline, lease, stages, length)
+        output = self._apply(prompt_ids, media, mm_processor_kwargs, "messages", check_length, deadline, lease,
+                             stages)
         # Items sent as a uuid alone have no URL to send on: this server encodes them (it
         # holds their encoder outputs already, unless evicted since their bytes came).
         if self.remote_encoders is not None and output.items and all(ref.url is not None for ref in refs):
@@ -217,11 +260,12 @@ class InputPreprocessor:
         media = self._load_all(refs, deadline, lease)
         return self._apply(prompt_ids, media, mm_processor_kwargs, "items", False, deadline, lease).items
 
-    def _load_all(self, refs: list[MediaRef], deadline: Deadline, lease: MediaLease | None) -> dict[str, list]:
+    def _load_all(self, refs: list[MediaRef], deadline: Deadline, lease: MediaLease | None,
+                  stages: PreprocessStages = NO_STAGES, length: "PromptLength | None" = None) -> dict[str, list]:
         media: dict[str, list] = {}
         for index, ref in enumerate(refs):
             deadline.check(f"fetching {ref.modality} {index}")
-            item = self._load(ref)
+            item = self._load(ref, stages, length)
             if lease is not None:
                 lease.hold(decoded_nbytes(item), f"{ref.modality} {index}")
             media.setdefault(ref.modality, []).append(item)
@@ -238,22 +282,51 @@ class InputPreprocessor:
 
     def _apply(
         self, prompt_ids, media: dict, mm_processor_kwargs, param: str, check_length: bool,
-        deadline: Deadline = NO_DEADLINE, lease: MediaLease | None = None,
+        deadline: Deadline = NO_DEADLINE, lease: MediaLease | None = None, stages: PreprocessStages = NO_STAGES,
     ) -> ProcessorOutput:
         for modality in self.supported:
             media.setdefault(modality, [])
         deadline.check("processing the media")
-        output = self.processor.apply(prompt_ids, media, mm_processor_kwargs)
+        with stages.stage("process"):
+            output = self.processor.apply(prompt_ids, media, mm_processor_kwargs)
         if lease is not None:  # the decoded media go; the encoder inputs stay until the request ends
             lease.settle(encoder_input_nbytes(output.items))
         num_tokens = len(output.prompt_token_ids)
         if check_length and num_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"the prompt has {num_tokens} tokens (text plus multimodal placeholders) but "
-                f"max_model_len is {self.max_model_len}; leave room for at least one output token",
+                f"max_model_len is {self.max_model_len} (--max-model-len); leave room for at least one output token",
                 param=param,
             )
         return output
+
+
+class PromptLength:
+    """A chat prompt's tokens as its images arrive: the text's, plus each image's replacement
+    tokens, known from its header (``BaseProcessingInfo.item_tokens``, what ``vlmd cost`` counts)
+    before it is decoded. A request whose images cannot fit max_model_len is refused when the
+    first header that passes it is read: 32 A4 pages are not all decoded and resized to be
+    told so (D110). Items without a header (video, audio, embeds, uuids) are counted by the
+    processor's output, checked after it as before."""
+
+    def __init__(self, preprocessor: InputPreprocessor, text_tokens: int, mm_processor_kwargs: dict | None):
+        self.info = preprocessor.info
+        self.max_model_len = preprocessor.max_model_len
+        self.kwargs = {**self.info.ctx.mm_processor_kwargs, **(mm_processor_kwargs or {})}
+        self.tokens = text_tokens
+        self.images = 0
+
+    def add_image(self, data: bytes) -> None:
+        size = header_size(data)
+        if size is None:
+            return  # the decode says what is wrong with it
+        self.images += 1
+        self.tokens += self.info.item_tokens("image", ItemSize(*size), self.kwargs).replacement
+        if self.tokens >= self.max_model_len:
+            raise BadRequestError(
+                f"the prompt needs at least {self.tokens} tokens with its first {self.images} images (text plus "
+                f"their placeholders) but max_model_len is {self.max_model_len} (--max-model-len); leave room for "
+                "at least one output token: send fewer or smaller images", param="messages")
 
 
 def template_variables(tokenizer, chat_template_kwargs: dict | None) -> dict:

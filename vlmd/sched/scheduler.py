@@ -33,6 +33,9 @@ class SchedulerConfig:
     encoder_cache_size: int
     disable_chunked_mm_input: bool = False
     enable_prefix_caching: bool = True
+    # A waiting prompt of at most this many tokens and no items is short: a step admits it
+    # with the decodes alone, no encoder and no longer prefill, every other step at most (0: off; D110).
+    short_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -67,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._dropped: list[str] = []
         self.num_preemptions = 0
+        self._deferred_long = False  # the last step was a short-prompt step (D110)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -84,7 +88,8 @@ class Scheduler:
         largest_output = max((item.num_encoder_tokens for item in request.mm_items), default=0)
         limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
         if largest_output > limit:
-            raise RequestRejected(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit}")
+            raise RequestRejected(f"a media item of {largest_output} tokens exceeds the encoder budget of {limit} "
+                                  "(--max-num-encoder-input-tokens, --encoder-cache-size): send a smaller one")
         # Items without placeholders at one offset are all needed by the chunk that reaches it
         # (the decoder attends to them together from there): together they must fit.
         together: dict[int, int] = {}
@@ -174,19 +179,40 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------
 
+    def _is_short(self, request: Request) -> bool:
+        return not request.mm_items and request.num_tokens <= self.config.short_prefill_tokens
+
     def schedule(self) -> SchedulerOutput:
+        """One step. Normally: running requests first (decodes and prefill chunks), then the
+        waiting ones in arrival order. When a short prompt waits (``short_prefill_tokens``)
+        and the last step was not such a step: the decodes and the short prompts alone
+        (ahead of longer waiting ones), so their first token waits for no encoder and no
+        long prefill; the longer prefills go on the next step (D110)."""
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
+        short_step = (self.config.short_prefill_tokens > 0 and not self._deferred_long
+                      and any(self._is_short(request) for request in self.waiting))
+        self._deferred_long = short_step
         preempted = False
         # Window blocks that no running request's next query can see go back first: they
         # are what this step's allocations may take (kv_groups.py).
         for request in self.running:
             self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
 
+        # Decodes later in the batch keep their token: a prefill chunk before them takes what
+        # the budget leaves after them (D110).
+        decodes_left = sum(1 for request in self.running if request.num_tokens - request.num_computed_tokens == 1)
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget)
+            is_decode = request.num_tokens - request.num_computed_tokens == 1
+            if is_decode:
+                decodes_left -= 1
+            elif short_step:
+                index += 1  # a prefill: next step
+                continue
+            num_new, encoder_inputs, encoder_hits = self._plan_chunk(
+                request, budget if is_decode else _Budget(max(0, budget.tokens - decodes_left), budget.encoder))
             if num_new == 0:
                 index += 1
                 continue
@@ -199,13 +225,10 @@ class Scheduler:
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
             index += 1
 
-        while (
-            not preempted
-            and self.waiting
-            and budget.tokens > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
+        candidates = [request for request in self.waiting if self._is_short(request)] if short_step else self.waiting
+        for request in list(candidates):
+            if preempted or budget.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             computed = self.kv.computed_blocks(request)
             request.num_computed_tokens = computed.num_blocks * self.config.block_size
             num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget, admitting=True)
@@ -222,7 +245,10 @@ class Scheduler:
             self.kv.record_lookup(request.num_tokens, request.num_computed_tokens)
             if request.status is RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = request.num_computed_tokens
-            self.waiting.popleft()
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:  # a short prompt ahead of longer ones
+                self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.new_requests.append(self._new_request_data(request, computed.state_sources))

@@ -5,6 +5,8 @@ Bounds, each with its answer (all 503 with Retry-After: the server is healthy, o
   the engine has not started yet, at most ``--max-waiting-requests``, checked before a
   request's body is read;
 - the preprocessing queue: at most ``--max-preprocess-queue`` requests wait for a thread;
+  work with media may hold all threads but one (of two or more), so a request without
+  media never waits behind media work for a thread (D110);
 - preprocessing time: a request may hold a thread for ``--preprocess-timeout`` seconds (the
   clock starts when a thread takes it); then the client is answered and the thread abandons
   the work at its next stage boundary (see vlmd.processing.deadline);
@@ -23,6 +25,7 @@ Bounds, each with its answer (all 503 with Retry-After: the server is healthy, o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,7 @@ from typing import TypeVar
 from vlmd.errors import PayloadTooLargeError, ServiceUnavailableError
 from vlmd.media.budget import MediaBudget, MediaLease
 from vlmd.processing.deadline import Deadline, PreprocessTimeout
+from vlmd.processing.stages import PreprocessStages
 
 T = TypeVar("T")
 
@@ -54,6 +58,9 @@ class Admission:
         self.num_preprocessing = 0  # taken by a thread or queued for one
         self.num_timeouts = 0
         self.num_rejected = 0
+        # Threads media work may hold at once: all but one, kept for work without media.
+        self.media_threads = max(1, threads - 1)
+        self._media_slots = asyncio.Semaphore(self.media_threads)
 
     @property
     def num_queued(self) -> int:
@@ -98,8 +105,13 @@ class Admission:
     def media_lease(self) -> MediaLease:
         return self.media.lease()
 
-    async def preprocess(self, work: Callable[[Deadline], T]) -> T:
-        """Run ``work(deadline)`` on the pool within the queue bound and the time limit."""
+    async def preprocess(self, work: Callable[[Deadline], T], stages: PreprocessStages | None = None,
+                         media: bool = True) -> T:
+        """Run ``work(deadline)`` on the pool within the queue bound and the time limit;
+        ``stages`` is stamped when it is handed to the pool, taken by a thread and done.
+        ``media``: the work fetches, decodes or processes media (or may: audio, the encoder
+        route), and waits for one of ``media_threads``; work without media (text to
+        template and tokenize) goes to the pool at once, where a thread is free for it."""
         if self.num_queued >= self.max_queue:
             self.num_rejected += 1
             raise ServiceUnavailableError(
@@ -110,15 +122,28 @@ class Admission:
         started = loop.create_future()
 
         def run() -> T:
+            if stages is not None:
+                stages.started = time.perf_counter()
             deadline.start()
             loop.call_soon_threadsafe(_set_result, started)
             deadline.check("starting")  # abandoned while queued (the client left)
-            return work(deadline)
+            result = work(deadline)
+            if stages is not None:
+                stages.ended = time.perf_counter()
+            return result
 
+        if stages is not None:
+            stages.submitted = time.perf_counter()
         self.num_preprocessing += 1
+        if media:
+            try:
+                await self._media_slots.acquire()
+            except BaseException:  # the client left while it waited
+                self.num_preprocessing -= 1
+                raise
         job = self.pool.submit(run)
         # The thread stays taken until the work returns, even after the client was answered.
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished))
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, media))
         result = asyncio.wrap_future(job)
         try:
             await asyncio.wait([started, result], return_when=asyncio.FIRST_COMPLETED)
@@ -135,8 +160,10 @@ class Admission:
             job.cancel()  # not started yet: never starts
             started.cancel()
 
-    def _finished(self) -> None:
+    def _finished(self, media: bool) -> None:
         self.num_preprocessing -= 1
+        if media:
+            self._media_slots.release()
 
 
 class BodyAccount:

@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, VlmdError
+from vlmd.processing.stages import PreprocessStages
 from vlmd.server import responses
 from vlmd.server.admission import BodyAccount
 from vlmd.server.body import read_body
@@ -25,8 +26,8 @@ log = structlog.get_logger(__name__)
 
 
 async def read_json(request: web.Request, account: BodyAccount, max_run_bytes: int | None = None,
-                    describe: str = ""):
-    raw = await read_body(request, account, max_run_bytes, describe)
+                    describe: str = "", max_values: int | None = None):
+    raw = await read_body(request, account, max_run_bytes, describe, max_values)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -46,7 +47,8 @@ async def read_text_body(request: web.Request, state: ServerState):
             request, account, 12 * preprocessor.max_prompt_chars,
             f"its text has more than {preprocessor.max_prompt_chars} characters: more than "
             f"max_model_len ({preprocessor.max_model_len}) tokens can hold "
-            f"({preprocessor.max_token_chars} characters per token at most)")
+            f"({preprocessor.max_token_chars} characters per token at most)",
+            state.config.max_request_json_values)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -73,15 +75,19 @@ async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
+    stages = PreprocessStages()
     with state.admission.media_lease() as lease:
         processed = await state.admission.preprocess(
             lambda deadline: state.preprocessor.process_chat(
                 chat.messages, chat.mm_processor_kwargs, chat.chat_template_kwargs, deadline=deadline, lease=lease,
-            )
+                stages=stages,
+            ),
+            stages, media=state.preprocessor.holds_media(chat.messages),
         )
         engine_requests = choice_requests(state, f"{id_prefix}{uuid.uuid4().hex}", processed, chat.sampling, grammar)
         generations = [
-            Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0)
+            Generation(state, engine_request, chat.sampling, started, index, counts_prompt=index == 0,
+                       preprocess_stages=stages)
             for index, engine_request in enumerate(engine_requests)
         ]
         return await answer(generations)

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from vlmd.errors import BadRequestError, VlmdError
+from vlmd.processing.stages import PreprocessStages
 from vlmd.server import responses
 from vlmd.server.chat import read_text_body
 from vlmd.server.completions_protocol import CompletionRequest, parse_completion_request
@@ -33,14 +34,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     completion.sampling.check_vocabulary(state.preprocessor.vocab_size)
     _check_prompt_lengths(state, completion)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, completion.structured) if completion.structured else None
-    processed = await state.admission.preprocess(lambda deadline: _process_prompts(state, completion))
+    stages = PreprocessStages()  # tokenizing is its preprocess_other
+    processed = await state.admission.preprocess(lambda deadline: _process_prompts(state, completion), stages,
+                                                 media=False)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = completion.sampling.n
     generations = []
     for prompt_index, output in enumerate(processed):
         engine_requests = choice_requests(state, request_id, output, completion.sampling, grammar, prompt_index * n)
         generations.extend(
-            Generation(state, engine_request, completion.sampling, started, prompt_index * n + choice, choice == 0)
+            Generation(state, engine_request, completion.sampling, started, prompt_index * n + choice, choice == 0,
+                       preprocess_stages=stages)
             for choice, engine_request in enumerate(engine_requests)
         )
     echoes = [_echo_text(state, completion, output) for output in processed for _ in range(n)]

@@ -24,8 +24,9 @@ from vlmd.server import responses
 from vlmd.server.detokenizer import IncrementalDetokenizer
 from vlmd.server.modality_tokens import merged_counts, multimodal_token_counts
 from vlmd.server.sampling_fields import SamplingFields
+from vlmd.server.stages import stage_seconds
 from vlmd.server.state import ServerState
-from vlmd.types import EngineRequest, FinishReason, TokenLogprob
+from vlmd.types import EngineRequest, EngineTimings, FinishReason, TokenLogprob
 
 log = structlog.get_logger(__name__)
 
@@ -65,8 +66,11 @@ class Generation:
     """Accumulates one choice's output while its deltas stream in."""
 
     def __init__(self, state: ServerState, engine_request: EngineRequest, sampling: SamplingFields, started: float,
-                 index: int = 0, counts_prompt: bool = True):
+                 index: int = 0, counts_prompt: bool = True, preprocess_stages=None):
+        """``preprocess_stages``: the prompt's ``processing/stages.py:PreprocessStages``; with
+        it, the first token's stage table is observed (by the prompt's first choice)."""
         self.state = state
+        self.preprocess_stages = preprocess_stages
         self.counts_prompt = counts_prompt  # the first choice of its prompt: usage counts the prompt here
         self.started = started  # perf_counter() when the HTTP request arrived
         self.index = index
@@ -102,7 +106,7 @@ class Generation:
                 if delta.finish_reason is FinishReason.ERROR:
                     raise from_engine(delta.error, delta.error_status, self.engine_request.request_id)
                 if delta.new_token_ids:
-                    self._observe_latency()
+                    self._observe_latency(delta.timings)
                 self.num_cached_tokens = delta.num_cached_tokens
                 final = delta.finish_reason is not None
                 text = self.detokenizer.push(delta.new_token_ids, final=final)
@@ -120,16 +124,27 @@ class Generation:
                 if final:
                     return
 
-    def _observe_latency(self) -> None:
+    def _observe_latency(self, timings: EngineTimings | None) -> None:
         now = time.perf_counter()
         metrics = self.state.metrics
         if metrics is not None:
             if self.last_token_time is None:
                 if self.counts_prompt:  # one time-to-first-token per prompt, not per choice
                     metrics.ttft.observe(now - self.started)
+                    if timings is not None and self.preprocess_stages is not None:
+                        self._observe_stages(timings, now)
             else:
                 metrics.itl.observe(now - self.last_token_time)
         self.last_token_time = now
+
+    def _observe_stages(self, timings: EngineTimings, now: float) -> None:
+        stages = stage_seconds(self.started, self.preprocess_stages, timings, now)
+        kind = "media" if self.engine_request.mm_items else "text"
+        self.state.metrics.observe_stages(stages, kind, timings.chunk_seconds)
+        if self.state.config.log_request_stages:
+            log.info("request stages", request_id=self.engine_request.request_id, input=kind,
+                     ttft_ms=round(1000 * (now - self.started), 2), prefill_chunks=len(timings.chunk_seconds),
+                     **{f"{name}_ms": round(1000 * seconds, 2) for name, seconds in stages.items()})
 
 
 async def merged_deltas(generations: list[Generation]) -> AsyncIterator[Delta]:

@@ -14,6 +14,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STAGE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 # The start-up memory plan (vlmd/engine/memory_plan.py), one gauge per figure.
@@ -200,6 +201,13 @@ class Metrics:
                               "(every chunk one token, no encoder) or prefill (the rest)", _FAST, ("kind",))
         self.fetch = histogram("vlmd_media_fetch_seconds", "Fetch and decode of one item", _FAST, ("modality",))
         self.process = histogram("vlmd_media_preprocess_seconds", "Processor work for one item", _FAST, ("modality",))
+        # A request's time to first token, stage by stage (server/stages.py; D109).
+        self.stages = histogram("vlmd_request_stage_seconds", "One request's time to its first token by stage "
+                                "(they sum to it): front_end, preprocess_queue, render, fetch, decode, process, "
+                                "preprocess_other, handoff, engine_queue, encoder, prefill, engine_wait, deliver; "
+                                "input: media (with items) or text", _STAGE, ("stage", "input"))
+        self.prefill_chunk = histogram("vlmd_prefill_chunk_seconds", "One engine step that ran a prefill chunk of a "
+                                       "request before its first token, by input", _FAST, ("input",))
         self.grammar_compile = histogram("vlmd_grammar_compile_seconds", "Compiling one structured-output grammar", _FAST)
         # --encoder-urls: each server's failure, by reason (processing/remote_encoder.py).
         self.encoder_server_failures = Counter(
@@ -215,6 +223,12 @@ class Metrics:
             self.step.labels(step.kind).observe(step.step_seconds)
         for seconds in step.queue_seconds:
             self.queue.observe(seconds)
+
+    def observe_stages(self, stages: dict[str, float], kind: str, chunk_seconds: list[float]) -> None:
+        for stage, seconds in stages.items():
+            self.stages.labels(stage, kind).observe(seconds)
+        for seconds in chunk_seconds:
+            self.prefill_chunk.labels(kind).observe(seconds)
 
     def observe_fetch(self, modality: str, seconds: float) -> None:
         self.fetch.labels(modality).observe(seconds)

@@ -45,7 +45,8 @@ async def tokenize(request: web.Request) -> web.Response:
         with state.admission.media_lease() as lease:
             processed = await state.admission.preprocess(
                 lambda deadline: process(messages, mm_kwargs, template_kwargs, check_length=False,
-                                         deadline=deadline, lease=lease)
+                                         deadline=deadline, lease=lease),
+                media=state.preprocessor.holds_media(messages),
             )
         tokens = processed.prompt_token_ids
         multimodal_tokens = multimodal_token_counts(processed.items)
@@ -59,7 +60,7 @@ async def tokenize(request: web.Request) -> web.Response:
                 f"'prompt' holds {len(prompt)} characters, more than max_model_len "
                 f"({state.max_model_len}) tokens can hold: at most {limit} characters", param="prompt")
         tokens = await state.admission.preprocess(
-            lambda deadline: state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            lambda deadline: state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), media=False
         )
     body = {
         "count": len(tokens),
