@@ -1,5 +1,6 @@
 """A step's new images, every request's, go through the vision tower in one call (issue 48:
-c8 new images is one tower call, not eight), counted by the engine (``num_encoder_calls``,
+c8 new images is one tower call, not eight, where the encoder budget admits them: D110's
+default is one item a step), counted by the engine (``num_encoder_calls``,
 ``vlmd_encoder_calls_total``) beside the items it encoded (``num_encoder_forwards``), and
 each request's tokens are what it gets alone."""
 
@@ -13,9 +14,11 @@ from vlmd.types import EngineRequest, SamplingParams
 def _engine(model_dir):
     from vlmd.engine import builder
 
-    # A budget that admits all four image prompts in one step (tiny LLaVA: 576 placeholders).
+    # Budgets that admit all four image prompts in one step (tiny LLaVA: 576 placeholders).
+    # The encoder's defaults to one item a step (D110: a short request waits for one image's
+    # encoder, not a flood's); a server for image throughput raises it, as here.
     config = ServeConfig(model=str(model_dir), max_model_len=1024, max_num_batched_tokens=4096,
-                         mm_processor_cache_gb=0, enable_prefix_caching=False)
+                         max_num_encoder_input_tokens=4096, mm_processor_cache_gb=0, enable_prefix_caching=False)
     return builder.build_engine(config)
 
 
