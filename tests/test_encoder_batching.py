@@ -25,7 +25,7 @@ def _engine(model_dir):
 def _request(built, request_id: str, image) -> EngineRequest:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
                                              {"type": "text", "text": "Describe it."}]}]
-    built.preprocessor._load = lambda ref: image
+    built.preprocessor._load = lambda ref, *stages_and_length: image
     processed = built.preprocessor.process_chat(messages)
     return EngineRequest(request_id, processed.prompt_token_ids, SamplingParams(max_tokens=4, temperature=0),
                          processed.items, eos_token_ids=built.eos_token_ids)
