@@ -102,6 +102,15 @@ class KVSpec:
     # are computed once per request from its encoder output and held in the blocks of their
     # KV group (docs/decisions.md D93, D95); not among ``num_layers``.
     num_cross_layers: int = 0
+    # Per layer, the earlier layer whose K/V it reads instead of keeping its own (None: its
+    # own), or empty: every layer keeps its own. A sharing layer computes queries only and
+    # holds nothing in the KV cache (``SharedKV``, docs/decisions.md D111); it must have its
+    # source's window.
+    layer_kv_sources: tuple[int | None, ...] = ()
+    # Per layer, its head size where layers differ (Gemma 4: 512 on full-attention layers,
+    # 256 on windowed ones), or empty: every layer's is ``head_dim``. A layer slot of the pool
+    # holds the widest; a narrower layer uses the first ``head_dim`` of each row (D111).
+    layer_head_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_cross_layers < 0:
@@ -110,10 +119,43 @@ class KVSpec:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if any(window is not None and window < 1 for window in self.layer_windows):
             raise ValueError(f"a sliding window must be >= 1 token, got {self.layer_windows}")
+        if self.layer_head_dims and len(self.layer_head_dims) != self.num_layers:
+            raise ValueError(f"{len(self.layer_head_dims)} layer head sizes for {self.num_layers} layers")
+        if any(dim < 1 for dim in self.layer_head_dims):
+            raise ValueError(f"a head size must be >= 1, got {self.layer_head_dims}")
+        if self.layer_kv_sources:
+            if len(self.layer_kv_sources) != self.num_layers:
+                raise ValueError(f"{len(self.layer_kv_sources)} K/V sources for {self.num_layers} layers")
+            for layer, source in enumerate(self.layer_kv_sources):
+                if source is None:
+                    continue
+                if not 0 <= source < layer or self.layer_kv_sources[source] is not None:
+                    raise ValueError(f"layer {layer} reads the K/V of layer {source}, which is not an earlier "
+                                     "layer with K/V of its own")
+                windows = self.layer_windows or (None,) * self.num_layers
+                if windows[layer] != windows[source] or self.head_dim_of(layer) != self.head_dim_of(source):
+                    raise ValueError(f"layer {layer} reads the K/V of layer {source}, whose window or head size "
+                                     "differs from its own")
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s head size (a cross-attention layer's is ``head_dim``)."""
+        return self.layer_head_dims[layer] if self.layer_head_dims and layer < self.num_layers else self.head_dim
+
+    @property
+    def slot_head_dim(self) -> int:
+        """The head size a layer slot of the pool holds: the widest layer's."""
+        return max(self.layer_head_dims) if self.layer_head_dims else self.head_dim
+
+    @property
+    def num_layers_with_kv(self) -> int:
+        """Self-attention layers that keep K/V of their own (a sharing layer keeps none)."""
+        return sum(1 for layer in range(self.num_layers)
+                   if not self.layer_kv_sources or self.layer_kv_sources[layer] is None)
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V of one token in every layer that keeps its own, at the pool's slot width
+        (what the pool spends: a narrower layer's slot rows are as wide as the widest's)."""
+        return 2 * self.num_layers_with_kv * self.num_kv_heads * self.slot_head_dim * dtype_bytes
 
     def kv_cache_config(self, block_size: int, dtype_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                         num_blocks: int | None = None):
@@ -121,8 +163,9 @@ class KVSpec:
         ``num_blocks`` pages (default: what one request of max_model_len holds at its most)."""
         from vlmd.sched.kv_spec import build_kv_cache_config, layer_kinds
 
-        kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len)
-        slot = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+        kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len,
+                            self.layer_kv_sources)
+        slot = 2 * block_size * self.num_kv_heads * self.slot_head_dim * dtype_bytes
         config = build_kv_cache_config(kinds, block_size, 1, slot)
         if num_blocks is None:
             num_blocks = sum(config.peak_request_blocks(max_model_len, max_num_batched_tokens))

@@ -27,17 +27,26 @@ def allocate_kv_slots(spec: KVSpec, config: KVCacheConfig, dtype: torch.dtype,
     memset up front: a large cache costs nothing until it is used. On CUDA the cache is
     allocated (and zeroed) on the device at once: the memory plan gave it that memory.
     """
-    shape = (config.num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (config.num_blocks * config.block_size, spec.num_kv_heads, spec.slot_head_dim)
     if device is not None and device.type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(config.num_slots)]
     return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(config.num_slots)]
 
 
-def layer_caches(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]],
-                 layers: range) -> list[LayerCache]:
-    """The caches of KV-model layers ``layers``: each its slot's tensors and its group."""
-    return [LayerCache(*slots[config.layer_slot[layer]], config.layer_group[layer]) for layer in layers]
+def layer_caches(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]], layers: range,
+                 spec: KVSpec) -> list[LayerCache]:
+    """The caches of KV-model layers ``layers``: each its slot's tensors and its group (a
+    ``SharedKV`` layer's are its source's: same group, same slot). A layer narrower than the
+    slot (``spec.layer_head_dims``) sees the first ``head_dim`` of each head's row, a view."""
+    caches = []
+    for layer in layers:
+        k_slot, v_slot = slots[config.layer_slot[layer]]
+        dim = spec.head_dim_of(layer)
+        if dim != k_slot.shape[-1]:
+            k_slot, v_slot = k_slot[..., :dim], v_slot[..., :dim]
+        caches.append(LayerCache(k_slot, v_slot, config.layer_group[layer]))
+    return caches
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

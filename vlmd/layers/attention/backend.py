@@ -185,10 +185,21 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        write: bool = True,
     ) -> torch.Tensor:  # [T, H, D]
         """``window``: a sliding-window layer's reach, each query attending to keys at
-        positions ``> position - window`` only (None: the whole context)."""
+        positions ``> position - window`` only (None: the whole context). ``write=False``:
+        ``k``/``v`` are already in the cache at the step's slots (``forward_shared``)."""
         raise NotImplementedError
+
+    def forward_shared(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                       scale: float, window: int | None = None) -> torch.Tensor:
+        """A layer that reads another layer's K/V (``SharedKV``, D111): that layer, earlier in
+        this step, wrote the step's keys and values at the group's slots; attend over them and
+        the cached context as ``forward`` does, writing nothing."""
+        slots = meta.for_group(layer_group(kv_cache, meta)).slot_mapping.to(kv_cache[0].device)
+        k, v = kv_cache[0].index_select(0, slots), kv_cache[1].index_select(0, slots)
+        return self.forward(q, k, v, kv_cache, meta, scale, window, write=False)
 
     def decode_step(self, structure: "DecoderStructure", embeds: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor | None:
