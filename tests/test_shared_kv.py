@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmd.layers.attention import SequenceChunk, paged_attention, shared_attention
+from vlmd.layers.attention import LayerCache, SequenceChunk, paged_attention, shared_attention
 from vlmd.layers.attention.cpu_paged import CPUPagedBackend
 from vlmd.layers.attention.flex import FlexBackend
 from vlmd.runner.kv_cache import allocate_kv_slots, layer_caches
@@ -98,15 +98,17 @@ def _reference(q_rows, keys, values, positions, window, scale):
 def test_a_shared_layer_attends_over_its_sources_kv_and_writes_nothing(backend_kind, window):
     """Two sequences prefilled in chunks, then decoded: each step the source layer writes and
     attends (``paged_attention``), the sharing layer attends with its own queries
-    (``shared_attention``) over the same cache, a narrow view of a wider slot; the cache is
-    the same before and after the sharing layer, and both layers equal the reference."""
+    (``shared_attention``) over the same cache, a narrow view of a wider slot in KV group 1
+    (its own tables, not the main group's); the cache is the same before and after the
+    sharing layer, and both layers equal the reference."""
     block_size, heads, kv_heads, dim, slot_dim = 4, 4, 2, 16, 32
     backend = FlexBackend(block_size, "flex") if backend_kind == "flex" else CPUPagedBackend(block_size, backend_kind)
     generator = torch.Generator().manual_seed(7)
     lengths = [19, 13]
-    tables = [[5, 0, 8, 2, 9], [3, 7, 1, 6]]
+    tables = [[5, 0, 8, 2, 9], [3, 7, 1, 6]]  # group 1's, where these layers keep their K/V
+    main_tables = [[10, 11, 4, 3, 7], [8, 2, 0, 5]]  # group 0's: never written here
     slot = (torch.zeros(12 * block_size, kv_heads, slot_dim), torch.zeros(12 * block_size, kv_heads, slot_dim))
-    cache = (slot[0][..., :dim], slot[1][..., :dim])
+    cache = LayerCache(slot[0][..., :dim], slot[1][..., :dim], 1)
     keys = [torch.randn(n, kv_heads, dim, generator=generator) for n in lengths]
     values = [torch.randn(n, kv_heads, dim, generator=generator) for n in lengths]
     source_q = [torch.randn(n, heads, dim, generator=generator) for n in lengths]
@@ -116,7 +118,7 @@ def test_a_shared_layer_attends_over_its_sources_kv_and_writes_nothing(backend_k
              [(0, 18, 1)]]
     for pieces in steps:
         pieces = sorted(pieces, key=lambda piece: piece[2] != 1 or piece[1] == 0)  # decodes first
-        chunks = [SequenceChunk(tables[seq], start, count) for seq, start, count in pieces]
+        chunks = [SequenceChunk.of({0: main_tables[seq], 1: tables[seq]}, start, count) for seq, start, count in pieces]
         meta = backend.prepare_metadata(chunks, sum(1 for _, start, count in pieces if count == 1 and start > 0))
         rows = lambda tensors: torch.cat([tensors[seq][start:start + count] for seq, start, count in pieces])  # noqa: E731
         source_out = paged_attention(rows(source_q), rows(keys), rows(values), cache, meta, scale, window)
