@@ -1,0 +1,71 @@
+"""What each of Gemma 4's decoder layers is, from the text config alone (torch-free: the
+processing info declares the same ``KVSpec`` for `vlmd cost` and the memory plan).
+
+As transformers' ``Gemma4TextConfig``: ``layer_types`` alternates sliding-window layers and
+full-attention ones; a full layer's heads are ``global_head_dim`` wide (its
+``per_layer_config``); the last ``num_kv_shared_layers`` layers compute no K/V and read
+those of the last earlier layer of their own type (``kv_sharing_modes``: "reuse" reads what
+that layer "store"s)."""
+
+from __future__ import annotations
+
+from vlmd.types import KVSpec
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def unsupported(text_config) -> str | None:
+    """What of this checkpoint's decoder the family does not run yet (None: all of it)."""
+    if getattr(text_config, "enable_moe_block", False):
+        return "the mixture-of-experts block (Gemma 4 26B-A4B)"
+    if getattr(text_config, "attention_k_eq_v", False):
+        return "attention_k_eq_v (keys as values, other K/V heads on full layers)"
+    if getattr(text_config, "use_bidirectional_attention", None) == "all":
+        return "use_bidirectional_attention='all'"
+    shared = int(text_config.num_kv_shared_layers)
+    if shared >= int(text_config.num_hidden_layers):
+        return "every layer sharing K/V (none computes any)"
+    return None
+
+
+def layer_types(text_config) -> list[str]:
+    return list(text_config.layer_types[:text_config.num_hidden_layers])
+
+
+def head_dims(text_config) -> tuple[int, ...]:
+    """Each layer's head size (a full layer's is the config's ``global_head_dim``)."""
+    return tuple(int(text_config.per_layer_config[layer].head_dim) for layer in range(text_config.num_hidden_layers))
+
+
+def kv_sources(text_config) -> tuple[int | None, ...]:
+    """Each layer's K/V source: None where it computes its own, else the last layer before the
+    shared ones of its type (transformers' ``kv_sharing_modes``)."""
+    types = layer_types(text_config)
+    first_shared = len(types) - int(text_config.num_kv_shared_layers)
+    sources: list[int | None] = []
+    for layer, kind in enumerate(types):
+        if layer < first_shared:
+            sources.append(None)
+            continue
+        owners = [earlier for earlier in range(first_shared) if types[earlier] == kind]
+        if not owners:
+            raise ValueError(f"layer {layer} ({kind}) shares K/V, but no earlier layer of its type computes any")
+        sources.append(owners[-1])
+    return tuple(sources)
+
+
+def windows(text_config) -> tuple[int | None, ...]:
+    return tuple(int(text_config.sliding_window) if kind == SLIDING else None for kind in layer_types(text_config))
+
+
+def kv_spec(text_config) -> KVSpec:
+    """The decoder's KV declaration: windows, head sizes, shared layers (D111). Every layer
+    has ``num_key_value_heads`` K/V heads (``attention_k_eq_v``, which changes that on full
+    layers, is not run: ``unsupported``)."""
+    dims = head_dims(text_config)
+    layers = range(text_config.num_hidden_layers)
+    kv_heads = {int(text_config.per_layer_config[layer].num_key_value_heads) for layer in layers}
+    if len(kv_heads) != 1:
+        raise ValueError(f"Gemma 4 layers with different K/V head counts ({sorted(kv_heads)}) are not supported yet")
+    return KVSpec(num_layers=len(dims), num_kv_heads=kv_heads.pop(), head_dim=dims[0],
+                  layer_windows=windows(text_config), layer_kv_sources=kv_sources(text_config), layer_head_dims=dims)
