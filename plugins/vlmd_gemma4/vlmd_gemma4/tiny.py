@@ -1,11 +1,12 @@
-"""Deterministic random Gemma 4 checkpoints for tests (``Gemma4ForConditionalGeneration``,
-text only so far: no vision or audio config).
+"""Deterministic random Gemma 4 checkpoints for tests (``Gemma4ForConditionalGeneration``
+with a vision tower; no audio tower yet).
 
 Written from transformers' own config classes, loadable offline by transformers and vlmd:
 ``config.json``, ``model.safetensors`` (float32), a Gemma-style tokenizer
 (``vlmd/tiny/gemma_tokenizer.py``: SentencePiece-style BPE with byte fallback, single-token
 newline runs) with Gemma 4's turn and media tokens and a chat template in Gemma 4's turn
-format, and ``vlmd_tiny.json``.
+format, ``preprocessor_config.json`` / ``processor_config.json`` (the PIL image processor's
+settings: 4-px patches, a budget of 140 soft tokens an image) and ``vlmd_tiny.json``.
 
 The tiny decoder keeps what makes Gemma 4 different, at sizes that make tests exercise it:
 six layers, sliding, sliding, full, sliding | sliding, full, the last two reading the K/V of
@@ -14,7 +15,7 @@ layers 3 and 2 (``num_kv_shared_layers=2``) with double-wide MLPs; a 24-token wi
 and 64 on full ones, where RoPE is proportional (a quarter of each head rotates); per-layer
 embeddings of 16 per layer; each layer's ``layer_scalar`` drawn (a checkpoint's are not 1);
 a soft-capped output, untied from the embeddings (a tied random model only repeats its input
-token).
+token). The tower: two layers of 32, 4-px patches pooled 3 x 3, its standardization drawn.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ SIZES: dict[str, dict] = {
                                   "sliding_attention", "sliding_attention", "full_attention"],
                      num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=16,
                      max_position_embeddings=4096, final_logit_softcapping=30.0),
+        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                       position_embedding_size=512, standardize=True, rms_norm_eps=1e-6),
+        "max_soft_tokens": 140,
     },
 }
 
@@ -91,7 +96,7 @@ def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int]):
             bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
             tie_word_embeddings=False, **spec["text"],
         ),
-        vision_config=None, audio_config=None,
+        vision_config=dict(spec["vision"]), audio_config=None,
         boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], image_token_id=ids["<|image|>"],
         video_token_id=ids["<|video|>"], boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"],
         audio_token_id=ids["<|audio|>"], tie_word_embeddings=False,
@@ -131,15 +136,25 @@ def build_tiny_gemma4(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     with torch.no_grad():
         for layer in model.model.language_model.layers:
             layer.layer_scalar.copy_(0.75 + 0.5 * torch.rand(1, generator=scalars))
+        tower = model.model.vision_tower
+        tower.std_bias.copy_(0.1 * torch.randn(tower.std_bias.shape, generator=scalars))
+        tower.std_scale.copy_(1.0 + 0.1 * torch.randn(tower.std_scale.shape, generator=scalars))
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<eos>"], ids["<turn|>"]]
     save_checkpoint(model, out, ids["<bos>"], eos_ids, ids["<pad>"])
     write_tokenizer(out, tokenizer, GEMMA4_CHAT_TEMPLATE, extra_special_tokens=MEDIA_TOKENS)
+    image = {"image_processor_type": "Gemma4ImageProcessorPil", "do_convert_rgb": True, "do_resize": True,
+             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "resample": 3,
+             "patch_size": spec["vision"]["patch_size"], "pooling_kernel_size": spec["vision"]["pooling_kernel_size"],
+             "max_soft_tokens": spec["max_soft_tokens"]}
+    write_json(out / "preprocessor_config.json", {**image, "processor_class": "Gemma4Processor"})
+    write_json(out / "processor_config.json", {"processor_class": "Gemma4Processor", "image_processor": image})
     text = spec["text"]
     write_json(out / "vlmd_tiny.json", {
         "family": "gemma4", "size": size, "seed": int(seed), "num_parameters": int(num_params),
         "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<pad>"],
         "sliding_window": text["sliding_window"], "num_kv_shared_layers": text["num_kv_shared_layers"],
-        "head_dims": [text["head_dim"], text["global_head_dim"]],
+        "head_dims": [text["head_dim"], text["global_head_dim"]], "max_soft_tokens": spec["max_soft_tokens"],
+        "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
     })
     return out
