@@ -7,8 +7,9 @@ windowed layers and 64 (proportional RoPE) on full ones; per-layer embeddings; a
 whose images cost up to 140 soft tokens (4-px patches pooled 3 x 3), a budget a request may
 lower. Cases: one image, the same image at a budget of 70, two images of other shapes, text
 (short, long, with a system prompt, in two parts). Each runs alone, then all concurrently;
-then a second turn (``cached_tokens``). A second server with a token budget of 16 a step
-(images split across steps) and a KV cache small enough to preempt runs them concurrently.
+then a second turn (``cached_tokens``). A second server, with tensor parallelism over 2
+ranks, a token budget of 16 a step (images split across steps) and a KV cache small enough
+to preempt, runs them concurrently.
 A first divergence is accepted only where transformers' own top-1/top-2 log-prob gap is
 < 1e-3, and the greedy tokens' log-probs must agree within 1e-3 up to it. `vlmd cost`
 counts the server's prompt and shows the shared layers holding nothing.
@@ -163,12 +164,14 @@ def test_cost_counts_the_servers_prompt_and_no_kv_for_shared_layers(server, tiny
     assert report["cache"]["layer_slots"] == 1
 
 
-def test_small_budget_small_cache_preempts_with_the_same_tokens(tiny_gemma4_dir, references, tmp_path):
-    """16 tokens a step (every prompt and image in chunks, the window's blocks given back as
+def test_small_budget_small_cache_tensor_parallel(tiny_gemma4_dir, references, tmp_path):
+    """TP=2 (each rank half the heads of every layer, sharing layers' queries included),
+    16 tokens a step (every prompt and image in chunks, the window's blocks given back as
     they go) and 40 KV blocks of 16 shared by every group: concurrent requests preempt each
     other."""
     server = Server(tiny_gemma4_dir, "--max-num-batched-tokens", "16", "--num-kv-blocks", "40",
-                    "--max-model-len", "384", "--limit-mm-per-prompt", "image=2", log_dir=tmp_path)
+                    "--max-model-len", "384", "--limit-mm-per-prompt", "image=2", "--tensor-parallel-size", "2",
+                    "--torch-threads", "1", log_dir=tmp_path)
     try:
         for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
             bodies = _concurrently(server, [_body(*case) for case in CASES.values()] * 2)
