@@ -12,7 +12,8 @@ ranks, a token budget of 16 a step (images split across steps) and a KV cache sm
 to preempt, runs them concurrently.
 A first divergence is accepted only where transformers' own top-1/top-2 log-prob gap is
 < 1e-3, and the greedy tokens' log-probs must agree within 1e-3 up to it. `vlmd cost`
-counts the server's prompt and shows the shared layers holding nothing.
+counts the server's prompt and shows the shared layers holding nothing. The
+mixture-of-experts variant (``gemma4_moe``) runs some of the cases on a third server.
 """
 
 from __future__ import annotations
@@ -182,5 +183,22 @@ def test_small_budget_small_cache_tensor_parallel(tiny_gemma4_dir, references, t
                 break
         assert metrics["vlmd_num_preemptions_total"] > 0, "the test meant to force preemption"
         assert metrics["vlmd_kv_cache_free_blocks"] == metrics["vlmd_kv_cache_total_blocks"]
+    finally:
+        server.stop()
+
+
+MOE_CASES = ["one_image", "two_images", "short", "long"]
+
+
+def test_the_mixture_of_experts_variant(tiny_gemma4_moe_dir, tmp_path):
+    """Routed experts (4, 2 a token) beside every layer's MLP, each rank of 2 holding every
+    expert's half of the intermediate columns: the cases concurrently, twice."""
+    refs = {name: _reference(tiny_gemma4_moe_dir, *CASES[name]) for name in MOE_CASES}
+    server = Server(tiny_gemma4_moe_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2",
+                    "--tensor-parallel-size", "2", "--torch-threads", "1", log_dir=tmp_path)
+    try:
+        bodies = _concurrently(server, [_body(*CASES[name]) for name in MOE_CASES] * 2)
+        for name, body in zip(MOE_CASES * 2, bodies):
+            assert_chat_parity(body, refs[name])
     finally:
         server.stop()

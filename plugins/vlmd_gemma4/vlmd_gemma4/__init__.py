@@ -24,3 +24,4 @@ def vlmd_register_model_families(registry):
 @hookimpl
 def vlmd_register_tiny_builders(builders):
     builders["gemma4"] = "vlmd_gemma4.tiny:build_tiny_gemma4"
+    builders["gemma4_moe"] = "vlmd_gemma4.tiny:build_tiny_gemma4_moe"

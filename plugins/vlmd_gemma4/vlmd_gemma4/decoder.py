@@ -15,7 +15,10 @@ As transformers' ``Gemma4TextModel`` computes it (``modeling_gemma4.py``, 5.25):
   the input embeddings (scaled by 1/sqrt(hidden), RMS-normed); each layer gates it with its
   hidden state and adds its projection back after the MLP; each layer's output is multiplied
   by its ``layer_scalar``;
-- token embeddings are multiplied by ``sqrt(hidden_size)``; the output may be soft-capped.
+- token embeddings are multiplied by ``sqrt(hidden_size)``; the output may be soft-capped;
+- the mixture-of-experts variant (26B-A4B, ``enable_moe_block``) runs routed experts beside
+  the dense MLP: the router reads the residual, the experts its own pre-norm of it, and the
+  two outputs, each normed, are added before the post-feedforward norm.
 
 Per-layer embeddings are looked up from token ids, which the runner's ``forward`` contract
 does not carry: ``embed_input_ids`` returns each token's two embeddings side by side
@@ -43,6 +46,8 @@ from vlmd.layers.linear import (
     RowParallelLinear,
     TPGroup,
 )
+from vlmd.layers.linear.parallel import all_reduce
+from vlmd.layers.moe import FusedExperts
 from vlmd.layers.rotary import RotaryEmbedding, apply_rotary
 from vlmd.models.loader import load_into
 from vlmd_gemma4 import layers as layer_facts
@@ -127,6 +132,30 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(gated_activation(self.gate_up_proj(x), self.intermediate, self.activation))
 
 
+class Gemma4Router(nn.Module):
+    """transformers' ``Gemma4TextRouter``: the residual RMS-normed without a scale, times a
+    learned per-channel scale and 1/sqrt(hidden), scored per expert; the top ``k`` softmax
+    probabilities renormalised, each times its expert's learned scale."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = int(config.top_k_experts)
+        if not 0 < self.top_k <= config.num_experts:
+            raise ValueError(f"top_k_experts {self.top_k} is not in 1..{config.num_experts}")
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
+        self.proj = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+        self.root = config.hidden_size ** -0.5
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(hidden) * self.scale * self.root)
+        probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probabilities, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config, layer: int, tp: TPGroup):
         super().__init__()
@@ -139,6 +168,15 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))  # in the checkpoint
+        self.moe = bool(config.enable_moe_block)
+        if self.moe:  # experts beside the dense MLP, on the residual (transformers' order)
+            self.router = Gemma4Router(config)
+            self.experts = FusedExperts(config.num_experts, hidden, config.moe_intermediate_size,
+                                        config.hidden_activation, tp)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+            self.tp = tp
         self.per_layer_size = int(config.hidden_size_per_layer_input or 0)
         if self.per_layer_size:
             # Small (hidden -> per-layer size and back): replicated on every rank.
@@ -150,7 +188,13 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(self, hidden, per_layer_input, cos, sin, kv_cache, meta) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
         hidden = hidden + self.post_attention_layernorm(attended)
-        hidden = hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        dense = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.moe:
+            weights, experts = self.router(hidden)
+            routed = self.experts(self.pre_feedforward_layernorm_2(hidden), experts, weights.to(hidden.dtype))
+            routed = self.post_feedforward_layernorm_2(all_reduce(routed, self.tp))
+            dense = self.post_feedforward_layernorm_1(dense) + routed
+        hidden = hidden + self.post_feedforward_layernorm(dense)
         if self.per_layer_size:
             gate = self.per_layer_activation(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))

@@ -16,8 +16,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 def unsupported(text_config) -> str | None:
     """What of this checkpoint's decoder the family does not run yet (None: all of it)."""
-    if getattr(text_config, "enable_moe_block", False):
-        return "the mixture-of-experts block (Gemma 4 26B-A4B)"
     if getattr(text_config, "attention_k_eq_v", False):
         return "attention_k_eq_v (keys as values, other K/V heads on full layers)"
     if getattr(text_config, "use_bidirectional_attention", None) == "all":

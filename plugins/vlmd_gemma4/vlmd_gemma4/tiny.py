@@ -20,13 +20,14 @@ token). The tower: two layers of 32, 4-px patches pooled 3 x 3, its standardizat
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.gemma_tokenizer import CORE_SPECIAL_TOKENS, build_gemma_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
 
-__all__ = ["GEMMA4_CHAT_TEMPLATE", "SIZES", "build_tiny_gemma4", "gemma4_config"]
+__all__ = ["GEMMA4_CHAT_TEMPLATE", "MOE_TEXT", "SIZES", "build_tiny_gemma4", "build_tiny_gemma4_moe", "gemma4_config"]
 
 # Gemma 4's turn and media-boundary tokens (after the core five), and its soft tokens.
 LEADING_SPECIAL_TOKENS = (*CORE_SPECIAL_TOKENS, "<|turn>", "<turn|>", "<|image>", "<image|>", "<|audio>", "<audio|>")
@@ -50,6 +51,8 @@ SIZES: dict[str, dict] = {
         "max_soft_tokens": 140,
     },
 }
+# The mixture-of-experts variant (26B-A4B's block, ``gemma4_moe``): 4 experts of 48, 2 a token.
+MOE_TEXT = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48}
 
 # A chat template in Gemma 4's turn format: <bos>, then "<|turn>{role}\n{content}<turn|>\n"
 # per message (the assistant's role is "model"), an image or audio part as its soft token.
@@ -82,7 +85,7 @@ def _build_tokenizer(seed: int, vocab_size: int):
     )
 
 
-def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int]):
+def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int], text_overrides: dict | None = None):
     from transformers import Gemma4Config
 
     spec = SIZES[size]
@@ -94,7 +97,7 @@ def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int]):
                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                 "rope_theta": 1000.0}},
             bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
-            tie_word_embeddings=False, **spec["text"],
+            tie_word_embeddings=False, **{**spec["text"], **(text_overrides or {})},
         ),
         vision_config=dict(spec["vision"]), audio_config=None,
         boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], image_token_id=ids["<|image|>"],
@@ -110,14 +113,28 @@ _COMMON_STD = StdRule()
 
 def _param_std(name: str, shape: tuple[int, ...], is_norm: bool) -> tuple[float, float]:
     """vlmd.tiny.weights' common rule, but Gemma 4's RMSNorms scale by ``w`` (not 1 + w):
-    their weights are N(1, 0.1)."""
+    their weights are N(1, 0.1), as the router's scales; an expert tensor's fan-in is its
+    last dimension."""
     if "norm" in name and name.endswith("weight") and len(shape) == 1:
         return 1.0, 0.1
+    if name.endswith(("router.scale", "router.per_expert_scale")):
+        return 1.0, 0.1
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, out, in]: fan-in is the last
+        return 0.0, 1.0 / math.sqrt(shape[-1])
     return _COMMON_STD(name, shape, is_norm)
 
 
 def build_tiny_gemma4(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     """Build a random Gemma 4 checkpoint into ``out_dir`` and return its path."""
+    return _build(out_dir, seed, size, "gemma4", {})
+
+
+def build_tiny_gemma4_moe(out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """The same with routed experts beside every layer's MLP (``MOE_TEXT``)."""
+    return _build(out_dir, seed, size, "gemma4_moe", MOE_TEXT)
+
+
+def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> Path:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     import torch
@@ -129,7 +146,7 @@ def build_tiny_gemma4(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     tokenizer = _build_tokenizer(seed, spec["vocab_size"])
     vocab = tokenizer.get_vocab()
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
-    config = gemma4_config(size, vocab_size=len(tokenizer), ids=ids)
+    config = gemma4_config(size, vocab_size=len(tokenizer), ids=ids, text_overrides=text_overrides)
     model = random_model(Gemma4ForConditionalGeneration, config, seed, _param_std, sorted(ids.values()))
     # Each layer's output scale, drawn in [0.75, 1.25) from the seed (transformers builds them at 1).
     scalars = torch.Generator().manual_seed(seed + 1)
@@ -151,10 +168,11 @@ def build_tiny_gemma4(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     write_json(out / "processor_config.json", {"processor_class": "Gemma4Processor", "image_processor": image})
     text = spec["text"]
     write_json(out / "vlmd_tiny.json", {
-        "family": "gemma4", "size": size, "seed": int(seed), "num_parameters": int(num_params),
+        "family": family, "size": size, "seed": int(seed), "num_parameters": int(num_params),
         "vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": ids["<pad>"],
         "sliding_window": text["sliding_window"], "num_kv_shared_layers": text["num_kv_shared_layers"],
         "head_dims": [text["head_dim"], text["global_head_dim"]], "max_soft_tokens": spec["max_soft_tokens"],
+        "num_experts": text_overrides.get("num_experts"),
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
     })
     return out
