@@ -4,7 +4,8 @@ The inputs are assembled as ``Gemma4Processor.__call__`` assembles them, from it
 tiny checkpoint has no audio feature extractor for the whole processor to load): the chat
 template's prompt, the PIL image processor at the request's ``max_soft_tokens``, each
 ``<|image|>`` replaced by ``<|image>`` + one ``<|image|>`` per soft token + ``<image|>``
-(``replace_image_token``), the tokenizer.
+(``replace_image_token``), the tokenizer, and ``mm_token_type_ids`` marking the image
+soft tokens (which the model reads where its images attend bidirectionally).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def gemma4_inputs(model_dir, messages, images, max_soft_tokens: int | None = Non
     text = parts[0] + "".join(f"{boi}{image * int(count)}{eoi}{part}"
                               for count, part in zip(pixels["num_soft_tokens_per_image"], parts[1:]))
     inputs = dict(tokenizer(text, return_tensors="pt", add_special_tokens=False))
-    inputs.update(pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"])
+    # As the processor marks them (create_mm_token_type_ids): the image soft tokens are type 1.
+    token_types = (inputs["input_ids"] == tokenizer.convert_tokens_to_ids(image)).long()
+    inputs.update(pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"],
+                  mm_token_type_ids=token_types)
     return inputs
 
 

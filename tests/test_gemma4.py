@@ -13,7 +13,8 @@ to preempt, runs them concurrently.
 A first divergence is accepted only where transformers' own top-1/top-2 log-prob gap is
 < 1e-3, and the greedy tokens' log-probs must agree within 1e-3 up to it. `vlmd cost`
 counts the server's prompt and shows the shared layers holding nothing. The
-mixture-of-experts variant (``gemma4_moe``) runs some of the cases on a third server.
+mixture-of-experts variant (``gemma4_moe``) runs some of the cases on a third server, and
+the same weights with images attending both ways on the sliding layers on a fourth.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 from conftest import Server, image_data_url, random_image
 from gemma4_oracle import hf_gemma4_generate
 from oracle import assert_chat_parity
-from vlmd.cost import CostOptions, compute_cost, parse_image
+from vlmd.cost import CostOptions, compute_cost, format_table, parse_image
 from vlmd.sched.block_pool import blocks_needed
 
 LONG_TEXT = " ".join(["Describe the sea and the poem and what is here in some detail"] * 10)
@@ -152,6 +153,7 @@ def test_cost_counts_the_servers_prompt_and_no_kv_for_shared_layers(server, tiny
     assert report["items"][0]["placeholder_tokens"] == references["one_image"]["prompt_token_ids"].count(
         report_image_token(tiny_gemma4_dir))
     assert report["cache"]["shared_kv_layers"] == [[4, 3], [5, 2]]
+    assert "2 layers read an earlier layer's K/V and hold none: 4<-3, 5<-2" in format_table(report)
     request = report["requests"][0]
     owned = sorted(layer for group in request["kv_groups"] for layer in group["layers"])
     assert owned == [0, 1, 2, 3]  # layers 4 and 5 hold nothing
@@ -199,6 +201,40 @@ def test_the_mixture_of_experts_variant(tiny_gemma4_moe_dir, tmp_path):
     try:
         bodies = _concurrently(server, [_body(*CASES[name]) for name in MOE_CASES] * 2)
         for name, body in zip(MOE_CASES * 2, bodies):
+            assert_chat_parity(body, refs[name])
+    finally:
+        server.stop()
+
+
+def _bidirectional(tiny_dir, out):
+    """The same weights with images attending both ways on the sliding layers (Gemma 4's
+    larger checkpoints' ``use_bidirectional_attention="vision"``)."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+BIDIRECTIONAL_CASES = ["one_image", "budget_70", "two_images", "long"]
+
+
+def test_images_attend_both_ways_on_the_sliding_layers(tiny_gemma4_dir, tmp_path):
+    """An image's soft tokens see each other both ways on the sliding layers (within the
+    24-token window: the images here are 56-132 tokens), causally on the full ones; each image
+    computed in one step of at most 140 tokens while text chunks around it."""
+    model_dir = _bidirectional(tiny_gemma4_dir, tmp_path / "bidirectional")
+    refs = {name: _reference(model_dir, *CASES[name]) for name in BIDIRECTIONAL_CASES}
+    causal = {name: _reference(tiny_gemma4_dir, *CASES[name]) for name in ("one_image", "two_images")}
+    assert any(refs[name]["output_token_ids"] != causal[name]["output_token_ids"] for name in causal)
+    server = Server(model_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2",
+                    "--max-num-batched-tokens", "140", log_dir=tmp_path)
+    try:
+        bodies = _concurrently(server, [_body(*CASES[name]) for name in BIDIRECTIONAL_CASES] * 2)
+        for name, body in zip(BIDIRECTIONAL_CASES * 2, bodies):
             assert_chat_parity(body, refs[name])
     finally:
         server.stop()

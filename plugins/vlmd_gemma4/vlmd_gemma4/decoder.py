@@ -6,7 +6,9 @@ As transformers' ``Gemma4TextModel`` computes it (``modeling_gemma4.py``, 5.25):
   (``scaling = 1.0``: the norms set the logits' size);
 - ``layer_types`` alternates sliding-window layers and full ones; full layers have heads of
   ``global_head_dim`` and proportional RoPE (only a ``partial_rotary_factor`` of each head
-  rotates), each type its own rotary table;
+  rotates), each type its own rotary table; where images attend bidirectionally
+  (``use_bidirectional_attention="vision"``) only the sliding layers see an image's tokens
+  both ways, the full ones stay causal (``AttentionMetadata.causal``);
 - the last ``num_kv_shared_layers`` layers have no K/V projections: they attend with their
   own queries over the K/V of the last earlier layer of their type (``shared_attention``,
   the KV model's ``SharedKV``: they hold nothing in the cache, docs/decisions.md D111);
@@ -109,6 +111,8 @@ class Gemma4Attention(nn.Module):
             kv_size = self.num_kv_heads * self.head_dim
             q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary(self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)), cos, sin)
+        if self.window is None:  # full layers attend causally even inside an image (transformers' masks)
+            meta = meta.causal()
         if self.kv_source is not None:
             attended = shared_attention(q, kv_cache, meta, 1.0, self.window)
         else:

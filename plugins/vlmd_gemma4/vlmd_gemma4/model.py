@@ -7,7 +7,9 @@ unscaled RMSNorm and a projection into the text width), built from the checkpoin
 Each image is encoded alone over its own patches: transformers pads every image to its
 budget's patch count and masks the padding out of attention and pooling, which computes the
 same vectors. An image token's embedding row is its tower output; its per-layer part is the
-pad token's (``merge_multimodal``; the decoder's module docstring says why). The audio tower
+pad token's (``merge_multimodal``; the decoder's module docstring says why). Where the config
+says ``use_bidirectional_attention="vision"`` an image's soft tokens attend to each other
+both ways on the sliding layers (``attention_spans``; the full layers stay causal). The audio tower
 is not built yet: its weights are passed over and audio parts are refused (issue 45).
 """
 
@@ -24,6 +26,7 @@ from torch import nn
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import iterate_weights, load_multimodal_weights
+from vlmd.types import MultiModalItem
 from vlmd_gemma4.decoder import Gemma4TextModel
 
 # Checkpoint prefixes (transformers 5's Gemma4ForConditionalGeneration) -> ours, in order:
@@ -65,7 +68,7 @@ class Gemma4Model(nn.Module):
     """Under tensor parallelism the decoder is sharded; the tower and embedder are
     replicated: every rank encodes every image."""
 
-    capabilities = ModelCapabilities(merge_multimodal=True, drop_encoders=True)
+    capabilities = ModelCapabilities(merge_multimodal=True, drop_encoders=True, attention_spans=True)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
@@ -75,14 +78,13 @@ class Gemma4Model(nn.Module):
         if config.vision_config is not None:
             from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
 
-            if getattr(text, "use_bidirectional_attention", None) == "vision":
-                raise ValueError("Gemma 4 with bidirectional attention over images (use_bidirectional_attention="
-                                 "'vision', on its sliding layers only) is not supported yet")
             vision_config = config.vision_config
             vision_config._attn_implementation = "sdpa"
             self.vision_tower = Gemma4VisionModel(vision_config)
             adopt_linear_modules(self.vision_tower)  # its linears on the seam (adopt.py), as every tower's
             self.embed_vision = Gemma4MultimodalEmbedder(vision_config, text)
+        # An image's soft tokens see each other both ways (on the sliding layers) where the config says so.
+        self.bidirectional_images = text.use_bidirectional_attention == "vision"
         tied = bool(getattr(config, "tie_word_embeddings", True))
         self.language_model = Gemma4TextModel(text, tp, tie_word_embeddings=tied)
         self.kv_spec = self.language_model.kv_spec
@@ -139,6 +141,13 @@ class Gemma4Model(nn.Module):
         if inputs_embeds.shape[1] > hidden:
             inputs_embeds[rows, hidden:] = self.language_model.pad_per_layer_embedding().to(inputs_embeds.dtype)
         return None
+
+    def attention_spans(self, items: list[MultiModalItem]) -> list[tuple[int, int]]:
+        """Each image's soft tokens (not its boundary tokens: transformers' mm_token_type_ids),
+        where they attend both ways; none otherwise."""
+        if not self.bidirectional_images:
+            return []
+        return [(item.offset, item.end) for item in items]
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None, multimodal=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)

@@ -43,6 +43,11 @@ class Gemma4ProcessingInfo(BaseProcessingInfo):
     def marker_token_id(self, modality: str) -> int:
         return self.image_token_id
 
+    def attends_within_items(self) -> bool:
+        """Where an image's tokens see each other both ways (``use_bidirectional_attention=
+        "vision"``): then each image is computed in one step."""
+        return self.ctx.hf_config.text_config.use_bidirectional_attention == "vision"
+
     def kv_spec(self) -> KVSpec:
         """Windows, head sizes and the layers that share K/V (``layers.kv_spec``): what
         `vlmd cost` and the memory plan count."""

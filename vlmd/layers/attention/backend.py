@@ -76,6 +76,8 @@ class AttentionMetadata:
     group: int = field(default=MAIN_GROUP, kw_only=True)
     # Other groups' metadata, built on first use.
     _groups: dict = field(default_factory=dict, repr=False, kw_only=True)
+    # This step's metadata without bidirectional spans (``causal``), built on first use.
+    _causal: "AttentionMetadata | None" = field(default=None, repr=False, kw_only=True)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """This step's metadata for layers of KV group ``group``: itself, or built from the
@@ -86,6 +88,18 @@ class AttentionMetadata:
             chunks = [chunk.for_group(group) for chunk in self.chunks]
             self._groups[group] = self.backend.prepare_metadata(chunks, self.num_decodes)
         return self._groups[group]
+
+    def causal(self) -> "AttentionMetadata":
+        """This step's metadata with every chunk's bidirectional spans dropped, for the layers
+        of a model whose queries attend causally even inside an item (Gemma 4's full-attention
+        layers, where its windowed ones see an image's tokens both ways): itself where no
+        chunk has spans, else built on first use and shared by those layers."""
+        if not any(chunk.spans for chunk in self.chunks):
+            return self
+        if self._causal is None:
+            self._causal = self.backend.prepare_metadata([replace(chunk, spans=()) for chunk in self.chunks],
+                                                         self.num_decodes)
+        return self._causal
 
 
 @dataclass(frozen=True)
