@@ -42,7 +42,7 @@ def test_shared_layers_hold_nothing_in_the_kv_model():
         assert (config.layer_group[layer], config.layer_slot[layer]) == \
             (config.layer_group[source], config.layer_slot[source])
     # The pool's slot holds the widest layer (2 heads x 32); only the 6 owners cost anything.
-    assert spec.slot_head_dim == 32 and spec.num_layers_with_kv == 6
+    assert spec.slot_width == 64 and spec.num_layers_with_kv == 6
     assert spec.bytes_per_token(4) == 2 * 6 * 2 * 32 * 4
     assert config.slot_bytes == 2 * 16 * 2 * 32 * 4
     # Without sharing the same layers would need a slot for each of the ten.
@@ -68,17 +68,33 @@ def test_layer_caches_give_a_shared_layer_its_sources_tensors_and_narrow_layers_
     spec = _gemma4_like()
     config = spec.kv_cache_config(4, 4, 1024, 64, num_blocks=6)
     slots = allocate_kv_slots(spec, config, torch.float32)
-    assert len(slots) == config.num_slots and slots[0][0].shape == (24, 2, 32)
+    assert len(slots) == config.num_slots and slots[0][0].shape == (24, 64)
     caches = layer_caches(config, slots, range(spec.num_layers), spec)
     for layer, source in ((6, 5), (9, 4)):
         assert caches[layer][0].data_ptr() == caches[source][0].data_ptr()
         assert caches[layer][1].data_ptr() == caches[source][1].data_ptr()
         assert caches[layer].group == caches[source].group
     assert caches[0][0].shape == (24, 2, 16) and caches[4][0].shape == (24, 2, 32)
-    # A narrow layer writes the first 16 of each head's 32: its rows stay its rows.
+    # A narrow layer writes the first 2 x 16 of a row's 64 values: its rows stay its rows.
     caches[0][0][5] = 1.0
     slot = slots[config.layer_slot[0]][0]
-    assert slot[5, :, :16].eq(1).all() and slot[5, :, 16:].eq(0).all() and slot[4].eq(0).all()
+    assert slot[5, :32].eq(1).all() and slot[5, 32:].eq(0).all() and slot[4].eq(0).all()
+
+
+def test_layers_of_other_kv_head_counts_view_the_first_values_of_each_row():
+    """Gemma 4's attention_k_eq_v full layers: one K/V head of 64 where the windowed layers
+    have two of 16; the slot's rows hold 64 values, each layer its heads x head size of them."""
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, layer_windows=(8, None, 8),
+                  layer_head_dims=(16, 64, 16), layer_kv_heads=(2, 1, 2))
+    assert spec.slot_width == 64 and spec.bytes_per_token(4) == 2 * 3 * 64 * 4
+    config = spec.kv_cache_config(4, 4, 64, 16, num_blocks=3)
+    slots = allocate_kv_slots(spec, config, torch.float32)
+    caches = layer_caches(config, slots, range(3), spec)
+    assert [tuple(cache[0].shape) for cache in caches] == [(12, 2, 16), (12, 1, 64), (12, 2, 16)]
+    caches[1][1][2, 0, 63] = 5.0  # the full layer's last value of row 2
+    assert slots[config.layer_slot[1]][1][2, 63] == 5.0
+    with pytest.raises(ValueError, match="K/V head counts"):
+        KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, layer_kv_heads=(2, 1))
 
 
 def _reference(q_rows, keys, values, positions, window, scale):

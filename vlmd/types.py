@@ -109,8 +109,12 @@ class KVSpec:
     layer_kv_sources: tuple[int | None, ...] = ()
     # Per layer, its head size where layers differ (Gemma 4: 512 on full-attention layers,
     # 256 on windowed ones), or empty: every layer's is ``head_dim``. A layer slot of the pool
-    # holds the widest; a narrower layer uses the first ``head_dim`` of each row (D111).
+    # holds the widest; a narrower layer uses the first values of each row (D111).
     layer_head_dims: tuple[int, ...] = ()
+    # Per layer, its K/V heads where layers differ (Gemma 4's full layers with
+    # attention_k_eq_v), or empty: every layer's is ``num_kv_heads``. A slot's rows hold the
+    # widest layer's heads x head size (``slot_width``).
+    layer_kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_cross_layers < 0:
@@ -123,6 +127,10 @@ class KVSpec:
             raise ValueError(f"{len(self.layer_head_dims)} layer head sizes for {self.num_layers} layers")
         if any(dim < 1 for dim in self.layer_head_dims):
             raise ValueError(f"a head size must be >= 1, got {self.layer_head_dims}")
+        if self.layer_kv_heads and len(self.layer_kv_heads) != self.num_layers:
+            raise ValueError(f"{len(self.layer_kv_heads)} layer K/V head counts for {self.num_layers} layers")
+        if any(heads < 1 for heads in self.layer_kv_heads):
+            raise ValueError(f"a layer needs K/V heads, got {self.layer_kv_heads}")
         if self.layer_kv_sources:
             if len(self.layer_kv_sources) != self.num_layers:
                 raise ValueError(f"{len(self.layer_kv_sources)} K/V sources for {self.num_layers} layers")
@@ -133,7 +141,8 @@ class KVSpec:
                     raise ValueError(f"layer {layer} reads the K/V of layer {source}, which is not an earlier "
                                      "layer with K/V of its own")
                 windows = self.layer_windows or (None,) * self.num_layers
-                if windows[layer] != windows[source] or self.head_dim_of(layer) != self.head_dim_of(source):
+                if windows[layer] != windows[source] or self.head_dim_of(layer) != self.head_dim_of(source) \
+                        or self.kv_heads_of(layer) != self.kv_heads_of(source):
                     raise ValueError(f"layer {layer} reads the K/V of layer {source}, whose window or head size "
                                      "differs from its own")
 
@@ -141,10 +150,15 @@ class KVSpec:
         """Layer ``layer``'s head size (a cross-attention layer's is ``head_dim``)."""
         return self.layer_head_dims[layer] if self.layer_head_dims and layer < self.num_layers else self.head_dim
 
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer ``layer``'s K/V heads (a cross-attention layer's are ``num_kv_heads``)."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads and layer < self.num_layers else self.num_kv_heads
+
     @property
-    def slot_head_dim(self) -> int:
-        """The head size a layer slot of the pool holds: the widest layer's."""
-        return max(self.layer_head_dims) if self.layer_head_dims else self.head_dim
+    def slot_width(self) -> int:
+        """Values of K (or V) a layer slot's row holds: the widest layer's heads x head size."""
+        layers = range(self.num_layers + self.num_cross_layers)
+        return max(self.kv_heads_of(layer) * self.head_dim_of(layer) for layer in layers)
 
     @property
     def num_layers_with_kv(self) -> int:
@@ -155,7 +169,7 @@ class KVSpec:
     def bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token in every layer that keeps its own, at the pool's slot width
         (what the pool spends: a narrower layer's slot rows are as wide as the widest's)."""
-        return 2 * self.num_layers_with_kv * self.num_kv_heads * self.slot_head_dim * dtype_bytes
+        return 2 * self.num_layers_with_kv * self.slot_width * dtype_bytes
 
     def kv_cache_config(self, block_size: int, dtype_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                         num_blocks: int | None = None):
@@ -165,7 +179,7 @@ class KVSpec:
 
         kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len,
                             self.layer_kv_sources)
-        slot = 2 * block_size * self.num_kv_heads * self.slot_head_dim * dtype_bytes
+        slot = 2 * block_size * self.slot_width * dtype_bytes
         config = build_kv_cache_config(kinds, block_size, 1, slot)
         if num_blocks is None:
             num_blocks = sum(config.peak_request_blocks(max_model_len, max_num_batched_tokens))

@@ -3,7 +3,9 @@
 As transformers' ``Gemma4TextModel`` computes it (``modeling_gemma4.py``, 5.25):
 - RMSNorm scales by ``weight`` (not Gemma 3's ``1 + weight``), in float32; V is RMS-normed
   per head without a scale, q and k with one, before rotary; attention is not scaled
-  (``scaling = 1.0``: the norms set the logits' size);
+  (``scaling = 1.0``: the norms set the logits' size); with ``attention_k_eq_v`` a full
+  layer has ``num_global_key_value_heads`` K/V heads and no V projection: its values are
+  its keys' projection (normed as values);
 - ``layer_types`` alternates sliding-window layers and full ones; full layers have heads of
   ``global_head_dim`` and proportional RoPE (only a ``partial_rotary_factor`` of each head
   rotates), each type its own rotary table; where images attend bidirectionally
@@ -88,6 +90,9 @@ class Gemma4Attention(nn.Module):
         self.layer_type = config.layer_types[layer]
         self.head_dim = int(config.per_layer_config[layer].head_dim)
         self.kv_source = layer_facts.kv_sources(config)[layer]
+        # Values are the keys' projection (before the keys' norm and rotary): its weights load
+        # into both the k and v rows of the fused projection.
+        self.keys_are_values = layer_facts.keys_are_values(config, layer)
         bias = bool(config.attention_bias)
         heads, kv_heads = config.num_attention_heads, int(config.per_layer_config[layer].num_key_value_heads)
         if self.kv_source is None:
@@ -235,9 +240,13 @@ class Gemma4TextModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.final_logit_softcapping = config.final_logit_softcapping
         self.pad_token_id = int(config.pad_token_id)
-        # A rank holds its share of the K/V heads (every layer has the same count).
-        owner = next(layer.self_attn for layer in self.layers if layer.self_attn.kv_source is None)
-        self.kv_spec = dataclasses.replace(layer_facts.kv_spec(config), num_kv_heads=owner.num_kv_heads)
+        # A rank holds its share of each layer's K/V heads (a sharing layer's are its source's).
+        spec = layer_facts.kv_spec(config)
+        sources = spec.layer_kv_sources
+        rank_heads = tuple(self.layers[layer if sources[layer] is None else sources[layer]].self_attn.num_kv_heads
+                           for layer in range(self.num_layers))
+        self.kv_spec = dataclasses.replace(spec, num_kv_heads=rank_heads[0],
+                                           layer_kv_heads=rank_heads if spec.layer_kv_heads else ())
 
     @property
     def embedding_width(self) -> int:
@@ -311,6 +320,10 @@ class Gemma4TextModel(nn.Module):
                 continue
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in Gemma 4 checkpoint")
+            if shard in ("k", "v") and self.layers[int(name.split(".")[1])].self_attn.keys_are_values:
+                if shard == "v":
+                    raise ValueError(f"unexpected weight {name!r} in Gemma 4 checkpoint: the layer's values are its keys")
+                load_into(params[target], tensor, name, "v")
             load_into(params[target], tensor, name, shard)
             loaded.add(target)
         return loaded

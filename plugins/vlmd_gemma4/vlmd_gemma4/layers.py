@@ -16,8 +16,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 def unsupported(text_config) -> str | None:
     """What of this checkpoint's decoder the family does not run yet (None: all of it)."""
-    if getattr(text_config, "attention_k_eq_v", False):
-        return "attention_k_eq_v (keys as values, other K/V heads on full layers)"
     if getattr(text_config, "use_bidirectional_attention", None) == "all":
         return "use_bidirectional_attention='all'"
     shared = int(text_config.num_kv_shared_layers)
@@ -56,14 +54,21 @@ def windows(text_config) -> tuple[int | None, ...]:
     return tuple(int(text_config.sliding_window) if kind == SLIDING else None for kind in layer_types(text_config))
 
 
+def kv_heads(text_config) -> tuple[int, ...]:
+    """Each layer's K/V heads (a full layer's are ``num_global_key_value_heads`` where the
+    config has ``attention_k_eq_v``)."""
+    return tuple(int(text_config.per_layer_config[layer].num_key_value_heads)
+                 for layer in range(text_config.num_hidden_layers))
+
+
+def keys_are_values(text_config, layer: int) -> bool:
+    """Whether the layer's values are its keys' projection (``attention_k_eq_v``, full layers)."""
+    return bool(text_config.attention_k_eq_v) and text_config.layer_types[layer] == FULL
+
+
 def kv_spec(text_config) -> KVSpec:
-    """The decoder's KV declaration: windows, head sizes, shared layers (D111). Every layer
-    has ``num_key_value_heads`` K/V heads (``attention_k_eq_v``, which changes that on full
-    layers, is not run: ``unsupported``)."""
-    dims = head_dims(text_config)
-    layers = range(text_config.num_hidden_layers)
-    kv_heads = {int(text_config.per_layer_config[layer].num_key_value_heads) for layer in layers}
-    if len(kv_heads) != 1:
-        raise ValueError(f"Gemma 4 layers with different K/V head counts ({sorted(kv_heads)}) are not supported yet")
-    return KVSpec(num_layers=len(dims), num_kv_heads=kv_heads.pop(), head_dim=dims[0],
-                  layer_windows=windows(text_config), layer_kv_sources=kv_sources(text_config), layer_head_dims=dims)
+    """The decoder's KV declaration: windows, head sizes, K/V heads, shared layers (D111)."""
+    dims, heads = head_dims(text_config), kv_heads(text_config)
+    return KVSpec(num_layers=len(dims), num_kv_heads=heads[0], head_dim=dims[0],
+                  layer_windows=windows(text_config), layer_kv_sources=kv_sources(text_config),
+                  layer_head_dims=dims, layer_kv_heads=heads if len(set(heads)) > 1 else ())

@@ -51,8 +51,11 @@ SIZES: dict[str, dict] = {
         "max_soft_tokens": 140,
     },
 }
-# The mixture-of-experts variant (26B-A4B's block, ``gemma4_moe``): 4 experts of 48, 2 a token.
-MOE_TEXT = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48}
+# The mixture-of-experts variant (``gemma4_moe``, after 26B-A4B: routed experts and full layers
+# whose values are their keys, with their own K/V head count): 4 experts of 48, 2 a token; one
+# K/V head on full layers.
+MOE_TEXT = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48,
+            "attention_k_eq_v": True, "num_global_key_value_heads": 1}
 
 # A chat template in Gemma 4's turn format: <bos>, then "<|turn>{role}\n{content}<turn|>\n"
 # per message (the assistant's role is "model"), an image or audio part as its soft token.
@@ -173,6 +176,7 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
         "sliding_window": text["sliding_window"], "num_kv_shared_layers": text["num_kv_shared_layers"],
         "head_dims": [text["head_dim"], text["global_head_dim"]], "max_soft_tokens": spec["max_soft_tokens"],
         "num_experts": text_overrides.get("num_experts"),
+        "attention_k_eq_v": bool(text_overrides.get("attention_k_eq_v")),
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
     })
     return out
