@@ -283,6 +283,20 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma4_dir(tmp_path_factory) -> Path:
+    from vlmd.tiny import build_tiny
+
+    return build_tiny("gemma4", tmp_path_factory.mktemp("tiny-gemma4"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_moe_dir(tmp_path_factory) -> Path:
+    from vlmd.tiny import build_tiny
+
+    return build_tiny("gemma4_moe", tmp_path_factory.mktemp("tiny-gemma4-moe"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_audio_dir(tmp_path_factory) -> Path:
     from vlmd.testing.tiny import build_tiny
 

@@ -188,6 +188,9 @@ def compute_cost(model_dir: str, items: list[ItemSpec], options: CostOptions) ->
     cache["max_concurrency"] = round(sized.max_concurrency(max_model_len, cross_kv["max_request_tokens"]), 2)
     cache["full_length_requests"] = int(sized.max_concurrency(max_model_len, cross_kv["max_request_tokens"]))
     cache["layer_slots"] = kv.num_slots
+    # Layers that read an earlier layer's K/V and hold none (D111): [layer, source] pairs.
+    cache["shared_kv_layers"] = [[layer, source] for layer, source in enumerate(spec.layer_kv_sources)
+                                 if source is not None]
     cache["block_bytes"] = kv.page_bytes
     return {
         "prompt_tokens": sum(r["prompt_tokens"] * r.get("windows", 1) for r in requests),
@@ -354,6 +357,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"KV cache ({cache['source']}): {cache['num_kv_blocks']} blocks of {cache['layer_slots']} layer slots "
                  f"= {_size(cache['kv_bytes'])}; holds {cache['requests_held']} such requests; maximum concurrency "
                  f"for {report['max_model_len']} tokens per request: {cache['max_concurrency']}x")
+    if cache["shared_kv_layers"]:
+        pairs = ", ".join(f"{layer}<-{source}" for layer, source in cache["shared_kv_layers"])
+        lines.append(f"  {len(cache['shared_kv_layers'])} layers read an earlier layer's K/V and hold none: {pairs}")
     if cache["source"] == "utilization":
         lines.append(f"  plan: {_size(cache['memory_bytes'])} x {cache['utilization']} - weights {_size(cache['weight_bytes'])}"
                      f" - activations {_size(cache['activation_bytes'])} - encoder cache {_size(cache['encoder_cache_bytes'])}"

@@ -107,6 +107,19 @@ class KVSpec:
     # attention layer; or empty: none has one. Such a layer keeps no K/V per token: its state
     # sits in the pages of its own KV group, a fixed number per request (D95, D105).
     layer_state_bytes: tuple[int | None, ...] = ()
+    # Per layer, the earlier layer whose K/V it reads instead of keeping its own (None: its
+    # own), or empty: every layer keeps its own. A sharing layer computes queries only and
+    # holds nothing in the KV cache (``SharedKV``, docs/decisions.md D111); it must have its
+    # source's window.
+    layer_kv_sources: tuple[int | None, ...] = ()
+    # Per layer, its head size where layers differ (Gemma 4: 512 on full-attention layers,
+    # 256 on windowed ones), or empty: every layer's is ``head_dim``. A layer slot of the pool
+    # holds the widest; a narrower layer uses the first values of each row (D111).
+    layer_head_dims: tuple[int, ...] = ()
+    # Per layer, its K/V heads where layers differ (Gemma 4's full layers with
+    # attention_k_eq_v), or empty: every layer's is ``num_kv_heads``. A slot's rows hold the
+    # widest layer's heads x head size (``slot_width``).
+    layer_kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_state_bytes and len(self.layer_state_bytes) != self.num_layers:
@@ -119,15 +132,56 @@ class KVSpec:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if any(window is not None and window < 1 for window in self.layer_windows):
             raise ValueError(f"a sliding window must be >= 1 token, got {self.layer_windows}")
+        if self.layer_head_dims and len(self.layer_head_dims) != self.num_layers:
+            raise ValueError(f"{len(self.layer_head_dims)} layer head sizes for {self.num_layers} layers")
+        if any(dim < 1 for dim in self.layer_head_dims):
+            raise ValueError(f"a head size must be >= 1, got {self.layer_head_dims}")
+        if self.layer_kv_heads and len(self.layer_kv_heads) != self.num_layers:
+            raise ValueError(f"{len(self.layer_kv_heads)} layer K/V head counts for {self.num_layers} layers")
+        if any(heads < 1 for heads in self.layer_kv_heads):
+            raise ValueError(f"a layer needs K/V heads, got {self.layer_kv_heads}")
+        if self.layer_kv_sources:
+            if len(self.layer_kv_sources) != self.num_layers:
+                raise ValueError(f"{len(self.layer_kv_sources)} K/V sources for {self.num_layers} layers")
+            for layer, source in enumerate(self.layer_kv_sources):
+                if source is None:
+                    continue
+                if not 0 <= source < layer or self.layer_kv_sources[source] is not None:
+                    raise ValueError(f"layer {layer} reads the K/V of layer {source}, which is not an earlier "
+                                     "layer with K/V of its own")
+                windows = self.layer_windows or (None,) * self.num_layers
+                if windows[layer] != windows[source] or self.head_dim_of(layer) != self.head_dim_of(source) \
+                        or self.kv_heads_of(layer) != self.kv_heads_of(source):
+                    raise ValueError(f"layer {layer} reads the K/V of layer {source}, whose window or head size "
+                                     "differs from its own")
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s head size (a cross-attention layer's is ``head_dim``)."""
+        return self.layer_head_dims[layer] if self.layer_head_dims and layer < self.num_layers else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer ``layer``'s K/V heads (a cross-attention layer's are ``num_kv_heads``)."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads and layer < self.num_layers else self.num_kv_heads
 
     @property
-    def num_attention_layers(self) -> int:
-        """Self-attention layers: those that keep K/V per token (not a recurrent state)."""
-        return self.num_layers - sum(1 for size in self.layer_state_bytes if size is not None)
+    def slot_width(self) -> int:
+        """Values of K (or V) a layer slot's row holds: the widest layer's heads x head size."""
+        layers = range(self.num_layers + self.num_cross_layers)
+        return max(self.kv_heads_of(layer) * self.head_dim_of(layer) for layer in layers)
+
+    @property
+    def num_layers_with_kv(self) -> int:
+        """Self-attention layers that keep K/V of their own per token: not a sharing layer
+        (another layer's K/V), not a recurrent-state layer (a fixed state instead)."""
+        return sum(1 for layer in range(self.num_layers)
+                   if not (self.layer_kv_sources and self.layer_kv_sources[layer] is not None)
+                   and not (self.layer_state_bytes and self.layer_state_bytes[layer] is not None))
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token in every self-attention layer."""
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V of one token in every self-attention layer that keeps its own (not a
+        recurrent state, not another layer's K/V), at the pool's slot width (what the pool
+        spends: a narrower layer's slot rows are as wide as the widest's)."""
+        return 2 * self.num_layers_with_kv * self.slot_width * dtype_bytes
 
     def kv_cache_config(self, block_size: int, dtype_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                         num_blocks: int | None = None):
@@ -136,8 +190,8 @@ class KVSpec:
         from vlmd.sched.kv_spec import build_kv_cache_config, layer_kinds
 
         kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len,
-                            self.layer_state_bytes)
-        slot = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+                            self.layer_state_bytes, self.layer_kv_sources)
+        slot = 2 * block_size * self.slot_width * dtype_bytes
         config = build_kv_cache_config(kinds, block_size, 1, slot)
         if num_blocks is None:
             num_blocks = sum(config.peak_request_blocks(max_model_len, max_num_batched_tokens))

@@ -26,3 +26,9 @@ def gated_activation(gate_up: torch.Tensor, width: int, name: str) -> torch.Tens
         return elementwise.silu_mul(gate_up, width)
     gate, up = gate_up[..., :2 * width].split(width, dim=-1)
     return ACTIVATIONS[name](gate) * up
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's soft cap, ``tanh(x / cap) * cap`` (transformers' order), or ``x`` where ``cap``
+    is None."""
+    return x if cap is None else torch.tanh(x / float(cap)) * float(cap)

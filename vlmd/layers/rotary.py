@@ -31,7 +31,19 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[tor
         return inv_freq / float(scaling["factor"]), 1.0
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, scaling), 1.0
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "proportional":
+        return _proportional_frequencies(head_dim, theta, scaling), 1.0
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, proportional)")
+
+
+def _proportional_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Gemma 4's full layers (transformers' ``_compute_proportional_rope_parameters``): the
+    first ``partial_rotary_factor`` of each half rotates at frequencies spread over the whole
+    head size; the rest do not rotate (frequency 0: cos 1, sin 0)."""
+    rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = torch.cat((1.0 / (theta**exponents), torch.zeros(head_dim // 2 - rotated, dtype=torch.float32)))
+    return inv_freq / float(scaling.get("factor", 1.0))
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The KV tensors of the one pool every KV group shares (``vlmd/sched/kv_spec.py``).
 
 A page (block id) has ``num_slots`` layer slots: slot ``j`` is a pair of tensors ``[blocks *
-block_size, kv_heads, head_dim]`` (K and V), and the ``j``-th layer of every group keeps its
+block_size, slot_width]`` (K and V, each layer's heads x head size in a row's first values), and the ``j``-th layer of every group keeps its
 K/V there, at the rows of its group's blocks. So a block a window gave back is rows of the
 same tensors that a full-attention or cross-attention group writes next.
 """
@@ -19,7 +19,7 @@ from vlmd.sched.kv_spec import KVCacheConfig
 def allocate_kv_slots(spec: KVSpec, config: KVCacheConfig, dtype: torch.dtype,
                       device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The pool's tensors: one (K, V) pair per layer slot, each ``[num_blocks * block_size,
-    kv_heads, head_dim]``.
+    slot_width]`` (``layer_caches`` views each layer's as ``[rows, kv_heads, head_dim]``).
 
     Zeroed, not empty: padded gather positions are masked out of softmax, but a NaN left
     in an unused slot would still poison the weighted sum (0 * NaN). On the CPU numpy's
@@ -27,17 +27,27 @@ def allocate_kv_slots(spec: KVSpec, config: KVCacheConfig, dtype: torch.dtype,
     memset up front: a large cache costs nothing until it is used. On CUDA the cache is
     allocated (and zeroed) on the device at once: the memory plan gave it that memory.
     """
-    shape = (config.num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (config.num_blocks * config.block_size, spec.slot_width)
     if device is not None and device.type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(config.num_slots)]
     return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(config.num_slots)]
 
 
-def layer_caches(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]],
-                 layers: range) -> list[LayerCache]:
-    """The caches of KV-model layers ``layers``: each its slot's tensors and its group."""
-    return [LayerCache(*slots[config.layer_slot[layer]], config.layer_group[layer]) for layer in layers]
+def layer_caches(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]], layers: range,
+                 spec: KVSpec) -> list[LayerCache]:
+    """The caches of KV-model layers ``layers``: each its slot's tensors and its group (a
+    ``SharedKV`` layer's are its source's: same group, same slot), viewed as ``[rows,
+    kv_heads, head_dim]``: a layer narrower than the slot (``layer_head_dims``,
+    ``layer_kv_heads``) sees the first ``kv_heads x head_dim`` values of each row."""
+    caches = []
+    for layer in layers:
+        k_slot, v_slot = slots[config.layer_slot[layer]]
+        heads, dim = spec.kv_heads_of(layer), spec.head_dim_of(layer)
+        rows = k_slot.shape[0]
+        caches.append(LayerCache(k_slot[:, :heads * dim].view(rows, heads, dim),
+                                 v_slot[:, :heads * dim].view(rows, heads, dim), config.layer_group[layer]))
+    return caches
 
 
 def copy_pages(config: KVCacheConfig, slots: list[tuple[torch.Tensor, torch.Tensor]], group: int,

@@ -47,7 +47,7 @@ class ModelRunner:
         self.kv_slots = allocate_kv_slots(spec, kv_cache, dtype, self.device)
         # Every layer of the KV model, in its order: the self-attention layers, then the
         # cross-attention ones (the model's forward gets them all).
-        self.kv_caches = layer_caches(kv_cache, self.kv_slots, range(spec.num_layers + spec.num_cross_layers))
+        self.kv_caches = layer_caches(kv_cache, self.kv_slots, range(spec.num_layers + spec.num_cross_layers), spec)
         self.cross_cache = None
         cross_groups = kv_cache.groups_of(CrossAttention)
         if spec.num_cross_layers:

@@ -198,20 +198,25 @@ def snapshot_positions(item_spans: Sequence[tuple[int, int]], num_prompt_tokens:
 
 
 def layer_kinds(num_layers: int, layer_windows: Sequence[int | None], num_cross_layers: int,
-                max_model_len: int, layer_state_bytes: Sequence[int | None] = ()) -> tuple[LayerKind, ...]:
+                max_model_len: int, layer_state_bytes: Sequence[int | None] = (),
+                layer_kv_sources: Sequence[int | None] = ()) -> tuple[LayerKind, ...]:
     """Each layer's kind from a decoder's declaration (``vlmd.types.KVSpec``): self-attention
     layers first, then cross-attention ones. A window that reaches ``max_model_len`` frees
     nothing, so its layers keep every block (full attention's group; they still mask); so do
     the windowed layers of a model without any full-attention layer (its first group is then
     the main table every step reads, as before D91). A layer with a state size keeps a
-    ``RecurrentState`` instead of K/V."""
+    ``RecurrentState`` instead of K/V; a layer with a K/V source is ``SharedKV`` of it,
+    whatever its window (its source's group decides what is kept)."""
     windows = list(layer_windows) or [None] * num_layers
     states = list(layer_state_bytes) or [None] * num_layers
+    sources = list(layer_kv_sources) or [None] * num_layers
     separate = None in windows
     kinds: list[LayerKind] = []
-    for window, state in zip(windows, states):
+    for window, state, source in zip(windows, states, sources):
         if state is not None:
             kinds.append(RecurrentState(state))
+        elif source is not None:
+            kinds.append(SharedKV(source))
         elif window is not None and separate and window < max_model_len:
             kinds.append(SlidingWindow(window))
         else:

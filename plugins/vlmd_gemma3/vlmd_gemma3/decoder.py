@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlmd.layers.activation import check_activation, gated_activation
+from vlmd.layers.activation import check_activation, gated_activation, soft_cap
 from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention
 from vlmd.layers.linear import (
     SINGLE,
@@ -155,11 +155,7 @@ class Gemma3TextModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.final_logit_softcapping is not None:
-            cap = float(self.final_logit_softcapping)
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(self.lm_head(hidden), self.final_logit_softcapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """``layers.0.self_attn.q_proj.weight``-style names (no ``model.`` prefix); returns

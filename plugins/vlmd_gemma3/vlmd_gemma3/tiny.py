@@ -1,7 +1,7 @@
 """Deterministic random Gemma 3 checkpoints for tests (``Gemma3ForConditionalGeneration``).
 
 Written from transformers' own config classes, loadable offline by transformers and vlmd:
-``config.json``, ``model.safetensors`` (float32), a Gemma-style tokenizer (``tokenizer.py``:
+``config.json``, ``model.safetensors`` (float32), a Gemma-style tokenizer (``vlmd/tiny/gemma_tokenizer.py``:
 SentencePiece-style BPE with byte fallback, single-token newline runs, Gemma's special
 tokens and ids, so vLLM's Gemma 3 processor loads it too) with Gemma 3's chat template,
 ``preprocessor_config.json`` / ``processor_config.json`` (PIL image
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.weights import StdRule, random_model
-from vlmd_gemma3.tokenizer import LEADING_SPECIAL_TOKENS, TRAILING_SPECIAL_TOKENS, build_gemma_tokenizer
+from vlmd.tiny.gemma_tokenizer import LEADING_SPECIAL_TOKENS, TRAILING_SPECIAL_TOKENS, build_gemma_tokenizer
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "SIZES", "build_tiny_gemma3", "gemma3_config"]
 

@@ -59,6 +59,18 @@ def paged_attention(
     return meta.backend.forward(q, k, v, kv_cache, meta, scale, window)
 
 
+def shared_attention(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # its source layer's (runner/kv_cache.layer_caches)
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of a layer that keeps no K/V of its own (``SharedKV``): over the K/V its
+    source layer wrote, this step's included, writing nothing; returns [T, H, D]."""
+    return meta.backend.forward_shared(q, kv_cache, meta, scale, window)
+
+
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
@@ -71,6 +83,7 @@ __all__ = [
     "cross_kv",
     "paged_attention",
     "register_attention_backend",
+    "shared_attention",
     "store_kv",
     "write_kv",
 ]

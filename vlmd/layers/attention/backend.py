@@ -80,6 +80,8 @@ class AttentionMetadata:
     # whole step has run (``linear_attention.state.commit_states``): a step re-run after a
     # failure starts again from the states before it.
     pending_states: list = field(default_factory=list, repr=False, kw_only=True)
+    # This step's metadata without bidirectional spans (``causal``), built on first use.
+    _causal: "AttentionMetadata | None" = field(default=None, repr=False, kw_only=True)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """This step's metadata for layers of KV group ``group``: itself, or built from the
@@ -90,6 +92,18 @@ class AttentionMetadata:
             chunks = [chunk.for_group(group) for chunk in self.chunks]
             self._groups[group] = self.backend.prepare_metadata(chunks, self.num_decodes)
         return self._groups[group]
+
+    def causal(self) -> "AttentionMetadata":
+        """This step's metadata with every chunk's bidirectional spans dropped, for the layers
+        of a model whose queries attend causally even inside an item (Gemma 4's full-attention
+        layers, where its windowed ones see an image's tokens both ways): itself where no
+        chunk has spans, else built on first use and shared by those layers."""
+        if not any(chunk.spans for chunk in self.chunks):
+            return self
+        if self._causal is None:
+            self._causal = self.backend.prepare_metadata([replace(chunk, spans=()) for chunk in self.chunks],
+                                                         self.num_decodes)
+        return self._causal
 
 
 @dataclass(frozen=True)
@@ -189,10 +203,21 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        write: bool = True,
     ) -> torch.Tensor:  # [T, H, D]
         """``window``: a sliding-window layer's reach, each query attending to keys at
-        positions ``> position - window`` only (None: the whole context)."""
+        positions ``> position - window`` only (None: the whole context). ``write=False``:
+        ``k``/``v`` are already in the cache at the step's slots (``forward_shared``)."""
         raise NotImplementedError
+
+    def forward_shared(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                       scale: float, window: int | None = None) -> torch.Tensor:
+        """A layer that reads another layer's K/V (``SharedKV``, D111): that layer, earlier in
+        this step, wrote the step's keys and values at the group's slots; attend over them and
+        the cached context as ``forward`` does, writing nothing."""
+        slots = meta.for_group(layer_group(kv_cache, meta)).slot_mapping.to(kv_cache[0].device)
+        k, v = kv_cache[0].index_select(0, slots), kv_cache[1].index_select(0, slots)
+        return self.forward(q, k, v, kv_cache, meta, scale, window, write=False)
 
     def decode_step(self, structure: "DecoderStructure", embeds: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor | None:

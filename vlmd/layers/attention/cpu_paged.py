@@ -305,15 +305,16 @@ class CPUPagedBackend(AttentionBackend):
             return None
         return self.fused_steps.run(structure, embeds, cos, sin, meta.slot_mapping, meta.decode_tables, kv_caches)
 
-    def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None,
+                write: bool = True) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         meta = meta.for_group(layer_group(kv_cache, meta))
-        if window is not None:
-            if window < 1:
-                raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+        if write:
             write_kv(kv_cache, k, v, meta.slot_mapping)
+        if window is not None:
             return self._attend_windowed(q, kv_cache, meta, scale, window)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
         heads, kv_heads = q.shape[1], k.shape[1]
         out = torch.empty_like(q)
         decodes = meta.num_decodes

@@ -333,14 +333,16 @@ class FlexBackend(AttentionBackend):
                             num_decodes=num_decodes, chunks=list(chunks),
                             group=chunks[0].group if chunks else MAIN_GROUP)
 
-    def forward(self, q, k, v, kv_cache, meta: FlexMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: FlexMetadata, scale: float, window: int | None = None,
+                write: bool = True) -> torch.Tensor:
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must be >= 1 token, got {window}")
         k_cache, v_cache = kv_cache
         meta = meta.for_group(layer_group(kv_cache, meta))
         cache_blocks = k_cache.shape[0] // self.block_size
         plan = meta.plan(window, cache_blocks, q.device)
-        write_kv(kv_cache, k, v, meta.slot_mapping if window is None else plan.slots)
+        if write:
+            write_kv(kv_cache, k, v, meta.slot_mapping if window is None else plan.slots)
         out = torch.empty_like(q)
         options = flex_kernel_options(self.block_size, q.device)
         heads, kv_heads = q.shape[1], k.shape[1]

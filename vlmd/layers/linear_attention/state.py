@@ -82,6 +82,10 @@ def _page_floats(cache: torch.Tensor, block_size: int) -> int:
 def _region(cache: torch.Tensor, table: Sequence[int], block_size: int, floats: int) -> list[torch.Tensor]:
     """The first ``floats`` float32 entries of ``table``'s pages in one of a slot's tensors,
     as views: one where the pages are a run of consecutive ids, else one per page."""
+    if not cache.is_contiguous():
+        # A layer narrower than its pool slot (KVSpec.layer_head_dims, D111) sees a strided
+        # view of the rows: a state read as a flat vector there would miss its values.
+        raise ValueError("a recurrent state needs its slot's whole rows: a layer narrower than the slot has none")
     per_page = _page_floats(cache, block_size)
     needed = -(-floats // per_page)
     if len(table) < needed:

@@ -1,4 +1,5 @@
-"""A little Gemma-style tokenizer for the tiny checkpoints, trained offline and deterministic.
+"""A little Gemma-style tokenizer for the tiny checkpoints, trained offline and deterministic
+(Gemma 3's and Gemma 4's: the same construction, each family's special tokens).
 
 Built like the published Gemma 3 tokenizer is (transformers' ``GemmaTokenizer`` /
 ``GemmaConverter``), so servers that read Gemma's vocabulary load it as they load the real
@@ -16,8 +17,9 @@ image tokens):
   nothing else (merges were learned on text cut at newlines, digits, punctuation and before
   "▁", as SentencePiece's splitting options cut Gemma's training text).
 * The ids are laid out as Gemma's: ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3,
-  ``<mask>`` 4, the turn and image-boundary tokens, the newline runs and tab, the 256 byte
-  tokens, the learned pieces, and ``<image_soft_token>`` last.
+  ``<mask>`` 4, the family's turn and media-boundary tokens (``leading_special``), the
+  newline runs and tab, the 256 byte tokens, the learned pieces, and the media soft tokens
+  last (``trailing_special``; Gemma 3's ``<image_soft_token>``).
 * Encoding adds no bos/eos by itself (the chat template writes ``<bos>``), as every tiny
   builder's tokenizer (``vlmd.tiny.tokenizer_builder``).
 
@@ -35,10 +37,13 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from vlmd.tiny.tokenizer_builder import synthetic_corpus
 
-__all__ = ["BYTE_TOKENS", "LEADING_SPECIAL_TOKENS", "NEWLINE_RUNS", "TRAILING_SPECIAL_TOKENS", "build_gemma_tokenizer"]
+__all__ = ["BYTE_TOKENS", "CORE_SPECIAL_TOKENS", "LEADING_SPECIAL_TOKENS", "NEWLINE_RUNS", "TRAILING_SPECIAL_TOKENS",
+           "build_gemma_tokenizer"]
 
-LEADING_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
-                          "<start_of_image>", "<end_of_image>")
+CORE_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+# Gemma 3's (the defaults).
+LEADING_SPECIAL_TOKENS = (*CORE_SPECIAL_TOKENS, "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                          "<end_of_image>")
 TRAILING_SPECIAL_TOKENS = ("<image_soft_token>",)
 # vLLM's Gemma 3 processor joins "\n" + "\n\n" into "\n\n\n" and "\n\n" + "\n\n" into "\n\n\n\n"
 # around an image, as this tokenizer encodes them: the four must be single tokens.
@@ -87,6 +92,8 @@ def build_gemma_tokenizer(
     vocab_size: int,
     extra_words: Sequence[str] = (),
     tokenizer_kwargs: Mapping[str, Any] | None = None,
+    leading_special: Sequence[str] = LEADING_SPECIAL_TOKENS,
+    trailing_special: Sequence[str] = TRAILING_SPECIAL_TOKENS,
 ):
     """A Gemma-style tokenizer of exactly ``vocab_size`` tokens, as a ``PreTrainedTokenizerFast``.
 
@@ -96,15 +103,17 @@ def build_gemma_tokenizer(
         extra_words: words mixed into the corpus (chat-template words) so they get few tokens.
         tokenizer_kwargs: forwarded to ``PreTrainedTokenizerFast`` (special tokens' roles,
             ``chat_template``, ...).
+        leading_special: special tokens at ids 0.. (``CORE_SPECIAL_TOKENS`` first, as Gemma's).
+        trailing_special: special tokens after the learned pieces.
     """
     from transformers import PreTrainedTokenizerFast
 
-    fixed = [*LEADING_SPECIAL_TOKENS, *NEWLINE_RUNS, "\t", *BYTE_TOKENS]
-    learned_size = vocab_size - len(fixed) - len(TRAILING_SPECIAL_TOKENS)
+    fixed = [*leading_special, *NEWLINE_RUNS, "\t", *BYTE_TOKENS]
+    learned_size = vocab_size - len(fixed) - len(trailing_special)
     if learned_size < len(ALPHABET) + 64:
         raise ValueError(f"vocab_size {vocab_size} is too small (at least {len(fixed) + len(ALPHABET) + 65})")
     pieces, learned_merges = _learned_pieces(seed, learned_size, extra_words)
-    ordered = [*fixed, *pieces, *TRAILING_SPECIAL_TOKENS]
+    ordered = [*fixed, *pieces, *trailing_special]
     if len(set(ordered)) != len(ordered):
         raise RuntimeError("a learned piece repeats a fixed token")
     vocab = {token: index for index, token in enumerate(ordered)}
@@ -116,7 +125,7 @@ def build_gemma_tokenizer(
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     # Already in the vocabulary: registering them keeps their ids and makes them split the text.
     tok.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                            for token in (*LEADING_SPECIAL_TOKENS, *TRAILING_SPECIAL_TOKENS)])
+                            for token in (*leading_special, *trailing_special)])
     # A post-processor that adds nothing: the chat template writes <bos> (module docstring).
     tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
 

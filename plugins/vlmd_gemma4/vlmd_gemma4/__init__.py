@@ -1,0 +1,27 @@
+"""Gemma 4: a decoder whose last layers reuse earlier layers' K/V, with per-layer embeddings,
+windowed layers between full-attention ones of wider heads and proportional RoPE; images
+through its vision tower at a per-request token budget. Video and audio are not served yet
+(issue 45)."""
+
+from vlmd.plugins.hookspecs import hookimpl
+from vlmd.plugins.registry import ModelFamily
+
+FAMILY = ModelFamily(
+    name="gemma4",
+    architectures=("Gemma4ForConditionalGeneration",),
+    model="vlmd_gemma4.model:Gemma4Model",
+    processing_info="vlmd_gemma4.processing:Gemma4ProcessingInfo",
+    processor="vlmd_gemma4.processing:Gemma4Processor",
+    dummy_inputs="vlmd_gemma4.processing:Gemma4DummyInputsBuilder",
+)
+
+
+@hookimpl
+def vlmd_register_model_families(registry):
+    registry.register(FAMILY)
+
+
+@hookimpl
+def vlmd_register_tiny_builders(builders):
+    builders["gemma4"] = "vlmd_gemma4.tiny:build_tiny_gemma4"
+    builders["gemma4_moe"] = "vlmd_gemma4.tiny:build_tiny_gemma4_moe"
