@@ -59,7 +59,7 @@ def _pool(layer: GatedDeltaNet, num_blocks: int = 64):
     config = spec.kv_cache_config(BLOCK, 4, 256, 256, num_blocks)
     slots = allocate_kv_slots(spec, config, torch.float32)
     group = next(g for g in config.groups if g.kind.name == "recurrent_state")
-    return layer_caches(config, slots, range(2))[0], group
+    return layer_caches(config, slots, range(2), spec)[0], group
 
 
 def _run_steps(ours, sequences, steps):

@@ -23,7 +23,7 @@ def _pool(dtype: torch.dtype, num_blocks: int = 64):
     spec = KVSpec(4, 2, 8, layer_state_bytes=(LAYOUT.bytes_per_request, LAYOUT.bytes_per_request, None, None))
     config = spec.kv_cache_config(BLOCK, torch.empty((), dtype=dtype).element_size(), 64, 64, num_blocks)
     slots = allocate_kv_slots(spec, config, dtype)
-    return spec, config, slots, layer_caches(config, slots, range(4))
+    return spec, config, slots, layer_caches(config, slots, range(4), spec)
 
 
 def _meta(backend, config, tables_by_seq, starts, counts, num_decodes=0):

@@ -32,7 +32,7 @@ def _gemma4_like(num_layers=10, shared=4, window=64) -> KVSpec:
 def test_shared_layers_hold_nothing_in_the_kv_model():
     spec = _gemma4_like()  # layers 6..9 share: 6, 7, 8 read layer 5 (sliding), 9 reads layer 4 (full)
     assert spec.layer_kv_sources == (None,) * 6 + (5, 5, 5, 4)
-    kinds = layer_kinds(10, spec.layer_windows, 0, 1024, spec.layer_kv_sources)
+    kinds = layer_kinds(10, spec.layer_windows, 0, 1024, layer_kv_sources=spec.layer_kv_sources)
     assert kinds[:6] == (SlidingWindow(64),) * 4 + (F, SlidingWindow(64))
     assert kinds[6:] == (SharedKV(5), SharedKV(5), SharedKV(5), SharedKV(4))
     config = spec.kv_cache_config(16, 4, 1024, 256)

@@ -190,7 +190,7 @@ class KVSpec:
         from vlmd.sched.kv_spec import build_kv_cache_config, layer_kinds
 
         kinds = layer_kinds(self.num_layers, self.layer_windows, self.num_cross_layers, max_model_len,
-                            self.layer_state_bytes, self.layer_kv_sources)
+                            layer_state_bytes=self.layer_state_bytes, layer_kv_sources=self.layer_kv_sources)
         slot = 2 * block_size * self.slot_width * dtype_bytes
         config = build_kv_cache_config(kinds, block_size, 1, slot)
         if num_blocks is None:

@@ -53,7 +53,7 @@ def build(args):
     per_sequence = attention_blocks + group.blocks_per_request
     config = spec.kv_cache_config(BLOCK, 4, args.tokens + 1, args.tokens, 1 + sequences * per_sequence)
     slots = allocate_kv_slots(spec, config, torch.float32)
-    cache = layer_caches(config, slots, range(2))[0]
+    cache = layer_caches(config, slots, range(2), spec)[0]
     backend = attention_backend_for("cpu", BLOCK, "torch")
     tables = []
     for index in range(sequences):

@@ -198,7 +198,7 @@ def snapshot_positions(item_spans: Sequence[tuple[int, int]], num_prompt_tokens:
 
 
 def layer_kinds(num_layers: int, layer_windows: Sequence[int | None], num_cross_layers: int,
-                max_model_len: int, layer_state_bytes: Sequence[int | None] = (),
+                max_model_len: int, *, layer_state_bytes: Sequence[int | None] = (),
                 layer_kv_sources: Sequence[int | None] = ()) -> tuple[LayerKind, ...]:
     """Each layer's kind from a decoder's declaration (``vlmd.types.KVSpec``): self-attention
     layers first, then cross-attention ones. A window that reaches ``max_model_len`` frees
