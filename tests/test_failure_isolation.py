@@ -44,7 +44,7 @@ def image_request(built, request_id: str, image, text: str, max_tokens: int = 12
 
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": text}]}]
     preprocessor = built.preprocessor
-    preprocessor._load = lambda ref, stages=None: image if isinstance(image, Image.Image) else None
+    preprocessor._load = lambda ref, *stages_and_length: image if isinstance(image, Image.Image) else None
     processed = preprocessor.process_chat(messages)
     return EngineRequest(request_id, processed.prompt_token_ids, SamplingParams(max_tokens=max_tokens, temperature=0),
                          processed.items, eos_token_ids=built.eos_token_ids)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["StdRule", "init_weights", "norm_parameter_names", "random_model"]
+__all__ = ["StdRule", "init_buffers", "init_weights", "norm_parameter_names", "random_model"]
 
 # (name, shape, is_norm) -> (mean, std), or None to keep the parameter as the constructor built it.
 Rule = Callable[[str, tuple[int, ...], bool], "tuple[float, float] | None"]
@@ -98,6 +98,22 @@ def init_weights(model, seed: int, rule: Rule, zero_output_rows: Sequence[int] =
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std + mean)
         if len(zero_output_rows):
             model.get_output_embeddings().weight[list(zero_output_rows)] = 0.0
+
+
+def init_buffers(model, seed: int, scales: Callable[[str], "tuple[float, float] | None"]) -> None:
+    """Overwrite the buffers ``scales`` names a (mean, std) for (checkpoint buffers a family
+    draws too: Gemma 4's layer scalars, its tower's standardization), from their own generator
+    seeded with ``seed``, in sorted-name order, as :func:`init_weights` does parameters."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    with torch.no_grad():
+        for name, buffer in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            scale = scales(name)
+            if scale is None:
+                continue
+            mean, std = scale
+            buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=torch.float32) * std + mean)
 
 
 def random_model(model_class, config, seed: int, rule: Rule, zero_output_rows: Sequence[int] = ()):

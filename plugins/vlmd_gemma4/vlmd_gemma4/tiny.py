@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.gemma_tokenizer import CORE_SPECIAL_TOKENS, build_gemma_tokenizer
-from vlmd.tiny.weights import StdRule, random_model
+from vlmd.tiny.weights import StdRule, init_buffers, random_model
 
 __all__ = ["GEMMA4_CHAT_TEMPLATE", "MOE_TEXT", "SIZES", "build_tiny_gemma4", "build_tiny_gemma4_moe", "gemma4_config"]
 
@@ -114,6 +114,17 @@ def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int], text_overr
 _COMMON_STD = StdRule()
 
 
+def _buffer_scale(name: str) -> tuple[float, float] | None:
+    """(mean, std) of the checkpoint buffers the builder draws (``init_buffers``)."""
+    if name.endswith(".layer_scalar"):
+        return 1.0, 0.15
+    if name.endswith("vision_tower.std_bias"):
+        return 0.0, 0.1
+    if name.endswith("vision_tower.std_scale"):
+        return 1.0, 0.1
+    return None
+
+
 def _param_std(name: str, shape: tuple[int, ...], is_norm: bool) -> tuple[float, float]:
     """vlmd.tiny.weights' common rule, but Gemma 4's RMSNorms scale by ``w`` (not 1 + w):
     their weights are N(1, 0.1), as the router's scales; an expert tensor's fan-in is its
@@ -140,7 +151,6 @@ def build_tiny_gemma4_moe(out_dir, seed: int = 0, size: str = "tiny") -> Path:
 def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> Path:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    import torch
     from transformers import Gemma4ForConditionalGeneration
 
     spec = SIZES[size]
@@ -151,14 +161,9 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
     config = gemma4_config(size, vocab_size=len(tokenizer), ids=ids, text_overrides=text_overrides)
     model = random_model(Gemma4ForConditionalGeneration, config, seed, _param_std, sorted(ids.values()))
-    # Each layer's output scale, drawn in [0.75, 1.25) from the seed (transformers builds them at 1).
-    scalars = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            layer.layer_scalar.copy_(0.75 + 0.5 * torch.rand(1, generator=scalars))
-        tower = model.model.vision_tower
-        tower.std_bias.copy_(0.1 * torch.randn(tower.std_bias.shape, generator=scalars))
-        tower.std_scale.copy_(1.0 + 0.1 * torch.randn(tower.std_scale.shape, generator=scalars))
+    # Each layer's output scale around 1 and the tower's standardization, drawn from the seed
+    # (transformers builds them at 1 and 0: a loader that dropped them would pass unseen).
+    init_buffers(model, seed + 1, _buffer_scale)
     num_params = sum(p.numel() for p in model.parameters())
     eos_ids = [ids["<eos>"], ids["<turn|>"]]
     save_checkpoint(model, out, ids["<bos>"], eos_ids, ids["<pad>"])
