@@ -196,3 +196,34 @@ def test_the_kv_spec_names_each_linear_attention_layers_state(tiny_qwen3_5_dir):
     state = (128 * 3 + 4 * 16 * 16) * 4
     assert spec.layer_state_bytes == (state, state, state, None, state, state, state, None)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (8, 2, 64)
+
+
+@pytest.fixture(scope="module")
+def split_server(tiny_qwen3_5_dir, tmp_path_factory):
+    # Two ranks, each with half of every layer's heads (a Gated DeltaNet layer's state too);
+    # a 16-token budget that splits every prompt; 24 blocks, which three image requests
+    # at once do not fit (each holds 5 full-attention blocks and 3 state pages at its end).
+    server = Server(tiny_qwen3_5_dir, "--tensor-parallel-size", "2", "--torch-threads", "1", "--limit-mm-per-prompt",
+                    "image=1,video=0", "--max-num-batched-tokens", "16", "--num-kv-blocks", "24",
+                    "--max-model-len", "256", log_dir=tmp_path_factory.mktemp("qwen3-5-tp-logs"))
+    yield server
+    server.stop()
+
+
+def test_two_ranks_and_preemption_answer_what_transformers_does(split_server, tiny_qwen3_5_dir):
+    """The dense model over two ranks, its states carried across 16-token chunks and computed
+    again (or copied from a snapshot) after preemption: every answer transformers'."""
+    image = lambda seed, w, h: {"type": "image", "media": random_image(seed, w, h)}  # noqa: E731
+    first = ([image(41, 640, 480)], "What is in this image?", {}, None)
+    cases = [first, ([], "Write a short poem about the sea.", {}, None), ([image(42, 320, 240)], "Colours?", {}, None),
+             ([image(43, 640, 480)], "What is in this image?", {}, None)]
+    references = [_reference(tiny_qwen3_5_dir, *case, 24) for case in cases]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: split_server.chat(_body(*case, 24)), cases))
+    for (status, body), reference in zip(answers, references):
+        assert status == 200, body
+        assert_chat_parity(body, reference)
+    assert split_server.metrics()["vlmd_num_preemptions_total"] > 0
+    status, again = split_server.chat(_body(*first, 24))  # alone, from its snapshot where one is left
+    assert status == 200, again
+    assert_chat_parity(again, references[0])
