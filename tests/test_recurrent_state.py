@@ -116,3 +116,18 @@ def test_wrong_shapes_and_short_tables_are_refused():
     short = _meta(backend, config, [{0: [1], group: []}], [2], [1], num_decodes=1)
     with pytest.raises(RuntimeError, match="needs 1 pages"):
         read_states(caches[0], short, LAYOUT)
+
+
+def test_a_layer_narrower_than_its_slot_is_refused():
+    """A strided view of the slot's rows (a layer narrower than the slot, D111) cannot hold a
+    state read as one flat vector: refused, never read half-wrong."""
+    from vlmd.layers.attention.backend import LayerCache
+
+    _, config, slots, _ = _pool(torch.float32)
+    group = config.groups[1].index
+    backend = attention_backend_for("cpu", BLOCK, "torch")
+    k, v = slots[0]
+    narrow = LayerCache(k.view(k.shape[0], 2, 8)[:, :1], v.view(v.shape[0], 2, 8)[:, :1], group)
+    meta = _meta(backend, config, [{0: [1], group: [7]}], [2], [1], num_decodes=1)
+    with pytest.raises(ValueError, match="narrower than the slot"):
+        read_states(narrow, meta, LAYOUT)
