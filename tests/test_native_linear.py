@@ -163,10 +163,46 @@ needs_bf16_packing = pytest.mark.skipif(
     reason="no oneDNN bfloat16 packing or no kernel library built here")
 
 
+# Both bfloat16 readers: widening to float32 FMAs, and AVX512-BF16's dot product where the
+# host has it (the default there).
+BF16_READERS = [pytest.param(False, id="widened"), pytest.param(True, id="dot")]
+
+
+@pytest.fixture
+def bf16_reader(request, each_kernel_variant):
+    previous = native_linear.bf16_dot_products()
+    if native_linear.bf16_dot_products(request.param) != request.param:
+        pytest.skip(f"no AVX512-BF16 on this host, or the {each_kernel_variant} kernel variant has no dot product")
+    yield request.param
+    native_linear.bf16_dot_products(previous)
+
+
+@needs_kernel_only
+@pytest.mark.parametrize("bf16_reader", BF16_READERS, indirect=True)
+@pytest.mark.parametrize("out_features,in_features", [(130, 1001), (33, 17), (64, 16)])
+def test_the_bfloat16_readers_on_float32_rows_and_nan_padding(bf16_reader, out_features, in_features):
+    # The fused decode step hands bfloat16 panels float32 rows. The widening reader takes
+    # them as they are; the dot product rounds them to bfloat16 first (to nearest even):
+    # each result is the exact product of what it read, summed in float32. Panels packed
+    # by the test with NaN padding (odd K: half of the last pair) that neither may read.
+    torch.manual_seed(out_features + 7 * in_features)
+    weight = torch.randn(out_features, in_features).bfloat16()
+    packed, panels = _hand_packed(weight, max(64, native_linear._kernel()["vlmd_packed_linear_bf16_chunk"]()))
+    for rows in (1, 2, 4, 5, 9):
+        x = torch.randn(rows, in_features)
+        got = packed_linear(x, panels, None).double()
+        read = x.bfloat16().double() if bf16_reader else x.double()
+        expected, magnitude = read @ weight.double().T, read.abs() @ weight.double().abs().T
+        assert (got - expected).abs().le(magnitude * 2e-6 + 1e-30).all()  # float32 sums of exact products
+        widened = x.double() @ weight.double().T
+        assert (got - widened).abs().gt(magnitude * 2e-6).any() == bf16_reader  # the rows were rounded, or not
+
+
 @needs_bf16_packing
+@pytest.mark.parametrize("bf16_reader", BF16_READERS, indirect=True)
 @pytest.mark.parametrize("out_features,in_features", [(4096, 768), (1000, 100), (33, 17), (130, 1001), (64, 16)])
 @pytest.mark.parametrize("threads", [1, 2, 7])
-def test_bfloat16_products_match_the_reference_and_onednn(out_features, in_features, threads):
+def test_bfloat16_products_match_the_reference_and_onednn(bf16_reader, out_features, in_features, threads):
     # Exact bfloat16 products summed in float32, rounded to bfloat16 once: the reference
     # rounded the same way, within a bfloat16 step; oneDNN's own product within two.
     torch.manual_seed(out_features * 3 + in_features)

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=610)
     parser.add_argument("--output-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     from vlmd.config import ServeConfig
@@ -35,7 +36,7 @@ def main() -> None:
     from vlmd.layers.cpu.fused_step import FusedDecodeSteps
     from vlmd.types import EngineRequest, SamplingParams
 
-    built = build_engine(ServeConfig(model=str(Path(args.model_dir).expanduser())))
+    built = build_engine(ServeConfig(model=str(Path(args.model_dir).expanduser()), dtype=args.dtype))
     core, native_step = built.core, FusedDecodeSteps.run
     vocab = built.tokenizer.vocab_size
 
@@ -66,7 +67,7 @@ def main() -> None:
         module_ms.append(round(results[False][1], 2))
         native_ms.append(round(results[True][1], 2))
     FusedDecodeSteps.run = native_step
-    print(json.dumps({"bench": "decoder_step", "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+    print(json.dumps({"bench": "decoder_step", "dtype": args.dtype, "batch": args.batch, "prompt_tokens": args.prompt_tokens,
                       "tokens_equal": equal, "module_step_ms": module_ms, "native_step_ms": native_ms,
                       "module_median_ms": round(statistics.median(module_ms), 2),
                       "native_median_ms": round(statistics.median(native_ms), 2)}))

@@ -33,6 +33,7 @@ struct vlmd_step;
     X(int, vlmd_packed_bf16_layout_matches,                                                                       \
       (const uint16_t *plain, const uint16_t *packed, int64_t n_len, int64_t k_len, int64_t panel_width,          \
        int64_t padded_k, int threads))                                                                            \
+    X(int, vlmd_packed_bf16_dot, (int wanted))                                                                    \
     /* quantized_linear.c */                                                                                      \
     X(int, vlmd_packed_linear_int8_chunk, (void))                                                                 \
     X(int, vlmd_packed_linear_int8,                                                                               \

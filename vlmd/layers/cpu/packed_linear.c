@@ -291,13 +291,136 @@ static void chunk_rows_bf16(const float *x, int64_t x_stride, const void *weight
 
 int vlmd_packed_linear_bf16_chunk(void) { return BF16_CHUNK; }
 
+/* The same panels through the AVX512-BF16 dot product (below), where this variant can
+ * build it and the host has the instruction. */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <stdlib.h>
+#define DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+#define DOT_ROW_BLOCK 6 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast of 32 registers */
+
+/* Why: at 2 or more rows the widening kernel above is bound by its float32 multiplies (two
+ * FMAs a pair of K a vector, plus the widening), not by the bytes: the small LLaVA's decode
+ * step at batch 8 took ~13 ms in bfloat16 against a 3.2 ms bytes floor (roofline.py, AMD
+ * EPYC fam 25 model 17). VDPBF16PS multiplies a pair of bfloat16 values per lane and adds
+ * both products into a float32 lane, straight from the panel's (even k, odd k) pairs, so
+ * one instruction does the work of the two FMAs and the widening. Its cost: the rows are
+ * rounded to bfloat16 first (to nearest even, as torch rounds), as a bfloat16 model's rows
+ * are on the module path and as oneDNN's bfloat16 product rounds them; the products are
+ * exact and summed in float32, in another order (the instruction flushes subnormals). */
+#define TILE_DOT(ROWS)                                                                                        \
+    DOT_TARGET static void tile_dot_##ROWS(const uint32_t *x, int64_t x_stride, const uint16_t *panel,       \
+                                           int64_t panel_width, int64_t pairs, uint32_t odd_mask,            \
+                                           vf acc[DOT_ROW_BLOCK][CHUNK_VECTORS]) {                            \
+        __m512 a[ROWS][CHUNK_VECTORS];                                                                        \
+        for (int m = 0; m < ROWS; m++)                                                                        \
+            for (int j = 0; j < CHUNK_VECTORS; j++) a[m][j] = _mm512_setzero_ps();                            \
+        for (int64_t p = 0; p < pairs; p++) {                                                                 \
+            const uint16_t *row = panel + 2 * p * panel_width;                                                \
+            __m512i w[CHUNK_VECTORS];                                                                         \
+            for (int j = 0; j < CHUNK_VECTORS; j++) w[j] = _mm512_loadu_si512(row + j * VEC * 2);             \
+            if (p == pairs - 1) /* odd K: the last pair's second half is padding, never multiplied */         \
+                for (int j = 0; j < CHUNK_VECTORS; j++) w[j] = _mm512_and_si512(w[j], _mm512_set1_epi32((int)odd_mask)); \
+            for (int m = 0; m < ROWS; m++) {                                                                  \
+                const __m512bh s = (__m512bh)_mm512_set1_epi32((int)x[m * x_stride + p]);                     \
+                for (int j = 0; j < CHUNK_VECTORS; j++) a[m][j] = _mm512_dpbf16_ps(a[m][j], s, (__m512bh)w[j]); \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int m = 0; m < ROWS; m++)                                                                        \
+            for (int j = 0; j < CHUNK_VECTORS; j++) acc[m][j] = (vf)a[m][j];                                  \
+    }
+
+typedef void (*TileDot)(const uint32_t *, int64_t, const uint16_t *, int64_t, int64_t, uint32_t,
+                        vf[DOT_ROW_BLOCK][CHUNK_VECTORS]);
+TILE_DOT(1)
+TILE_DOT(2)
+TILE_DOT(3)
+TILE_DOT(4)
+TILE_DOT(5)
+TILE_DOT(6)
+static const TileDot TILES_DOT[DOT_ROW_BLOCK + 1] = {0,          tile_dot_1, tile_dot_2, tile_dot_3,
+                                                     tile_dot_4, tile_dot_5, tile_dot_6};
+
+/* As chunk_rows_bf16, with x the rows already rounded to bfloat16 pairs (handed through
+ * run_panel_chunks' float pointer): x_stride counts bfloat16 values, an even number. */
+static void chunk_rows_dot(const float *x, int64_t x_stride, const void *weights, const float *scale,
+                           int64_t panel_width, int64_t padded_k, const float *bias, float *out, int64_t out_stride,
+                           int64_t rows, int64_t n_len, int64_t k_len, int64_t chunk) {
+    (void)scale;
+    const uint32_t *pairs_of_rows = (const uint32_t *)(const void *)x;
+    const uint16_t *w = weights;
+    int64_t n0 = chunk * BF16_CHUNK;
+    const uint16_t *panel = w + (n0 / panel_width) * padded_k * panel_width + (n0 % panel_width) * 2;
+    int64_t width = n_len - n0 < BF16_CHUNK ? n_len - n0 : BF16_CHUNK;
+    const int64_t pairs = (k_len + 1) / 2;
+    const uint32_t odd_mask = k_len % 2 ? 0x0000ffffu : 0xffffffffu;
+    for (int64_t m0 = 0; m0 < rows; m0 += DOT_ROW_BLOCK) {
+        int block = rows - m0 < DOT_ROW_BLOCK ? (int)(rows - m0) : DOT_ROW_BLOCK;
+        vf acc[DOT_ROW_BLOCK][CHUNK_VECTORS];
+        TILES_DOT[block](pairs_of_rows + m0 * (x_stride / 2), x_stride / 2, panel, panel_width, pairs, odd_mask, acc);
+        for (int m = 0; m < block; m++) store_row(acc[m], bias, out + (m0 + m) * out_stride + n0, n0, width);
+    }
+}
+
+/* float32 -> bfloat16, to nearest with ties to even, any NaN the quiet NaN 0x7fc0: torch's rounding. */
+static inline uint32_t round_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+static int dot_products(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width, int64_t padded_k,
+                        const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
+                        int64_t k_len, int threads) {
+    if (rows < 1 || k_len < 1 || x_stride < k_len) return -3; /* before sizing the scratch */
+    const int64_t pairs = (k_len + 1) / 2;
+    uint32_t *rounded = malloc((size_t)(rows * pairs) * sizeof(uint32_t));
+    if (!rounded) return -6;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t p = 0; p < pairs; p++) {
+            const float *pair = x + m * x_stride + 2 * p;
+            rounded[m * pairs + p] = round_bf16(pair[0]) | (2 * p + 1 < k_len ? round_bf16(pair[1]) << 16 : 0u);
+        }
+    int code = run_panel_chunks(chunk_rows_dot, BF16_CHUNK, 2, threads, (const float *)(const void *)rounded, 2 * pairs,
+                                w, NULL, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len);
+    free(rounded);
+    return code;
+}
+#endif
+
+/* Whether bfloat16 panels take the dot-product kernel: -1 not yet decided (the host's CPU
+ * decides on first use), 0 no, 1 yes. */
+static int bf16_dot = -1;
+
+/* Asked with -1: whether bfloat16 products take the AVX512-BF16 dot kernel (1) or widen
+ * to float32 (0). 0 or 1 sets it (1 only where this variant built it and the host has the
+ * instruction; a test or bench compares the two); returns the setting then in force. */
+int vlmd_packed_bf16_dot(int wanted) {
+#ifdef __AVX512F__
+    __builtin_cpu_init();
+    const int host_can = __builtin_cpu_supports("avx512bf16") != 0;
+#else
+    const int host_can = 0;
+#endif
+    if (bf16_dot < 0) bf16_dot = host_can;
+    if (wanted >= 0) bf16_dot = wanted && host_can;
+    return bf16_dot;
+}
+
 /* As vlmd_packed_linear, for bfloat16 panels (w) and float32 rows and output. */
 int vlmd_packed_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,
                             int64_t padded_k, const float *bias, float *out, int64_t out_stride, int64_t rows,
                             int64_t n_len, int64_t k_len, int threads) {
+#ifdef __AVX512F__
+    if (bf16_dot > 0 || (bf16_dot < 0 && vlmd_packed_bf16_dot(-1)))
+        return dot_products(x, x_stride, w, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len,
+                            threads);
+#endif
     return run_panel_chunks(chunk_rows_bf16, BF16_CHUNK, 2, threads, x, x_stride, w, NULL, panel_width, padded_k,
                             bias, out, out_stride, rows, n_len, k_len);
 }
 
 /* 1 if `packed` holds the bfloat16 `plain` [N, K] in the paired panel layout above, else 0. */
 LAYOUT_MATCHES(vlmd_packed_bf16_layout_matches, uint16_t, 2)
+

@@ -25,12 +25,12 @@ from vlmd.layers.cpu.library import load_functions
 
 PANEL_WIDTHS = (64, 32, 128, 16)  # tried in this order; the kernel takes multiples of its chunk
 _ERRORS = {-1: "a panel width the kernel cannot tile", -2: "padded K shorter than K", -3: "a size or stride",
-           -4: "int8 panels without their scales"}
+           -4: "int8 panels without their scales", -6: "no memory for the rows rounded to bfloat16"}
 _POINTER, _INT, _WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # bound_product's arguments, converted once
 # Signatures: kernels.h. The *_chunk functions give the columns one tile computes.
 _NAMES = ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", "vlmd_packed_linear_bf16",
           "vlmd_packed_bf16_layout_matches", "vlmd_packed_linear_bf16_chunk", "vlmd_packed_linear_int8",
-          "vlmd_packed_linear_int8_chunk")
+          "vlmd_packed_linear_int8_chunk", "vlmd_packed_bf16_dot")
 # Per weight dtype: (product, layout check, columns a tile computes, bytes an element).
 _FUNCTIONS = {torch.float32: ("vlmd_packed_linear", "vlmd_packed_layout_matches", "vlmd_packed_linear_chunk", 4),
               torch.bfloat16: ("vlmd_packed_linear_bf16", "vlmd_packed_bf16_layout_matches",
@@ -50,6 +50,18 @@ def _kernel() -> dict | None:
 
 def available() -> bool:
     return _kernel() is not None
+
+
+def bf16_dot_products(wanted: bool | None = None) -> bool:
+    """Whether bfloat16 panels are multiplied by AVX512-BF16's dot product (rows rounded to
+    bfloat16 first; ``packed_linear.c`` says why) rather than widened to float32. The host
+    decides by default: yes where it has the instruction and the loaded variant built it.
+    ``wanted`` sets it (True only where it can be), for a test or bench comparing the two;
+    returns the setting then in force (False where no kernel library is loaded)."""
+    kernel = _kernel()
+    if kernel is None:
+        return False
+    return bool(kernel["vlmd_packed_bf16_dot"](-1 if wanted is None else int(wanted)))
 
 
 @dataclass(frozen=True)
