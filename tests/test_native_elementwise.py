@@ -119,7 +119,7 @@ def test_rms_norm_layer_fuses_the_add_like_its_torch_ops(monkeypatch):
     torch_out, torch_sum = norm.add_forward(residual.clone(), delta)
     torch.testing.assert_close(native_sum, torch_sum, rtol=0, atol=1e-6)
     torch.testing.assert_close(native_out, torch_out, rtol=1e-5, atol=1e-5)
-    # bfloat16 keeps the torch ops whatever serves says.
+    # bfloat16 rows take the bfloat16 twin (test below), whatever serves says.
     monkeypatch.undo()
     half = norm.to(torch.bfloat16)
     out, _ = half.add_forward(residual.bfloat16(), delta.bfloat16())
@@ -167,3 +167,44 @@ def test_the_elementwise_calls_keep_the_gil_and_the_attention_calls_release_it()
         assert function._flags_ & ctypes._FUNCFLAG_PYTHONAPI
     if paged_decode.available():
         assert not paged_decode._kernel()._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+
+
+def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 values lie between a and b (same sign: their bit patterns' distance)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_bfloat16_norm_and_silu_round_where_torch_rounds(rows, width, threads, monkeypatch):
+    # The bfloat16 twins against the layers' own torch ops: the residual sum bit for bit,
+    # the norm's and the activation's outputs nearly all equal and none more than two
+    # bfloat16 steps apart (the variance is summed in another order, the exponential is
+    # vlmd's own: a value one step off before the second rounding may land two off).
+    torch.manual_seed(rows * 11 + width)
+    norm = RMSNorm(width, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    residual, delta = torch.randn(rows, width).bfloat16(), torch.randn(rows, width).bfloat16()
+    gate_up = (torch.randn(rows, 2 * width) * 4).bfloat16()
+    assert elementwise.serves_bf16(residual, delta, norm.weight.view(1, -1))
+    native_out, native_sum = norm.add_forward(residual.clone(), delta)
+    native_alone = norm(residual)
+    native_act = elementwise.silu_mul(gate_up, width)
+    monkeypatch.setattr(elementwise, "serves_bf16", lambda *tensors: False)
+    torch_out, torch_sum = norm.add_forward(residual.clone(), delta)
+    torch_alone = norm(residual)
+    torch_act = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    assert native_out.dtype == native_act.dtype == torch.bfloat16
+    assert torch.equal(native_sum, torch_sum)
+    for native, reference in ((native_out, torch_out), (native_alone, torch_alone), (native_act, torch_act)):
+        apart = _bf16_steps_apart(native, reference)
+        assert apart.max() <= 2 and apart.float().mean() < 0.01, (apart.max(), apart.float().mean())
+
+
+def test_bfloat16_rows_of_mixed_dtypes_are_not_served():
+    rows = torch.randn(2, 8).bfloat16()
+    assert elementwise.serves_bf16(rows, torch.randn(3, 8).bfloat16())
+    assert not elementwise.serves_bf16(rows, torch.randn(2, 8))
+    assert not elementwise.serves_bf16(torch.randn(8, 2).bfloat16().t())
+    with pytest.raises(ValueError):  # a float32 weight for bfloat16 rows would be misread
+        elementwise.add_rms_norm(rows, None, torch.ones(8), 1e-5)

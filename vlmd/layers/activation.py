@@ -1,7 +1,7 @@
 """Gated activations: ``act(gate) * up`` over a fused [gate | up] product's rows.
 
-Float32 CPU rows with SiLU take the CPU room's kernel (``layers/cpu/elementwise.c``: one
-pass, no [T, 2I] temporaries); anything else torch ops.
+Float32 and bfloat16 CPU rows with SiLU take the CPU room's kernel (``layers/cpu/elementwise.c``:
+one pass, no [T, 2I] temporaries); anything else torch ops.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def check_activation(name: str) -> str:
 
 def gated_activation(gate_up: torch.Tensor, width: int, name: str) -> torch.Tensor:
     """``act(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor."""
-    if name == "silu" and elementwise.serves(gate_up):
+    if name == "silu" and (elementwise.serves(gate_up) or elementwise.serves_bf16(gate_up)):
         return elementwise.silu_mul(gate_up, width)
     gate, up = gate_up[..., :2 * width].split(width, dim=-1)
     return ACTIVATIONS[name](gate) * up

@@ -2,6 +2,8 @@
 
 Float32 CPU rows take the native kernel (``layers/cpu/elementwise.c``), which also
 fuses the residual add before the norm (``add_forward``): one pass instead of ~8 torch ops.
+bfloat16 rows with a bfloat16 weight take its bfloat16 twin, which rounds where the torch
+ops below round.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _native(self, *rows: torch.Tensor) -> bool:
         weight = self.weight
-        if elementwise.serves(x) and weight.dtype == torch.float32 and weight.is_cpu:
-            return elementwise.add_rms_norm(x, None, weight, self.eps)
+        return (elementwise.serves(*rows) and weight.dtype == torch.float32 and weight.is_cpu) or (
+            elementwise.serves_bf16(*rows, weight.view(1, -1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(x):
+            return elementwise.add_rms_norm(x, None, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -41,8 +47,7 @@ class RMSNorm(torch.nn.Module):
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of ``residual + delta``, that sum). The native kernel adds into
         ``residual`` in place, so the caller hands over a residual it owns."""
-        weight = self.weight
-        if elementwise.serves(residual, delta) and weight.dtype == torch.float32 and weight.is_cpu:
-            return elementwise.add_rms_norm(residual, delta, weight, self.eps), residual
+        if self._native(residual, delta):
+            return elementwise.add_rms_norm(residual, delta, self.weight, self.eps), residual
         residual = residual + delta
         return self.forward(residual), residual

@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -141,6 +142,110 @@ int vlmd_silu_mul(const float *gate_up, int64_t in_stride, float *out, int64_t o
         for (; c < width; c++) {
             float g = gate[c];
             o[c] = g / (1.0f + expf(-g)) * up[c];
+        }
+    }
+    return 0;
+}
+
+/* The same passes over bfloat16 rows (a `--dtype bfloat16` model's prefill), rounding where
+ * torch's bfloat16 ops round, so each result is the torch path's but for the order of the
+ * variance's sum: a value is widened exactly, computed in float32 and rounded to nearest
+ * even (any NaN the quiet NaN 0x7fc0, as torch rounds).
+ *
+ * Why: in torch each of these is a chain of bfloat16 ops, each a pass over the rows that
+ * widens, computes and rounds (RMSNorm: widen, square, mean, rsqrt, multiply, round,
+ * multiply by the weight, round), so a bfloat16 prefill spent more on them than a float32
+ * one, which takes the passes above. */
+typedef uint16_t vh __attribute__((vector_size(VEC * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VEC * 4)));
+
+static inline vf widen(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
+
+static inline void narrow(uint16_t *p, vf value) {
+    vu bits = (vu)value;
+    vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    vu is_nan = (vu)((bits & 0x7fffffffu) > 0x7f800000u);
+    *(vh *)p = __builtin_convertvector((rounded & ~is_nan) | (0x7fc0u & is_nan), vh);
+}
+
+/* value rounded to bfloat16, kept as the float32 it widens to. */
+static inline vf round_to_bf16(vf value) {
+    vu bits = (vu)value;
+    vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    vu is_nan = (vu)((bits & 0x7fffffffu) > 0x7f800000u);
+    return (vf)((rounded & ~is_nan) | (0x7fc00000u & is_nan));
+}
+
+static inline float widen1(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline uint16_t narrow1(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* As vlmd_add_rms_norm on bfloat16: hidden = bf16(hidden + delta); out = bf16(weight *
+ * bf16(hidden * inverse rms)), torch's RMSNorm module in bfloat16 (vlmd/layers/norm.py). */
+int vlmd_add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
+                           const uint16_t *weight, uint16_t *out, int64_t out_stride, int64_t rows, int64_t width,
+                           float eps, int threads) {
+    if (rows < 0 || width <= 0) return -3;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * width >= PARALLEL_FLOATS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *h = hidden + r * hidden_stride, *o = out + r * out_stride;
+        const uint16_t *d = delta ? delta + r * delta_stride : 0;
+        vf acc = {0};
+        int64_t c = 0;
+        for (; c + VEC <= width; c += VEC) {
+            vf x = widen(h + c);
+            if (d) {
+                narrow(h + c, x + widen(d + c));
+                x = widen(h + c);
+            }
+            acc += x * x;
+        }
+        float squares = sum_lanes(acc);
+        for (; c < width; c++) {
+            if (d) h[c] = narrow1(widen1(h[c]) + widen1(d[c]));
+            float x = widen1(h[c]);
+            squares += x * x;
+        }
+        const float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+        for (c = 0; c + VEC <= width; c += VEC) {
+            narrow(o + c, round_to_bf16(widen(h + c) * inverse) * widen(weight + c));
+        }
+        for (; c < width; c++) o[c] = narrow1(widen1(narrow1(widen1(h[c]) * inverse)) * widen1(weight[c]));
+    }
+    return 0;
+}
+
+/* As vlmd_silu_mul on bfloat16: out = bf16(bf16(silu(gate)) * up), torch's F.silu(gate) * up. */
+int vlmd_silu_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                       int64_t width, int threads) {
+    if (rows < 0 || width <= 0) return -3;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * width >= PARALLEL_FLOATS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * in_stride, *up = gate + width;
+        uint16_t *o = out + r * out_stride;
+        int64_t c = 0;
+        for (; c + VEC <= width; c += VEC) {
+            vf g = widen(gate + c);
+            vi negative = g < 0.0f;
+            vf magnitude = (vf)((vi)g & 0x7fffffff);
+            vf e = vexp(-magnitude);
+            vf one = (vf){0} + 1.0f;
+            vf numerator = (vf)(((vi)e & negative) | ((vi)one & ~negative));
+            narrow(o + c, round_to_bf16(g * (numerator / (1.0f + e))) * widen(up + c));
+        }
+        for (; c < width; c++) {
+            float g = widen1(gate[c]);
+            o[c] = narrow1(widen1(narrow1(g / (1.0f + expf(-g)))) * widen1(up[c]));
         }
     }
     return 0;

@@ -3,7 +3,9 @@ rotary in place, SiLU * up.
 
 Each function serves float32 CPU tensors whose rows are contiguous (rows may be strided);
 ``serves(*tensors)`` says whether a call would, and the layers keep their torch ops for
-everything else (another dtype or device, or where the kernel did not build).
+everything else (another dtype or device, or where the kernel did not build). The residual
+add + RMSNorm and SiLU * up also serve bfloat16 rows (``serves_bf16``), rounding where
+torch's bfloat16 ops round.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 
 from vlmd.layers.cpu.library import load_functions
 
-_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul")  # signatures: kernels.h
+_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul", "vlmd_add_rms_norm_bf16",
+          "vlmd_silu_mul_bf16")  # signatures: kernels.h
 
 
 def _kernel() -> dict | None:
@@ -38,6 +41,16 @@ def serves(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def serves_bf16(*tensors: torch.Tensor) -> bool:
+    """As ``serves``, for bfloat16 CPU tensors."""
+    if not available():
+        return False
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1:
+            return False
+    return True
+
+
 def _require_rows(*tensors: torch.Tensor) -> None:
     """The kernels read raw memory: anything but float32 CPU rows would be misread."""
     if not serves(*tensors):
@@ -51,14 +64,31 @@ def _checked(code: int, what: str) -> None:
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``hidden += delta`` in place (when given), then RMSNorm of ``hidden`` times ``weight``,
-    as a new [rows, width] tensor."""
-    _require_rows(hidden, weight.view(1, -1), *(() if delta is None else (delta,)))
+    as a new [rows, width] tensor. bfloat16 rows and weight: each step rounded as torch's
+    bfloat16 ops round (``norm.RMSNorm``)."""
+    tensors = (hidden, weight.view(1, -1), *(() if delta is None else (delta,)))
+    if serves_bf16(*tensors):
+        return _add_rms_norm_bf16(hidden, delta, weight, eps)
+    _require_rows(*tensors)
     rows, width = hidden.shape
     if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
         raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
                          f"and weight {tuple(weight.shape)} do not match")
     out = torch.empty(rows, width, dtype=torch.float32)
     _checked(_kernel()["vlmd_add_rms_norm"](
+        hidden.data_ptr(), hidden.stride(0), None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), width, rows, width, eps,
+        torch.get_num_threads()), "RMSNorm")
+    return out
+
+
+def _add_rms_norm_bf16(hidden, delta, weight, eps) -> torch.Tensor:
+    rows, width = hidden.shape
+    if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
+        raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
+                         f"and weight {tuple(weight.shape)} do not match")
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
+    _checked(_kernel()["vlmd_add_rms_norm_bf16"](
         hidden.data_ptr(), hidden.stride(0), None if delta is None else delta.data_ptr(),
         0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), width, rows, width, eps,
         torch.get_num_threads()), "RMSNorm")
@@ -90,12 +120,15 @@ def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch
 
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
-    """``silu(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor."""
-    _require_rows(gate_up)
+    """``silu(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor
+    of ``gate_up``'s dtype (bfloat16: the activation rounded before the product, as torch's)."""
+    bf16 = serves_bf16(gate_up)
+    if not bf16:
+        _require_rows(gate_up)
     rows = gate_up.shape[0]
     if gate_up.shape[1] < 2 * width:
         raise ValueError(f"gate and up of {width} each do not fit rows of {gate_up.shape[1]}")
-    out = torch.empty(rows, width, dtype=torch.float32)
-    _checked(_kernel()["vlmd_silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width,
+    out = torch.empty(rows, width, dtype=gate_up.dtype)
+    _checked(_kernel()["vlmd_silu_mul_bf16" if bf16 else "vlmd_silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width,
                                         torch.get_num_threads()), "SiLU")
     return out

@@ -71,6 +71,13 @@ struct vlmd_step;
     X(int, vlmd_silu_mul,                                                                                         \
       (const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows, int64_t width,      \
        int threads))                                                                                              \
+    X(int, vlmd_add_rms_norm_bf16,                                                                                \
+      (uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,                      \
+       const uint16_t *weight, uint16_t *out, int64_t out_stride, int64_t rows, int64_t width, float eps,         \
+       int threads))                                                                                              \
+    X(int, vlmd_silu_mul_bf16,                                                                                    \
+      (const uint16_t *gate_up, int64_t in_stride, uint16_t *out, int64_t out_stride, int64_t rows,               \
+       int64_t width, int threads))                                                                               \
     /* decoder_step.c */                                                                                          \
     X(int, vlmd_decoder_step,                                                                                     \
       (const struct vlmd_decoder *d, const struct vlmd_step *s, const float *embeds, float *out))
