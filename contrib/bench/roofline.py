@@ -121,8 +121,12 @@ def prompt_tokens_of(url: str, image: str) -> int:
         return json.loads(response.read())["usage"]["prompt_tokens"]
 
 
+ENGINE_COUNTERS = ("vlmd_encoder_calls_total", "vlmd_encoder_forwards_total", "vlmd_engine_steps_total")
+
+
 def engine_step_seconds(url: str) -> dict[str, float]:
-    """Seconds the engine has spent in steps of each kind (``/metrics``), e.g. {"prefill": ..}."""
+    """Seconds the engine has spent in steps of each kind (``/metrics``), e.g. {"prefill": ..},
+    and its counters of encoder calls, items encoded and steps (``ENGINE_COUNTERS``)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
         text = response.read().decode()
     totals = {}
@@ -130,6 +134,8 @@ def engine_step_seconds(url: str) -> dict[str, float]:
         if line.startswith("vlmd_engine_step_seconds_sum{"):
             labels, value = line.rsplit(" ", 1)
             totals[labels.split('kind="', 1)[1].split('"', 1)[0]] = float(value)
+        elif line.split(" ", 1)[0] in ENGINE_COUNTERS:
+            totals[line.split(" ", 1)[0]] = float(line.rsplit(" ", 1)[1])
     return totals
 
 
@@ -176,6 +182,10 @@ def main() -> None:
         measured["c8_new"]["engine_s_per_request"] = {
             kind: round((after.get(kind, 0.0) - before.get(kind, 0.0)) / args.num_requests, 4)
             for kind in ("prefill", "decode")}
+        # Tower batching (issue 48): how many encoder calls carried c8's fresh images, over how many steps.
+        measured["c8_new"]["engine_counts"] = {
+            name.removeprefix("vlmd_").removesuffix("_total"): int(after.get(name, 0) - before.get(name, 0))
+            for name in ENGINE_COUNTERS}
     finally:
         process.terminate()
         process.wait(30)
