@@ -12,11 +12,14 @@ vLLM runs from ``--vllm-venv`` (recipe: /work/shared/peer/README.md); it is skip
 faked, when that venv is missing (or with ``--no-vllm``). llama.cpp runs when ``--llama-cpp``
 names its built tree (``llama_cpp_peer.py``: conversion to GGUF, ``llama-server``). Each
 server is stopped by its process group. ``--family`` measures another family's checkpoint
-instead of LLaVA-1.5 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, Gemma 3; llama.cpp's converter
-takes Qwen2-VL, LLaVA-1.5 only through its legacy scripts; Llama 3.2 Vision, which vLLM no
-longer serves, is compared with transformers in ``bench_vs_transformers.py``). Each server's
-``prompt_tokens`` for the same image request is reported: the same processor should give the
-same count.
+instead of LLaVA-1.5 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, Gemma 3, Gemma 4;
+llama.cpp's converter takes Qwen2-VL, LLaVA-1.5 only through its legacy scripts; Llama 3.2
+Vision, which vLLM no longer serves, is compared with transformers in
+``bench_vs_transformers.py``). Each server's ``prompt_tokens`` for the same image request is
+reported: the same processor should give the same count. (Gemma 4: vLLM resizes images with
+transformers' torchvision image processor, vlmd as its PIL one does; a 640x480 image becomes
+912x672 a few levels apart, so greedy text may part after a few tokens, as in transformers
+with one processor or the other.)
 
 ``--interleave N``: every server up at once, each workload run against each in turn (the
 order reversed every round) N times, with fresh images each round that every server gets;
@@ -53,7 +56,7 @@ from bench_chat import make_jpeg, run_level  # noqa: E402
 import llama_cpp_peer  # noqa: E402
 
 # Families whose chat takes one image a request, as every workload here sends.
-IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3")
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3", "gemma4")
 WORKLOADS = (("c1_new", 1, False), ("c1_repeated", 1, True), ("c8_new", 8, False), ("c8_repeated", 8, True))
 
 

@@ -73,7 +73,10 @@ class Gemma4Model(nn.Module):
             vision_config = config.vision_config
             vision_config._attn_implementation = "sdpa"
             self.vision_tower = Gemma4VisionModel(vision_config)
-            adopt_linear_modules(self.vision_tower)  # its linears on the seam (adopt.py), as every tower's
+            # Its encoder's linears on the seam (adopt.py), as every tower's; not the patch embedder's
+            # input_proj, whose .weight transformers reads (its dtype): a packed kernel drops that
+            # weight (the small checkpoint's 768x384 was packed, and its first image crashed).
+            adopt_linear_modules(self.vision_tower.encoder)
             self.embed_vision = Gemma4MultimodalEmbedder(vision_config, text)
         # An image's soft tokens see each other both ways (on the sliding layers) where the config says so.
         self.bidirectional_images = text.use_bidirectional_attention == "vision"

@@ -50,6 +50,26 @@ SIZES: dict[str, dict] = {
                        position_embedding_size=512, standardize=True, rms_norm_eps=1e-6),
         "max_soft_tokens": 140,
     },
+    # ~104M parameters, after E2B's layout in miniature (the side by side with vLLM-CPU): 12
+    # layers, five sliding (512-token window) to one global, the last six reading layers 4
+    # and 5's K/V with double-wide MLPs; one K/V head of 256 on sliding layers and of 512 on
+    # global ones (both sizes vLLM's CPU attention takes); per-layer embeddings of 64. The
+    # tower: six layers of 384 (heads of 64), 16-px patches pooled 3 x 3, 280 soft tokens an
+    # image (a 640x480 image costs 266), ``default_output_length`` (what vLLM sizes an
+    # image's placeholders by) equal to the processor's budget.
+    "small": {
+        "vocab_size": 8192,
+        "text": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
+                     layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+                     num_kv_shared_layers=6, use_double_wide_mlp=True, hidden_size_per_layer_input=64,
+                     max_position_embeddings=8192, final_logit_softcapping=30.0),
+        "vision": dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6,
+                       num_key_value_heads=6, head_dim=64, patch_size=16, pooling_kernel_size=3,
+                       position_embedding_size=1024, standardize=True, rms_norm_eps=1e-6,
+                       default_output_length=280),
+        "max_soft_tokens": 280,
+    },
 }
 # The mixture-of-experts variant (``gemma4_moe``, after 26B-A4B: routed experts and full layers
 # whose values are their keys, with their own K/V head count): 4 experts of 48, 2 a token; one
