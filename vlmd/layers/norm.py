@@ -17,32 +17,47 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_weight(self) -> torch.Tensor | None:
+        """What the native kernel scales each normed column by (float32 CPU), or None where
+        the kernel cannot serve this norm's weight. A subclass whose norm scales by something
+        other than the weight (Gemma's ``1 + w``) says so here and in ``reference``."""
         weight = self.weight
-        if elementwise.serves(x) and weight.dtype == torch.float32 and weight.is_cpu:
-            return elementwise.add_rms_norm(x, None, weight, self.eps)
+        return weight if weight.dtype == torch.float32 and weight.is_cpu else None
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in torch ops, for rows the kernel does not serve."""
         dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if elementwise.serves(x):
+            weight = self.kernel_weight()
+            if weight is not None:
+                return elementwise.add_rms_norm(x, None, weight, self.eps)
+        return self.reference(x)
 
     def heads_(self, rows: torch.Tensor, first: int, heads: int) -> None:
         """Norm in place ``heads`` heads (each this norm's width) of every row of ``rows``
         [T, width], from column ``first``: a q/k/v product's q or k heads (Qwen3). Float32
         CPU rows take the kernel the fused decode step runs (``head_rms_norm_``), so the
         two paths agree bit for bit; anything else torch ops, each head as a row."""
-        dim, weight = self.weight.shape[0], self.weight
-        if elementwise.serves(rows) and weight.dtype == torch.float32 and weight.is_cpu:
-            elementwise.head_rms_norm_(rows, first, heads, dim, weight, self.eps)
-            return
+        dim = self.weight.shape[0]
+        if elementwise.serves(rows):
+            weight = self.kernel_weight()
+            if weight is not None:
+                elementwise.head_rms_norm_(rows, first, heads, dim, weight, self.eps)
+                return
         part = rows[:, first:first + heads * dim]
         part.copy_(self.forward(part.reshape(-1, dim)).view(part.shape))
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of ``residual + delta``, that sum). The native kernel adds into
         ``residual`` in place, so the caller hands over a residual it owns."""
-        weight = self.weight
-        if elementwise.serves(residual, delta) and weight.dtype == torch.float32 and weight.is_cpu:
-            return elementwise.add_rms_norm(residual, delta, weight, self.eps), residual
+        if elementwise.serves(residual, delta):
+            weight = self.kernel_weight()
+            if weight is not None:
+                return elementwise.add_rms_norm(residual, delta, weight, self.eps), residual
         residual = residual + delta
         return self.forward(residual), residual
