@@ -3,8 +3,9 @@ decoder in one call, with the kernels the layers would call one by one.
 
 ``NativeDecoder.of(...)`` takes a model's layers as plain parts (norm weights, packed
 products of float32, bfloat16 or int8 panels, float32 or bfloat16 caches) once;
-``decoder(embeds, cos, sin, layers)`` runs a step's decodes and returns the final norm's output. The model keeps its module path for everything else (prefill chunks,
-other devices, kernels other than the native ones), and asks ``serves`` per step.
+``decoder(embeds, cos, sin, layers)`` runs a step's decodes and returns the final norm's
+output. The model keeps its module path for everything else (prefill chunks, other
+devices, kernels other than the native ones), and asks ``serves`` per step.
 """
 
 from __future__ import annotations

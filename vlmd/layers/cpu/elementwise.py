@@ -13,7 +13,8 @@ import torch
 
 from vlmd.layers.cpu.library import load_functions
 
-_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul", "vlmd_gelu_tanh_mul")  # signatures: kernels.h
+# signatures: kernels.h
+_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul", "vlmd_gelu_tanh_mul")
 
 
 def _kernel() -> dict | None:

@@ -6,9 +6,9 @@ attention; this runs ``decoder_step.c`` over the structure's layers, the same ke
 the same order as the modules would call them, so the result is the module path's bit
 for bit (Gemma 3's layer too: its modules run the same norm, rotary and GELU-tanh kernels
 on float32 rows, and each sliding-window layer reads its window group's tables, as its
-module does through ``CPUPagedBackend.forward``). It returns None wherever it cannot, and the model's modules run: a structure it
-has no kernel for (``unsupported``), a product whose kernel at this row count is not
-vlmd's packed kernel, inputs the kernel does not read.
+module does through ``CPUPagedBackend.forward``). It returns None wherever it cannot, and
+the model's modules run: a structure it has no kernel for (``unsupported``), a product
+whose kernel at this row count is not vlmd's packed kernel, inputs the kernel does not read.
 
 Weights: every product's panels may be float32, bfloat16 (a ``--dtype bfloat16`` model)
 or weight-only int8 (``--quantization int8``); the step's activations are float32 in
