@@ -8,7 +8,8 @@ a prompt several windows long with an image at its start. Each runs alone, then 
 concurrently; then a second turn (``cached_tokens``). A second server, with tensor
 parallelism over 2 ranks, a token budget of 24 (each image's 16 tokens kept whole in one
 step while text chunks around it) and a KV cache small enough to preempt, runs the cases
-its settings allow, concurrently. A first divergence is accepted only where transformers'
+its settings allow, concurrently. The first server's steps of decodes alone all take the
+fused native step (``/metrics``). A first divergence is accepted only where transformers'
 own top-1/top-2 log-prob gap is < 1e-3, and the greedy tokens' log-probs must agree
 within 1e-3 up to it. A third server computes the long prompt in chunks of 40 tokens: its
 sliding-window layers' KV group (docs/decisions.md D91) holds only what the window and a
@@ -86,8 +87,11 @@ def references(tiny_gemma3_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_gemma3_dir, tmp_path_factory):
+    # vlmd's products at every decode batch size: each step of decodes alone runs every layer
+    # in one native call (the fused step), which ``test_decodes_took_the_fused_step`` counts.
     server = Server(tiny_gemma3_dir, "--limit-mm-per-prompt", "image=3", "--max-model-len", "1024",
-                    "--mm-processor-kwargs", PAN_AND_SCAN, log_dir=tmp_path_factory.mktemp("gemma3-logs"))
+                    "--mm-processor-kwargs", PAN_AND_SCAN, "--linear-kernels", "native",
+                    log_dir=tmp_path_factory.mktemp("gemma3-logs"))
     yield server
     server.stop()
 
@@ -109,6 +113,14 @@ def test_parity_all_concurrently(server, references):
     bodies = _concurrently(server, [_body(*case) for case in CASES.values()])
     for name, body in zip(CASES, bodies):
         assert_chat_parity(body, references[name])
+
+
+def test_decodes_took_the_fused_step(server):
+    # After the parity cases above: every step of decodes alone ran Gemma 3's layers in one
+    # native call (sliding layers through their window group's tables), none its modules.
+    metrics = server.metrics()
+    assert metrics['vlmd_decode_steps_total{path="fused"}'] > 0
+    assert metrics['vlmd_decode_steps_total{path="modules"}'] == 0
 
 
 def test_second_turn_reuses_the_first(server, tiny_gemma3_dir, references):

@@ -14,6 +14,7 @@ from vlmd.layers.attention import SequenceChunk, attention_backend_for
 from vlmd.layers.linear import select_linear_kernels
 from vlmd.layers.linear.kernels import SelectedKernel
 from vlmd.layers.cpu import decoder_step
+from vlmd.layers.cpu.decoder_step import LayerTables
 from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.models.llama import LlamaForCausalLM
 
@@ -102,7 +103,8 @@ def test_a_slot_outside_the_cache_raises_instead_of_writing_there():
     assert decoder is not None
     cos, sin = model.rotary.cos_sin(torch.tensor([40]), torch.float32)
     with pytest.raises(ValueError, match="slot outside the cache"):
-        decoder(torch.randn(1, 64), cos[:, 0], sin[:, 0], torch.tensor([400 * BLOCK]), meta.decode_tables)
+        decoder(torch.randn(1, 64), cos[:, 0], sin[:, 0],
+                [LayerTables(torch.tensor([400 * BLOCK]), meta.decode_tables)] * len(caches))
 
 
 def test_inputs_the_kernel_does_not_read_keep_the_module_path(monkeypatch):

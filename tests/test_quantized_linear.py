@@ -175,13 +175,13 @@ def test_the_lm_head_is_an_int8_product_and_the_embeddings_stay_float(tied):
 @pytest.mark.parametrize("family", ["tiny_llava_dir", "tiny_qwen2_vl_dir", "tiny_qwen3_vl_dir", "tiny_internvl_dir",
                                     "tiny_gemma3_dir", "tiny_mllama_dir", "tiny_whisper_dir"])
 def test_families_on_vlmds_llama_decoder_get_an_int8_head(family, request):
-    """Llama (LLaVA), Qwen2 (Qwen2-VL, InternVL) and Qwen3 (Qwen3-VL) decoders name their
-    head; Gemma 3, Llama 3.2 Vision and Whisper describe no decoder, so int8 is refused for
-    them as before."""
+    """Llama (LLaVA), Qwen2 (Qwen2-VL, InternVL), Qwen3 (Qwen3-VL) and Gemma 3 decoders
+    name their head; Llama 3.2 Vision and Whisper describe no decoder, so int8 is refused
+    for them as before."""
     from vlmd.engine.builder import load_model
 
     model_dir = str(request.getfixturevalue(family))
-    if family in ("tiny_gemma3_dir", "tiny_mllama_dir", "tiny_whisper_dir"):
+    if family in ("tiny_mllama_dir", "tiny_whisper_dir"):
         with pytest.raises(ValueError, match="describes no decoder"):
             load_model(model_dir, torch.float32, linear_kernels="plain", quantization="int8")
         return

@@ -4,6 +4,8 @@ tokens agree. Text prompts of --prompt-tokens random ids, --batch requests at a 
 --output-tokens each; prints one JSON line:
 
     python contrib/bench/bench_decoder_step.py --model-dir ~/.cache/vlmd/bench/llava-small-seed0
+
+(a Gemma 3 checkpoint too: ``vlmd_gemma3.tiny.build_tiny_gemma3(out, size="small")``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="the engine's torch threads (default: vlmd's)")
     args = parser.parse_args()
 
     from vlmd.config import ServeConfig
@@ -36,7 +39,8 @@ def main() -> None:
     from vlmd.layers.cpu.fused_step import FusedDecodeSteps
     from vlmd.types import EngineRequest, SamplingParams
 
-    built = build_engine(ServeConfig(model=str(Path(args.model_dir).expanduser()), dtype=args.dtype))
+    built = build_engine(ServeConfig(model=str(Path(args.model_dir).expanduser()), dtype=args.dtype,
+                                     torch_threads=args.threads))
     core, native_step = built.core, FusedDecodeSteps.run
     vocab = built.tokenizer.vocab_size
 

@@ -11,8 +11,12 @@ What differs from Llama's layer (``vlmd/models/llama.py``), as transformers comp
 - the MLP is GELU (tanh) gated; the output projection is tied to the embeddings
   (in released checkpoints; the tiny test ones are untied).
 
-Its layers are not a ``PreNormLayer`` (four norms, ``1 + w``), so it offers no
-``DecoderStructure`` to a fused decode step: every step runs these modules.
+Its layers are described as a ``DecoderStructure`` (``PreNormLayer`` with the norms after
+attention and MLP, a window on the sliding layers, a rotary table per layer type, norms
+scaling by ``1 + w``), so the CPU backend runs a step of decodes through every layer in one
+native call (``layers/cpu/fused_step.py``), bit for bit these modules' float32 result: on
+float32 CPU rows the modules run the same kernels (the norms, the q/k head norms, rotary
+and GELU-tanh of ``layers/cpu/elementwise.c``), in torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 
 from vlmd.layers.activation import check_activation, gated_activation, soft_cap
 from vlmd.layers.attention import AttentionMetadata, OutputRows, paged_attention
+from vlmd.layers.decoder_structure import DecoderStructure, PreNormLayer
 from vlmd.layers.linear import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -32,19 +37,28 @@ from vlmd.layers.linear import (
     RowParallelLinear,
     TPGroup,
 )
-from vlmd.layers.rotary import RotaryEmbedding, apply_rotary
+from vlmd.layers.norm import RMSNorm
+from vlmd.layers.rotary import RotaryEmbedding, rotate_qkv
 from vlmd.models.base import KVSpec
 from vlmd_gemma3.layer_kinds import SLIDING, layer_windows
 
 
 
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(size))
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by ``1 + weight`` (a zero weight is the identity scale)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    BFLOAT16_TWIN = False  # its reference rounds once, from float32 (transformers' order)
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def kernel_weight(self) -> torch.Tensor | None:
+        weight = super().kernel_weight()
+        return None if weight is None else 1.0 + weight
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' order of operations (float32 throughout, then back to x's dtype).
         normed = x.float()
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -79,13 +93,14 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # Each q and k head normed in place, then rotated: on float32 CPU rows the kernels the
+        # fused decode step runs (so the two agree bit for bit), else torch ops.
+        self.q_norm.heads_(qkv, 0, self.num_heads)
+        self.k_norm.heads_(qkv, self.num_heads * self.head_dim, self.num_kv_heads)
+        q, k, v = rotate_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
         attended = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
-        return self.o_proj(attended.reshape(tokens, q_size))
+        return self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class Gemma3MLP(nn.Module):
@@ -139,6 +154,25 @@ class Gemma3TextModel(nn.Module):
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.kv_spec = KVSpec(num_layers=config.num_hidden_layers, num_kv_heads=self.layers[0].self_attn.num_kv_heads,
                               head_dim=config.head_dim, layer_windows=layer_windows(config))
+        self.decoder_structure = self._describe(tp)
+
+    def _describe(self, tp: TPGroup) -> DecoderStructure:
+        """This decoder as data, for a backend that runs a whole decode step itself: each
+        layer's four norms (``post_norm`` is the one before the MLP), its window and its
+        rotary table (``self.rotary``'s order, as ``forward`` stacks them)."""
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        order = list(self.rotary)
+        return DecoderStructure(
+            layers=tuple(PreNormLayer(
+                layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                layer.pre_feedforward_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                query_norm=layer.self_attn.q_norm, key_norm=layer.self_attn.k_norm,
+                post_attention_norm=layer.post_attention_layernorm,
+                post_feedforward_norm=layer.post_feedforward_layernorm, window=layer.self_attn.window,
+                rotary=order.index(layer.layer_type)) for layer in self.layers),
+            final_norm=self.norm, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=mlp.intermediate, scale=attn.scale, eps=self.config.rms_norm_eps,
+            activation=mlp.activation, tensor_parallel=tp.size, norm_offset=1.0, rotary_tables=len(order))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
@@ -146,6 +180,14 @@ class Gemma3TextModel(nn.Module):
     def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches,
                 outputs: OutputRows | None = None) -> torch.Tensor:
         tables = {name: table.cos_sin(positions, inputs_embeds.dtype) for name, table in self.rotary.items()}
+        if outputs is None and meta.num_decodes == inputs_embeds.shape[0]:
+            # A step of decodes alone may run every layer in one call: the tables stacked in
+            # ``self.rotary``'s order, as ``decoder_structure`` numbers them.
+            cos, sin = (torch.stack([table[i][:, 0] for table in tables.values()]) if len(tables) > 1
+                        else next(iter(tables.values()))[i][:, 0] for i in (0, 1))
+            stepped = meta.backend.decode_step(self.decoder_structure, inputs_embeds, cos, sin, meta, kv_caches)
+            if stepped is not None:
+                return stepped
         hidden = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches):
             cos, sin = tables[layer.layer_type]
@@ -156,6 +198,12 @@ class Gemma3TextModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(self.lm_head(hidden), self.final_logit_softcapping)
+
+    def logits_head(self) -> ReplicatedLinear:
+        """The product ``compute_logits`` runs before its soft cap: ``--quantization int8``
+        quantizes it with the decoder's (``layers/linear/quantize.py``); tied to
+        ``embed_tokens`` (released checkpoints), the lookup keeps the float weight."""
+        return self.lm_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """``layers.0.self_attn.q_proj.weight``-style names (no ``model.`` prefix); returns

@@ -225,7 +225,8 @@ class AttentionBackend:
         described as data: ``layers/decoder_structure.py``) in one call, returning the final
         norm's output, or None: then the model runs its modules, each layer calling
         ``forward``. ``cos`` / ``sin`` [rows, head_dim] are the model's rotary tables for the
-        step's positions. Steps with prefill rows are None (and not counted)."""
+        step's positions ([tables, rows, head_dim] where ``structure.rotary_tables`` > 1,
+        each layer rotating by its ``rotary``'s). Steps with prefill rows are None (and not counted)."""
         if meta.num_decodes != embeds.shape[0]:
             return None
         stepped = self.run_decode_step(structure, embeds, cos, sin, meta, kv_caches)

@@ -67,6 +67,7 @@ from vlmd.layers.attention.segments import ContextSegments, context_segments
 from vlmd.layers.cpu import paged_decode as native_decode
 from vlmd.layers.cpu.fused_step import FusedDecodeSteps
 from vlmd.layers.cpu import paged_prefill as native_prefill
+from vlmd.layers.cpu.decoder_step import LayerTables
 from vlmd.layers.cpu.paged_decode import DecodeTables
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -297,13 +298,27 @@ class CPUPagedBackend(AttentionBackend):
 
     def run_decode_step(self, structure, embeds, cos, sin, meta: CPUPagedMetadata, kv_caches) -> torch.Tensor | None:
         """Every layer in one native call (``layers/cpu/fused_step.py``) where this
-        backend's own kernel would serve the step's attention and every layer reads the main
-        group's tables; else None."""
-        if any(layer_group(cache, meta) != meta.group for cache in kv_caches):
+        backend's own kernel would serve every layer's attention, as ``forward`` would take
+        it: a full layer through its KV group's decode tables, a sliding-window layer
+        through its group's window tables (its window's keys alone); else None."""
+        if not self.native_decode or len(kv_caches) != len(structure.layers):
             return None
-        if not self.decodes_natively(meta, kv_caches[0][0], structure.heads):
-            return None
-        return self.fused_steps.run(structure, embeds, cos, sin, meta.slot_mapping, meta.decode_tables, kv_caches)
+        layer_tables, seen = [], {}
+        for layer, cache in zip(structure.layers, kv_caches):
+            key = (layer_group(cache, meta), layer.window)
+            if key not in seen:
+                group_meta = meta.for_group(key[0])
+                if layer.window is None:
+                    if not self.decodes_natively(group_meta, cache[0], structure.heads):
+                        return None
+                    tables = group_meta.decode_tables
+                elif native_decode.supports(cache[0], structure.heads):
+                    tables = group_meta.window_decode_tables(layer.window)
+                else:
+                    return None
+                seen[key] = LayerTables(group_meta.slot_mapping, tables)
+            layer_tables.append(seen[key])
+        return self.fused_steps.run(structure, embeds, cos, sin, layer_tables, kv_caches)
 
     def forward(self, q, k, v, kv_cache, meta: CPUPagedMetadata, scale: float, window: int | None = None,
                 write: bool = True) -> torch.Tensor:

@@ -433,7 +433,8 @@ class DecodeGraphs:
     own (narrower) plan is copied into their leading part. A lookup entry left from an
     earlier step is never read: the kernel evaluates the mask only on the blocks the
     step's lists name, whose entries the step rewrote. Decoders with sliding windows or
-    tensor parallelism (collectives inside a capture) are not captured. CUDA only; not
+    tensor parallelism (collectives inside a capture) or any other of the structure's
+    ``additions()`` (Gemma 3's layer) are not captured. CUDA only; not
     yet run on a GPU (docs/decisions.md D96)."""
 
     def __init__(self, buckets: tuple[int, ...]):
@@ -443,7 +444,7 @@ class DecodeGraphs:
         self.failed: str | None = None  # why capturing was given up (the modules run then)
 
     def run(self, backend: FlexBackend, structure, embeds, cos, sin, meta: FlexMetadata, kv_caches):
-        if self.failed or structure.sliding_window is not None or structure.tensor_parallel != 1:
+        if self.failed or structure.additions() or structure.tensor_parallel != 1:
             return None
         rows = embeds.shape[0]
         bucket = bucket_for(rows, self.buckets)

@@ -1,7 +1,10 @@
 /* A decode step of a pre-norm decoder (Llama's layer: RMSNorm, fused q/k/v product,
  * rotary, paged attention, output product, RMSNorm, fused gate/up product, SiLU * up,
- * down product; Qwen3's adds an RMSNorm of each q and k head before rotary) through every
- * layer in one call, float32 activations.
+ * down product; Qwen3's adds an RMSNorm of each q and k head before rotary; Gemma 3's
+ * norms the attention's and the MLP's outputs before adding them, gates by GELU-tanh,
+ * rotates its local and global layers by different tables and attends back a window in
+ * its local layers, read through that window group's tables) through every layer in one
+ * call, float32 activations.
  *
  * Why: a decode step's arithmetic is a few large kernel calls per layer, but each layer
  * also ran ~40 torch ops and ~15 module calls of Python around them: perf of the small
@@ -43,27 +46,42 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     const float *query_norm, *key_norm; /* [head_dim] each, or NULL: a layer that norms no q/k head */
+    /* [hidden] each, or NULL: a layer that adds its attention's and its MLP's outputs unnormed */
+    const float *post_attention_norm, *post_feedforward_norm;
     Product qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_slots, kv_heads, head_dim] of cache_dtype */
     int64_t cache_dtype;     /* CACHE_* */
+    int64_t window;          /* tokens attended back; 0: the whole context */
+    int64_t rotary;          /* the step's rotary table for q and k */
 } Layer;
+
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
 
 typedef struct vlmd_decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, num_slots;
     float eps, scale;
+    int64_t activation; /* ACTIVATION_* */
     const float *final_norm;
     const Layer *layers;
 } Decoder;
 
-/* This step's decodes: one row each; the attention tables as paged_decode.c reads them. */
+/* The attention tables of one KV group (and window) as paged_decode.c reads them, and the
+ * cache slot of each row's K/V there. */
+typedef struct {
+    const int64_t *slots;
+    const int32_t *block_tables, *context_lens;
+    int32_t max_blocks, num_groups;
+    const int32_t *group_offsets, *group_members, *group_tokens;
+} Tables;
+
+/* This step's decodes: one row each. */
 typedef struct vlmd_step {
     int64_t rows;
-    const float *cos, *sin; /* [rows, head_dim], rows table_stride apart */
-    int64_t table_stride;
-    const int64_t *slots; /* the cache slot of each row's K/V */
-    const int32_t *block_tables, *context_lens;
-    int32_t block_size, max_blocks, num_groups, threads;
-    const int32_t *group_offsets, *group_members, *group_tokens;
+    const float *cos, *sin; /* table t's row r at (t * rotary_stride + r * table_stride), head_dim floats */
+    int64_t table_stride, rotary_stride;
+    int32_t block_size, threads;
+    const Tables *tables;         /* the step's distinct table sets */
+    const int32_t *layer_tables; /* [num_layers]: each layer's entry of tables */
 } Step;
 
 enum { STAGE_MEMORY = -1, STAGE_NORM = -2, STAGE_PRODUCT = -3, STAGE_ROTARY = -4, STAGE_ATTENTION = -5,
@@ -110,8 +128,11 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
     const int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int64_t qkv_width = q_size + 2 * kv_size, intermediate = d->intermediate;
     if (rows <= 0 || d->num_layers <= 0) return STAGE_ARGUMENTS;
-    for (int64_t r = 0; r < rows; r++)
-        if (s->slots[r] < 0 || s->slots[r] >= d->num_slots) return STAGE_ARGUMENTS;
+    for (int64_t l = 0; l < d->num_layers; l++) {
+        const Tables *tables = &s->tables[s->layer_tables[l]];
+        for (int64_t r = 0; r < rows; r++)
+            if (tables->slots[r] < 0 || tables->slots[r] >= d->num_slots) return STAGE_ARGUMENTS;
+    }
     int code = 0;
     float *residual = malloc(sizeof(float) * rows * hidden), *normed = malloc(sizeof(float) * rows * hidden);
     float *delta = malloc(sizeof(float) * rows * hidden), *qkv = malloc(sizeof(float) * rows * qkv_width);
@@ -125,6 +146,7 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
     memcpy(residual, embeds, sizeof(float) * rows * hidden);
     for (int64_t l = 0; l < d->num_layers; l++) {
         const Layer *layer = &d->layers[l];
+        const Tables *tables = &s->tables[s->layer_tables[l]];
         /* The first layer norms the embeddings; every later one adds the last MLP's output first. */
         if (vlmd_add_rms_norm(residual, hidden, l == 0 ? NULL : delta, hidden, layer->input_norm, normed, hidden,
                               rows, hidden, d->eps, threads)) { code = STAGE_NORM; goto done; }
@@ -135,28 +157,40 @@ int vlmd_decoder_step(const Decoder *d, const Step *s, const float *embeds, floa
         if (layer->key_norm && vlmd_head_rms_norm(qkv + q_size, qkv_width, d->kv_heads, d->head_dim, layer->key_norm,
                                                   d->eps, rows, threads)) { code = STAGE_NORM; goto done; }
         /* q's and k's heads are adjacent in each row: one pass rotates both. */
-        if (vlmd_rotary(qkv, qkv_width, d->heads + d->kv_heads, d->head_dim, s->cos, s->sin, s->table_stride,
-                        rows, threads)) { code = STAGE_ROTARY; goto done; }
+        const int64_t table_at = layer->rotary * s->rotary_stride;
+        if (vlmd_rotary(qkv, qkv_width, d->heads + d->kv_heads, d->head_dim, s->cos + table_at, s->sin + table_at,
+                        s->table_stride, rows, threads)) { code = STAGE_ROTARY; goto done; }
         for (int64_t r = 0; r < rows; r++) {
             const float *row = qkv + r * qkv_width;
-            write_cache(layer->k_cache, layer->cache_dtype, s->slots[r] * kv_size, row + q_size, kv_size);
-            write_cache(layer->v_cache, layer->cache_dtype, s->slots[r] * kv_size, row + q_size + kv_size, kv_size);
+            write_cache(layer->k_cache, layer->cache_dtype, tables->slots[r] * kv_size, row + q_size, kv_size);
+            write_cache(layer->v_cache, layer->cache_dtype, tables->slots[r] * kv_size, row + q_size + kv_size,
+                        kv_size);
             memcpy(queries + r * q_size, row, sizeof(float) * q_size);
         }
-        if (vlmd_paged_decode(queries, layer->k_cache, layer->v_cache, (int)layer->cache_dtype, s->block_tables,
-                              s->context_lens,
-                              attended, (int)rows, (int)d->heads, (int)d->kv_heads, (int)d->head_dim, s->block_size,
-                              s->max_blocks, d->num_slots, s->num_groups, s->group_offsets, s->group_members,
-                              s->group_tokens, d->scale, (int)threads, 0, 0)) { code = STAGE_ATTENTION; goto done; }
+        if (vlmd_paged_decode(queries, layer->k_cache, layer->v_cache, (int)layer->cache_dtype, tables->block_tables,
+                              tables->context_lens, attended, (int)rows, (int)d->heads, (int)d->kv_heads,
+                              (int)d->head_dim, s->block_size, tables->max_blocks, d->num_slots, tables->num_groups,
+                              tables->group_offsets, tables->group_members, tables->group_tokens, d->scale,
+                              (int)threads, 0, (int)layer->window)) { code = STAGE_ATTENTION; goto done; }
         if (product(&layer->o, attended, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
+        /* Gemma 3's layer norms the attention's output before the residual takes it (in place). */
+        if (layer->post_attention_norm && vlmd_add_rms_norm(delta, hidden, NULL, hidden, layer->post_attention_norm,
+                                                            delta, hidden, rows, hidden, d->eps, threads)) {
+            code = STAGE_NORM;
+            goto done;
+        }
         if (vlmd_add_rms_norm(residual, hidden, delta, hidden, layer->post_norm, normed, hidden, rows, hidden,
                               d->eps, threads)) { code = STAGE_NORM; goto done; }
         if (product(&layer->gate_up, normed, rows, gate_up, threads)) { code = STAGE_PRODUCT; goto done; }
-        if (vlmd_silu_mul(gate_up, 2 * intermediate, activated, intermediate, rows, intermediate, threads)) {
+        if ((d->activation == ACTIVATION_GELU_TANH ? vlmd_gelu_tanh_mul : vlmd_silu_mul)(
+                gate_up, 2 * intermediate, activated, intermediate, rows, intermediate, threads)) {
             code = STAGE_ACTIVATION;
             goto done;
         }
         if (product(&layer->down, activated, rows, delta, threads)) { code = STAGE_PRODUCT; goto done; }
+        if (layer->post_feedforward_norm &&
+            vlmd_add_rms_norm(delta, hidden, NULL, hidden, layer->post_feedforward_norm, delta, hidden, rows, hidden,
+                              d->eps, threads)) { code = STAGE_NORM; goto done; }
     }
     if (vlmd_add_rms_norm(residual, hidden, delta, hidden, d->final_norm, out, hidden, rows, hidden, d->eps, threads))
         code = STAGE_NORM;

@@ -1,6 +1,6 @@
 /* A decoder layer's elementwise work in one pass each, float32: the residual add fused
  * with RMSNorm, an RMSNorm of each q and k head in place, rotary embedding of q and k in
- * place, and SiLU(gate) * up.
+ * place, and SiLU(gate) * up or GELU-tanh(gate) * up.
  *
  * Why: in torch these are ~30 small ops per layer (RMSNorm alone is cast, pow, mean, add,
  * rsqrt, mul, cast, mul; rotate-half is two slices, neg, cat, two muls and an add, for q
@@ -120,10 +120,15 @@ int vlmd_rotary(float *x, int64_t row_stride, int64_t heads, int64_t dim, const 
     return 0;
 }
 
-/* out[r] = silu(gate_up[r][:width]) * gate_up[r][width:2 width]. */
-int vlmd_silu_mul(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
-                  int64_t width, int threads) {
+/* out[r] = act(gate_up[r][:width]) * gate_up[r][width:2 width] for the two gated activations
+ * that are g * sigmoid(z(g)): SiLU (z = g) and GELU with the tanh approximation (z = 2 sqrt(2/pi)
+ * (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation where tanh nears -1).
+ * One body, so a fix to either is a fix to both. */
+static int sigmoid_gated_mul(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
+                             int64_t width, int threads, int tanh_gelu) {
     if (rows < 0 || width <= 0) return -3;
+    /* 2 sqrt(2/pi) and 2 sqrt(2/pi) * 0.044715 */
+    const float slope = 1.5957691216057308f, cubic = 0.0713548162726009f;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * width >= PARALLEL_FLOATS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * in_stride, *up = gate + width;
@@ -131,20 +136,34 @@ int vlmd_silu_mul(const float *gate_up, int64_t in_stride, float *out, int64_t o
         int64_t c = 0;
         for (; c + VEC <= width; c += VEC) {
             vf g = *(const vf *)(gate + c);
-            vi negative = g < 0.0f;
-            vf magnitude = (vf)((vi)g & 0x7fffffff); /* |g|: the sign bit cleared */
-            vf e = vexp(-magnitude);                 /* exp(-|g|), at most 1 */
-            /* sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0 */
+            vf z = tanh_gelu ? g * (slope + cubic * g * g) : g;
+            vi negative = z < 0.0f;
+            vf magnitude = (vf)((vi)z & 0x7fffffff); /* |z|: the sign bit cleared */
+            vf e = vexp(-magnitude);                 /* exp(-|z|), at most 1 */
+            /* sigmoid(z) = 1 / (1 + e) for z >= 0, e / (1 + e) for z < 0 */
             vf one = (vf){0} + 1.0f;
             vf numerator = (vf)(((vi)e & negative) | ((vi)one & ~negative));
             *(vf *)(o + c) = g * (numerator / (1.0f + e)) * *(const vf *)(up + c);
         }
         for (; c < width; c++) {
-            float g = gate[c];
-            o[c] = g / (1.0f + expf(-g)) * up[c];
+            float g = gate[c], z = tanh_gelu ? g * (slope + cubic * g * g) : g;
+            o[c] = g / (1.0f + expf(-z)) * up[c];
         }
     }
     return 0;
+}
+
+/* out[r] = silu(gate_up[r][:width]) * gate_up[r][width:2 width]. */
+int vlmd_silu_mul(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
+                  int64_t width, int threads) {
+    return sigmoid_gated_mul(gate_up, in_stride, out, out_stride, rows, width, threads, 0);
+}
+
+/* out[r] = gelu_tanh(gate_up[r][:width]) * gate_up[r][width:2 width] (torch's
+ * gelu(approximate="tanh"), transformers' "gelu_pytorch_tanh": Gemma's MLP). */
+int vlmd_gelu_tanh_mul(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
+                       int64_t width, int threads) {
+    return sigmoid_gated_mul(gate_up, in_stride, out, out_stride, rows, width, threads, 1);
 }
 
 /* The same passes over bfloat16 rows (a `--dtype bfloat16` model's prefill), rounding where

@@ -1,5 +1,5 @@
 """The binding of ``elementwise.c``: residual add + RMSNorm, RMSNorm of each head in place,
-rotary in place, SiLU * up.
+rotary in place, SiLU * up and GELU-tanh * up.
 
 Each function serves float32 CPU tensors whose rows are contiguous (rows may be strided);
 ``serves(*tensors)`` says whether a call would, and the layers keep their torch ops for
@@ -15,8 +15,9 @@ import torch
 
 from vlmd.layers.cpu.library import load_functions
 
-_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul", "vlmd_add_rms_norm_bf16",
-          "vlmd_silu_mul_bf16")  # signatures: kernels.h
+# signatures: kernels.h
+_NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul", "vlmd_gelu_tanh_mul",
+          "vlmd_add_rms_norm_bf16", "vlmd_silu_mul_bf16")
 
 
 def _kernel() -> dict | None:
@@ -122,13 +123,25 @@ def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     """``silu(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor
     of ``gate_up``'s dtype (bfloat16: the activation rounded before the product, as torch's)."""
-    bf16 = serves_bf16(gate_up)
-    if not bf16:
+    if serves_bf16(gate_up):
+        return _gated(gate_up, width, "vlmd_silu_mul_bf16", "SiLU")
+    return _gated(gate_up, width, "vlmd_silu_mul", "SiLU")
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """``gelu(gate_up[:, :width], approximate="tanh") * gate_up[:, width:2 * width]`` as a new
+    [rows, width] tensor (Gemma's MLP), to float32 rounding of torch's."""
+    return _gated(gate_up, width, "vlmd_gelu_tanh_mul", "GELU-tanh")
+
+
+def _gated(gate_up: torch.Tensor, width: int, name: str, what: str) -> torch.Tensor:
+    """Float32 rows into float32; bfloat16 rows (the ``_bf16`` kernels) into bfloat16."""
+    if not serves_bf16(gate_up):
         _require_rows(gate_up)
     rows = gate_up.shape[0]
     if gate_up.shape[1] < 2 * width:
         raise ValueError(f"gate and up of {width} each do not fit rows of {gate_up.shape[1]}")
     out = torch.empty(rows, width, dtype=gate_up.dtype)
-    _checked(_kernel()["vlmd_silu_mul_bf16" if bf16 else "vlmd_silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width,
-                                        torch.get_num_threads()), "SiLU")
+    _checked(_kernel()[name](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width,
+                             torch.get_num_threads()), what)
     return out

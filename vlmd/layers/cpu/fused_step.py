@@ -4,9 +4,11 @@ The CPU attention backend (``layers/attention/cpu_paged.py``) hands a step of de
 here (``CPUPagedBackend.run_decode_step``) when its own kernel would serve that step's
 attention; this runs ``decoder_step.c`` over the structure's layers, the same kernels in
 the same order as the modules would call them, so the result is the module path's bit
-for bit. It returns None wherever it cannot, and the model's modules run: a structure it
-has no kernel for (``unsupported``), a product whose kernel at this row count is not
-vlmd's packed kernel, inputs the kernel does not read.
+for bit (Gemma 3's layer too: its modules run the same norm, rotary and GELU-tanh kernels
+on float32 rows, and each sliding-window layer reads its window group's tables, as its
+module does through ``CPUPagedBackend.forward``). It returns None wherever it cannot, and
+the model's modules run: a structure it has no kernel for (``unsupported``), a product
+whose kernel at this row count is not vlmd's packed kernel, inputs the kernel does not read.
 
 Weights: every product's panels may be float32, bfloat16 (a ``--dtype bfloat16`` model)
 or weight-only int8 (``--quantization int8``); the step's activations are float32 in
@@ -34,13 +36,11 @@ def unsupported(structure: DecoderStructure) -> str | None:
         return "no kernel library is loaded"
     if structure.tensor_parallel != 1:
         return "tensor parallel"
-    if structure.activation != "silu":
+    if structure.activation not in decoder_step.ACTIVATIONS:
         return f"activation {structure.activation}"
-    if structure.query_key_norm and any(norm.eps != structure.eps for layer in structure.layers
-                                        for norm in (layer.query_norm, layer.key_norm)):
-        return "query/key norms of another eps"  # the step runs every norm at the structure's eps
-    if structure.sliding_window is not None:
-        return "sliding-window layers"
+    if any(norm is not None and norm.eps != structure.eps for layer in structure.layers
+           for norm in (layer.query_norm, layer.key_norm, layer.post_attention_norm, layer.post_feedforward_norm)):
+        return "norms of another eps"  # the step runs every norm at the structure's eps
     return None
 
 
@@ -64,21 +64,23 @@ class FusedDecodeSteps:
         self._built: dict[int, tuple] = {}  # id(structure) -> (key, decoder or None, kernels)
 
     def run(self, structure: DecoderStructure, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            slots: torch.Tensor, tables, kv_caches) -> torch.Tensor | None:
+            layer_tables: list[decoder_step.LayerTables], kv_caches) -> torch.Tensor | None:
         """The final norm's output for ``embeds`` (one decode a row), or None where this
-        step cannot run natively. ``cos``/``sin`` [rows, head_dim]."""
+        step cannot run natively. ``cos``/``sin`` [rows, head_dim], or [tables, rows,
+        head_dim] for a structure of several rotary tables; ``layer_tables``: each layer's
+        slots and decode tables."""
         decoder, kernels = self.decoder(structure, kv_caches)
         rows = embeds.shape[0]
         if decoder is None or not every_product_native(kernels, rows):
             return None
         if embeds.dtype == torch.bfloat16:  # widened exactly; the output rounded back below
             widened = [t.float() if t.dtype == torch.bfloat16 else t for t in (embeds, cos, sin)]
-            if not decoder.accepts(*widened, slots):
+            if not decoder.accepts(*widened, layer_tables):
                 return None
-            return decoder(*widened, slots, tables).to(torch.bfloat16)
-        if not decoder.accepts(embeds, cos, sin, slots):
+            return decoder(*widened, layer_tables).to(torch.bfloat16)
+        if not decoder.accepts(embeds, cos, sin, layer_tables):
             return None
-        return decoder(embeds, cos, sin, slots, tables)
+        return decoder(embeds, cos, sin, layer_tables)
 
     def decoder(self, structure: DecoderStructure, kv_caches) -> tuple["decoder_step.NativeDecoder | None", list]:
         """(The native step for these caches and the products' current kernels, or None;
@@ -91,20 +93,33 @@ class FusedDecodeSteps:
         decoder = None
         usable = all(kernel is not None and kernel.panels is not None for kernel in kernels)
         if usable and unsupported(structure) is None and len(kv_caches) == len(structure.layers):
+            offset = structure.norm_offset
             parts = [
                 decoder_step.DecoderLayerParts(
-                    _float32(layer.input_norm.weight), _float32(layer.post_norm.weight),
+                    _norm_factor(layer.input_norm, offset), _norm_factor(layer.post_norm, offset),
                     tuple((p.kernel.panels, None if p.bias is None else _float32(p.bias)) for p in layer.products()),
-                    k_cache, v_cache, *(None if norm is None else _float32(norm.weight)
-                                        for norm in (layer.query_norm, layer.key_norm)))
+                    k_cache, v_cache,
+                    *(_norm_factor(norm, offset) for norm in (layer.query_norm, layer.key_norm,
+                                                              layer.post_attention_norm, layer.post_feedforward_norm)),
+                    window=layer.window, rotary=layer.rotary)
                 for layer, (k_cache, v_cache) in zip(structure.layers, kv_caches)
             ]
             decoder = decoder_step.NativeDecoder.of(
-                parts, _float32(structure.final_norm.weight), heads=structure.heads, kv_heads=structure.kv_heads,
-                head_dim=structure.head_dim, intermediate=structure.intermediate, eps=structure.eps,
-                scale=structure.scale)
+                parts, _norm_factor(structure.final_norm, offset), heads=structure.heads,
+                kv_heads=structure.kv_heads, head_dim=structure.head_dim, intermediate=structure.intermediate,
+                eps=structure.eps, scale=structure.scale, activation=structure.activation,
+                rotary_tables=structure.rotary_tables)
         self._built[id(structure)] = (key, decoder, kernels)
         return decoder, kernels
+
+
+def _norm_factor(norm, offset: float) -> torch.Tensor | None:
+    """What a norm scales each normed column by, float32: its weight, or ``offset + weight``
+    (Gemma's ``1 + w``, computed as its module computes it), or None for no norm."""
+    if norm is None:
+        return None
+    weight = _float32(norm.weight)
+    return (offset + weight).contiguous() if offset else weight
 
 
 def _float32(parameter: torch.Tensor) -> torch.Tensor:

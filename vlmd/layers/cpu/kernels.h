@@ -78,6 +78,9 @@ struct vlmd_step;
     X(int, vlmd_silu_mul_bf16,                                                                                    \
       (const uint16_t *gate_up, int64_t in_stride, uint16_t *out, int64_t out_stride, int64_t rows,               \
        int64_t width, int threads))                                                                               \
+    X(int, vlmd_gelu_tanh_mul,                                                                                    \
+      (const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows, int64_t width,      \
+       int threads))                                                                                              \
     /* decoder_step.c */                                                                                          \
     X(int, vlmd_decoder_step,                                                                                     \
       (const struct vlmd_decoder *d, const struct vlmd_step *s, const float *embeds, float *out))
