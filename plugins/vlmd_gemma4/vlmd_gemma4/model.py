@@ -94,7 +94,23 @@ class Gemma4Model(nn.Module):
     def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Gemma4Model":
         model = cls(config, tp)
         model.load_weights(iterate_weights(model_dir))
-        return model.to(dtype).eval()
+        # The tower's standardization stays float32 whatever the server's dtype (docs/decisions.md
+        # D114): its std_bias cancels pooled features of the same size, up to ~1e5 in the large
+        # checkpoints, past float16's 65504 (vLLM #40290), and a 16-bit copy would round it to
+        # 32s (float16) or 256s (bfloat16) before the cancellation.
+        standardization = model.standardization_buffers()
+        model = model.to(dtype).eval()
+        for name, value in standardization.items():
+            model.vision_tower.register_buffer(name, value)
+        return model
+
+    def standardization_buffers(self) -> dict[str, torch.Tensor]:
+        """The vision tower's ``std_bias`` and ``std_scale`` as float32 (none without a tower or
+        where the config does not standardize)."""
+        if self.vision_tower is None:
+            return {}
+        return {name: buffer.detach().to(torch.float32).clone() for name, buffer in self.vision_tower.named_buffers()
+                if name in ("std_bias", "std_scale")}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         encoder_params = {}
