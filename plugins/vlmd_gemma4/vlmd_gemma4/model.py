@@ -76,7 +76,11 @@ class Gemma4Model(nn.Module):
             vision_config = config.vision_config
             vision_config._attn_implementation = "sdpa"
             self.vision_tower = Gemma4VisionModel(vision_config)
-            adopt_linear_modules(self.vision_tower)  # its linears on the seam (adopt.py), as every tower's
+            # The encoder's linears on the seam (adopt.py), as every tower's; not the patch
+            # embedder's projection, whose weight's dtype transformers reads in forward (a
+            # kernel that packs a weight drops the plain one: in bfloat16 the timing chose so
+            # and the tower failed at start-up).
+            adopt_linear_modules(self.vision_tower.encoder)
             self.embed_vision = Gemma4MultimodalEmbedder(vision_config, text)
         # An image's soft tokens see each other both ways (on the sliding layers) where the config says so.
         self.bidirectional_images = text.use_bidirectional_attention == "vision"
