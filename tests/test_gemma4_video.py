@@ -227,3 +227,27 @@ def test_frame_pixels_equal_transformers(tiny_gemma4_dir, video):
         real = (positions != -1).all(-1)
         assert torch.equal(pixels[real], ours) and torch.equal(positions[real], our_positions)
     assert theirs["num_soft_tokens_per_video"][0] == settings.frame.soft_tokens(*video["media"].shape[1:3])
+
+
+def test_frames_attend_both_ways_where_images_do(tiny_gemma4_dir, references, tmp_path):
+    """With ``use_bidirectional_attention="vision"`` each frame's soft tokens see each other
+    both ways on the sliding layers (transformers' blocks of type-2 tokens, cut by the
+    brackets and timestamps between frames), not the whole video: the answer differs from the
+    causal one and equals transformers'."""
+    import shutil
+
+    model_dir = tmp_path / "bidirectional"
+    shutil.copytree(tiny_gemma4_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    ref = _reference(model_dir, *CASES["video"])
+    assert ref["output_token_ids"] != references["video"]["output_token_ids"]
+    server = Server(model_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=0,video=1",
+                    "--media-io-kwargs", MEDIA_IO, log_dir=tmp_path)
+    try:
+        status, body = server.chat(_body(*CASES["video"]))
+        assert status == 200, body
+        assert_chat_parity(body, ref)
+    finally:
+        server.stop()
