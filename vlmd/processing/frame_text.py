@@ -20,6 +20,24 @@ from typing import Any
 DEFAULT_FPS = 24  # transformers' rate for a video whose metadata names none
 
 
+class TimestampIds:
+    """The ids of one timestamp's text, tokenized on its own, once per text (a family's
+    processing info holds one; ``family`` names it in the error without a tokenizer)."""
+
+    def __init__(self, tokenizer: Any, family: str):
+        self.tokenizer = tokenizer
+        self.family = family
+        self._ids: dict[str, list[int]] = {}
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._ids.get(text)
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError(f"{self.family} video counts need the checkpoint's tokenizer (its timestamps are text)")
+            ids = self._ids[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids
+
+
 def frame_times(video: Any) -> tuple[float, ...]:
     """Each frame's time in seconds, as transformers computes it from ``VideoMetadata``:
     the decoder's ``frame_indices`` and ``source_fps`` (``vlmd.media.video.VideoFrames``);
@@ -57,6 +75,26 @@ def join_first_timestamps(prompt_ids: list[int], items: list, first_timestamps: 
                     shift += delta
         out.append(item)
     return ids, out
+
+
+def with_first_timestamps_joined(output: Any, videos: list[Any], first_text: Callable[[Any], str], tokenizer: Any,
+                                 family_state: Callable[[list[int], list], Any]) -> Any:
+    """A ``ProcessorOutput`` with each video's first timestamp (``first_text(video)``, the
+    videos in prompt order) tokenized together with the text before it
+    (``join_first_timestamps``), as transformers tokenizes the expanded prompt; the family
+    state made again where the ids changed. Unchanged without a tokenizer."""
+    from vlmd.processing.base import ProcessorOutput
+
+    if tokenizer is None or not videos:
+        return output
+    videos = iter(videos)
+    first = {index: first_text(next(videos)) for index, item in enumerate(output.items) if item.modality == "video"}
+    ids, items = join_first_timestamps(
+        output.prompt_token_ids, output.items, first, lambda text: tokenizer.encode(text, add_special_tokens=False),
+        lambda ids: tokenizer.decode(ids, clean_up_tokenization_spaces=False), set(tokenizer.added_tokens_decoder))
+    if ids == output.prompt_token_ids:
+        return output
+    return ProcessorOutput(ids, items, family_state(ids, items))
 
 
 def interleave_rows(pair_rows: list, between: list, width: int):

@@ -26,7 +26,7 @@ from vlmd.processing.base import (
     ProcessedItem,
     ProcessorOutput,
 )
-from vlmd.processing.frame_text import DEFAULT_FPS, frame_times, join_first_timestamps
+from vlmd.processing.frame_text import DEFAULT_FPS, TimestampIds, frame_times, with_first_timestamps_joined
 from vlmd.processing.hashing import item_identifier
 from vlmd.types import KVSpec
 from vlmd_gemma4 import layers as layer_facts
@@ -57,7 +57,8 @@ class Gemma4ProcessingInfo(BaseProcessingInfo):
         self.video_settings: VideoSettings | None = (
             with_frames(read_video_settings(ctx.model_dir, config.vision_config), video_frames)
             if self.has_vision else None)
-        self._timestamp_ids: dict[str, list[int]] = {}
+        # Each timestamp's ids, tokenized on its own (video.py), once per text.
+        self.timestamp_ids = TimestampIds(ctx.tokenizer, "Gemma 4")
 
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {"image": None, "video": None} if self.has_vision else {}
@@ -113,15 +114,6 @@ class Gemma4ProcessingInfo(BaseProcessingInfo):
         layout = frame_layout(self.timestamp_ids, times, per_frame, self.boi_token_id, self.eoi_token_id,
                               self.video_token_id)
         return layout, per_frame, times
-
-    def timestamp_ids(self, text: str) -> list[int]:
-        """The ids of one timestamp's text, tokenized on its own, once per text."""
-        ids = self._timestamp_ids.get(text)
-        if ids is None:
-            if self.ctx.tokenizer is None:
-                raise ValueError("Gemma 4 video counts need the checkpoint's tokenizer (its timestamps are text)")
-            ids = self._timestamp_ids[text] = list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
-        return ids
 
     def video_frame_indices(self, total: int, source_fps: float | None, policy) -> list[int]:
         """Gemma4VideoProcessor's sampler (``video.py``): the server's fps (--media-io-kwargs)
@@ -180,19 +172,9 @@ class Gemma4Processor(BaseMultiModalProcessor):
         """A video's first timestamp is tokenized with the text before it, as transformers
         tokenizes the expanded prompt (``vlmd.processing.frame_text``)."""
         output = super().apply(prompt_token_ids, media, kwargs)
-        tokenizer = self.info.ctx.tokenizer
-        if not media.get("video") or tokenizer is None:
-            return output
-        videos = iter(media["video"])
-        first = {index: f"{timestamp(frame_times(next(videos))[0])} "
-                 for index, item in enumerate(output.items) if item.modality == "video"}
-        ids, items = join_first_timestamps(
-            output.prompt_token_ids, output.items, first, lambda text: tokenizer.encode(text, add_special_tokens=False),
-            lambda ids: tokenizer.decode(ids, clean_up_tokenization_spaces=False),
-            set(tokenizer.added_tokens_decoder))
-        if ids == output.prompt_token_ids:
-            return output
-        return ProcessorOutput(ids, items, self.family_state(ids, items))
+        return with_first_timestamps_joined(output, media.get("video") or [],
+                                            lambda video: f"{timestamp(frame_times(video)[0])} ",
+                                            self.info.ctx.tokenizer, self.family_state)
 
 
 class Gemma4DummyInputsBuilder(BaseDummyInputsBuilder):
