@@ -87,7 +87,7 @@ def references(tiny_gemma4_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_gemma4_dir, tmp_path_factory):
-    server = Server(tiny_gemma4_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2",
+    server = Server(tiny_gemma4_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2,video=0",
                     log_dir=tmp_path_factory.mktemp("gemma4-logs"))
     yield server
     server.stop()
@@ -173,7 +173,7 @@ def test_small_budget_small_cache_tensor_parallel(tiny_gemma4_dir, references, t
     they go) and 40 KV blocks of 16 shared by every group: concurrent requests preempt each
     other."""
     server = Server(tiny_gemma4_dir, "--max-num-batched-tokens", "16", "--num-kv-blocks", "40",
-                    "--max-model-len", "384", "--limit-mm-per-prompt", "image=2", "--tensor-parallel-size", "2",
+                    "--max-model-len", "384", "--limit-mm-per-prompt", "image=2,video=0", "--tensor-parallel-size", "2",
                     "--torch-threads", "1", log_dir=tmp_path)
     try:
         for _ in range(3):  # preemption needs the requests to overlap: at most three rounds
@@ -196,7 +196,7 @@ def test_the_mixture_of_experts_variant(tiny_gemma4_moe_dir, tmp_path):
     """Routed experts (4, 2 a token) beside every layer's MLP, each rank of 2 holding every
     expert's half of the intermediate columns: the cases concurrently, twice."""
     refs = {name: _reference(tiny_gemma4_moe_dir, *CASES[name]) for name in MOE_CASES}
-    server = Server(tiny_gemma4_moe_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2",
+    server = Server(tiny_gemma4_moe_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2,video=0",
                     "--tensor-parallel-size", "2", "--torch-threads", "1", log_dir=tmp_path)
     try:
         bodies = _concurrently(server, [_body(*CASES[name]) for name in MOE_CASES] * 2)
@@ -230,7 +230,7 @@ def test_images_attend_both_ways_on_the_sliding_layers(tiny_gemma4_dir, tmp_path
     refs = {name: _reference(model_dir, *CASES[name]) for name in BIDIRECTIONAL_CASES}
     causal = {name: _reference(tiny_gemma4_dir, *CASES[name]) for name in ("one_image", "two_images")}
     assert any(refs[name]["output_token_ids"] != causal[name]["output_token_ids"] for name in causal)
-    server = Server(model_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2",
+    server = Server(model_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=2,video=0",
                     "--max-num-batched-tokens", "140", log_dir=tmp_path)
     try:
         bodies = _concurrently(server, [_body(*CASES[name]) for name in BIDIRECTIONAL_CASES] * 2)

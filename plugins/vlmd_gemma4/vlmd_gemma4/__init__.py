@@ -1,7 +1,7 @@
 """Gemma 4: a decoder whose last layers reuse earlier layers' K/V, with per-layer embeddings,
 windowed layers between full-attention ones of wider heads and proportional RoPE; images
-through its vision tower at a per-request token budget. Video and audio are not served yet
-(issue 45)."""
+through its vision tower at a per-request token budget; video as timestamped frames through the
+same tower (``video.py``). Audio is not served yet (issue 45)."""
 
 from vlmd.plugins.hookspecs import hookimpl
 from vlmd.plugins.registry import ModelFamily

@@ -28,7 +28,7 @@ Per-layer embeddings are looked up from token ids, which the runner's ``forward`
 does not carry: ``embed_input_ids`` returns each token's two embeddings side by side
 (``[T, hidden + layers x per_layer]``) and ``forward`` splits them; an image or audio
 token's per-layer part is the pad token's, as transformers looks media positions up as pad
-(``Gemma4Model.forward``), written where the encoder output is merged.
+(``Gemma4Model.forward``): the model looks their ids up as pad (``model.py``).
 """
 
 from __future__ import annotations
@@ -262,11 +262,6 @@ class Gemma4TextModel(nn.Module):
         table = self.embed_tokens_per_layer
         per_layer = table(input_ids) * self.per_layer_embed_scale.to(table.weight.dtype)
         return torch.cat([embeds, per_layer], dim=-1)
-
-    def pad_per_layer_embedding(self) -> torch.Tensor:
-        """The per-layer part of a media token's row: the pad token's (module docstring)."""
-        pad = torch.tensor([self.pad_token_id], device=self.embed_tokens.weight.device)
-        return self.embed_input_ids(pad)[0, self.hidden_size:]
 
     def per_layer_inputs(self, inputs_embeds: torch.Tensor, token_part: torch.Tensor) -> torch.Tensor:
         """transformers' ``project_per_layer_inputs``: [T, layers, per-layer size]."""

@@ -6,8 +6,10 @@ average pooling by patch position; standardization) and ``Gemma4MultimodalEmbedd
 unscaled RMSNorm and a projection into the text width), built from the checkpoint's config.
 Each image is encoded alone over its own patches: transformers pads every image to its
 budget's patch count and masks the padding out of attention and pooling, which computes the
-same vectors. An image token's embedding row is its tower output; its per-layer part is the
-pad token's (``merge_multimodal``; the decoder's module docstring says why). Where the config
+same vectors. A video's frames go through the same tower and embedder, each as an image, and
+the timestamp text between them keeps its own embeddings (``video.py``). A media token's
+embedding row is its tower output; its per-layer part is the pad token's, as transformers
+looks media ids up as pad (``embed_input_ids``; the decoder's module docstring says why). Where the config
 says ``use_bidirectional_attention="vision"`` an image's soft tokens attend to each other
 both ways on the sliding layers (``attention_spans``; the full layers stay causal). The audio tower
 is not built yet: its weights are passed over and audio parts are refused (issue 45).
@@ -26,6 +28,7 @@ from torch import nn
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import SKIP, WeightNames, iterate_weights, load_multimodal_weights
+from vlmd.processing.frame_text import interleave_rows
 from vlmd.types import MultiModalItem
 from vlmd_gemma4.decoder import Gemma4TextModel
 
@@ -73,9 +76,10 @@ class Gemma4Model(nn.Module):
             vision_config = config.vision_config
             vision_config._attn_implementation = "sdpa"
             self.vision_tower = Gemma4VisionModel(vision_config)
-            # Its encoder's linears on the seam (adopt.py), as every tower's; not the patch embedder's
-            # input_proj, whose .weight transformers reads (its dtype): a packed kernel drops that
-            # weight (the small checkpoint's 768x384 was packed, and its first image crashed).
+            # The encoder's linears on the seam (adopt.py), as every tower's; not the patch
+            # embedder's projection, whose weight's dtype transformers reads in forward (a
+            # kernel that packs a weight drops the plain one: in bfloat16 the timing chose so
+            # and the tower failed at start-up).
             adopt_linear_modules(self.vision_tower.encoder)
             self.embed_vision = Gemma4MultimodalEmbedder(vision_config, text)
         # An image's soft tokens see each other both ways (on the sliding layers) where the config says so.
@@ -83,12 +87,34 @@ class Gemma4Model(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", True))
         self.language_model = Gemma4TextModel(text, tp, tie_word_embeddings=tied)
         self.kv_spec = self.language_model.kv_spec
+        # Media ids, looked up as the pad token for their per-layer embeddings (transformers'
+        # llm_input_ids); their token rows are the encoder's.
+        media = [config.image_token_id, config.video_token_id, config.audio_token_id]
+        self.register_buffer("media_token_ids", torch.tensor([int(i) for i in media if i is not None]),
+                             persistent=False)
+        self.pad_token_id = int(text.pad_token_id)
 
     @classmethod
     def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Gemma4Model":
         model = cls(config, tp)
         model.load_weights(iterate_weights(model_dir))
-        return model.to(dtype).eval()
+        # The tower's standardization stays float32 whatever the server's dtype (docs/decisions.md
+        # D114): its std_bias cancels pooled features of the same size, up to ~1e5 in the large
+        # checkpoints, past float16's 65504 (vLLM #40290), and a 16-bit copy would round it to
+        # 32s (float16) or 256s (bfloat16) before the cancellation.
+        standardization = model.standardization_buffers()
+        model = model.to(dtype).eval()
+        for name, value in standardization.items():
+            model.vision_tower.register_buffer(name, value)
+        return model
+
+    def standardization_buffers(self) -> dict[str, torch.Tensor]:
+        """The vision tower's ``std_bias`` and ``std_scale`` as float32 (none without a tower or
+        where the config does not standardize)."""
+        if self.vision_tower is None:
+            return {}
+        return {name: buffer.detach().to(torch.float32).clone() for name, buffer in self.vision_tower.named_buffers()
+                if name in ("std_bias", "std_scale")}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         encoder_params = {}
@@ -103,45 +129,68 @@ class Gemma4Model(nn.Module):
     # ---- the runner's contract -----------------------------------------------------
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
+        """A media token (image, video, audio) is looked up as the pad token: its per-layer
+        part stays so, its token part is the encoder output's (``merge_multimodal``)."""
+        media = torch.isin(input_ids, self.media_token_ids.to(input_ids.device))
+        return self.language_model.embed_input_ids(torch.where(media, self.pad_token_id, input_ids))
 
     def drop_encoders(self, modalities: set[str]) -> list[str]:
-        if "image" not in modalities or self.vision_tower is None:
+        if not {"image", "video"} <= modalities or self.vision_tower is None:
             return []
         self.vision_tower = self.embed_vision = None
         return ["vision_tower", "embed_vision"]
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """Each image through the tower alone (module docstring): [soft tokens, text hidden]."""
-        if modality != "image":
+        """Each image through the tower alone (module docstring): [soft tokens, text hidden]. A
+        video's frames (one size) through it together, its rows interleaved with the
+        embeddings of the timestamp text between frames: [span, text hidden]."""
+        if modality not in ("image", "video"):
             raise ValueError(f"Gemma 4 does not encode {modality} yet")
         if self.vision_tower is None:
-            raise ValueError("this Gemma 4's vision tower is off (--limit-mm-per-prompt image=0)")
+            raise ValueError("this Gemma 4's vision tower is off (--limit-mm-per-prompt image=0,video=0)")
+        if modality == "video":
+            return [self.encode_video(inputs) for inputs in encoder_inputs]
+        return [self.encode_frames(inputs["pixels"][None], int(inputs["patch_size"])) for inputs in encoder_inputs]
+
+    def encode_frames(self, frames: np.ndarray, patch_size: int) -> torch.Tensor:
+        """[frames x soft tokens, text hidden] of uint8 ``[frames, H, W, 3]`` of one size."""
         device = self.language_model.embed_tokens.weight.device
         dtype = next(self.vision_tower.parameters()).dtype
-        outputs = []
-        for inputs in encoder_inputs:
-            pixels = torch.from_numpy(np.ascontiguousarray(inputs["pixels"])).to(device)
-            patches, positions = patches_of(pixels, int(inputs["patch_size"]))
-            encoded = self.vision_tower(pixel_values=patches[None].to(dtype),
-                                        pixel_position_ids=positions[None].to(device)).last_hidden_state
-            outputs.append(self.embed_vision(encoded))
-        return outputs
+        pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(device)
+        patches, positions = zip(*(patches_of(frame, patch_size) for frame in pixels))
+        encoded = self.vision_tower(pixel_values=torch.stack(patches).to(dtype),
+                                    pixel_position_ids=torch.stack(positions).to(device)).last_hidden_state
+        return self.embed_vision(encoded)
+
+    def encode_video(self, inputs: dict[str, Any]) -> torch.Tensor:
+        rows = self.encode_frames(inputs["frames"], int(inputs["patch_size"]))
+        device = rows.device
+        hidden = self.language_model.hidden_size
+        between = [self.language_model.embed_input_ids(torch.as_tensor(ids, device=device))[:, :hidden]
+                   for ids in inputs["between"]]
+        return interleave_rows(list(rows.split(int(inputs["tokens_per_frame"]))), between, hidden)
 
     def merge_multimodal(self, inputs_embeds: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> None:
-        """Image rows: the tower's vectors, and the pad token's per-layer embeddings."""
-        hidden = self.language_model.hidden_size
-        inputs_embeds[rows, :hidden] = features.to(inputs_embeds.dtype)
-        if inputs_embeds.shape[1] > hidden:
-            inputs_embeds[rows, hidden:] = self.language_model.pad_per_layer_embedding().to(inputs_embeds.dtype)
+        """An item's rows: the encoder's vectors in the token part; the per-layer part is
+        what ``embed_input_ids`` gave (the pad token's at media ids, a timestamp's own)."""
+        inputs_embeds[rows, :self.language_model.hidden_size] = features.to(inputs_embeds.dtype)
         return None
 
     def attention_spans(self, items: list[MultiModalItem]) -> list[tuple[int, int]]:
-        """Each image's soft tokens (not its boundary tokens: transformers' mm_token_type_ids),
-        where they attend both ways; none otherwise."""
+        """Each image's soft tokens, each video frame's (not their boundary tokens nor the
+        timestamps: transformers' mm_token_type_ids), where they attend both ways; none
+        otherwise."""
         if not self.bidirectional_images:
             return []
-        return [(item.offset, item.end) for item in items]
+        spans = []
+        for item in items:
+            if item.modality == "video":
+                per_frame = int(item.encoder_inputs["tokens_per_frame"])
+                spans += [(item.offset + start, item.offset + start + per_frame)
+                          for start in item.encoder_inputs["frame_starts"]]
+            else:
+                spans.append((item.offset, item.end))
+        return spans
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None, multimodal=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)

@@ -78,7 +78,7 @@ MOE_TEXT = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe
             "attention_k_eq_v": True, "num_global_key_value_heads": 1}
 
 # A chat template in Gemma 4's turn format: <bos>, then "<|turn>{role}\n{content}<turn|>\n"
-# per message (the assistant's role is "model"), an image or audio part as its soft token.
+# per message (the assistant's role is "model"), an image, audio or video part as its soft token.
 GEMMA4_CHAT_TEMPLATE = (
     "{{ bos_token }}{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
@@ -87,6 +87,7 @@ GEMMA4_CHAT_TEMPLATE = (
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'image' -%}{{ '<|image|>' }}"
     "{%- elif item['type'] == 'audio' -%}{{ '<|audio|>' }}"
+    "{%- elif item['type'] == 'video' -%}{{ '<|video|>' }}"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<turn|>\n' }}{%- endfor -%}"
@@ -193,7 +194,15 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
              "patch_size": spec["vision"]["patch_size"], "pooling_kernel_size": spec["vision"]["pooling_kernel_size"],
              "max_soft_tokens": spec["max_soft_tokens"]}
     write_json(out / "preprocessor_config.json", {**image, "processor_class": "Gemma4Processor"})
-    write_json(out / "processor_config.json", {"processor_class": "Gemma4Processor", "image_processor": image})
+    # The video processor's (Gemma4VideoProcessor): frames through the same tower at their own
+    # budget (70, its default), 32 frames spread over a video unless the server says otherwise.
+    video = {"video_processor_type": "Gemma4VideoProcessor", "do_convert_rgb": True, "do_resize": True,
+             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.0, 0.0, 0.0],
+             "image_std": [1.0, 1.0, 1.0], "resample": 3, "do_sample_frames": True, "num_frames": 32,
+             "patch_size": spec["vision"]["patch_size"], "pooling_kernel_size": spec["vision"]["pooling_kernel_size"],
+             "max_soft_tokens": 70}
+    write_json(out / "processor_config.json", {"processor_class": "Gemma4Processor", "image_processor": image,
+                                               "video_processor": video})
     text = spec["text"]
     write_json(out / "vlmd_tiny.json", {
         "family": family, "size": size, "seed": int(seed), "num_parameters": int(num_params),
@@ -203,5 +212,6 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
         "num_experts": text_overrides.get("num_experts"),
         "attention_k_eq_v": bool(text_overrides.get("attention_k_eq_v")),
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
+        "video_token_id": ids["<|video|>"],
     })
     return out

@@ -24,6 +24,7 @@ from vlmd.processing.base import (
     ProcessorOutput,
 )
 from vlmd.media.video import resize_frames_chw
+from vlmd.processing.frame_text import TimestampIds, with_first_timestamps_joined
 from vlmd.processing.hashing import item_identifier
 from vlmd.types import MultiModalItem
 from vlmd_qwen2_vl.processing import Qwen2VLDummyInputsBuilder, grid_thw, resize_frames
@@ -36,7 +37,6 @@ from vlmd_qwen3_vl.video import (
     collapse_wrappers,
     frame_layout,
     frame_times,
-    join_first_timestamps,
     pair_times,
     smart_resize,
 )
@@ -52,7 +52,8 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
         self.video_rules = read_video_rules(ctx.model_dir)
         config = ctx.hf_config
         self.vision_start_id, self.vision_end_id = int(config.vision_start_token_id), int(config.vision_end_token_id)
-        self._timestamp_ids: dict[str, list[int]] = {}
+        # Each timestamp's ids, tokenized on its own (video.py), once per text.
+        self.timestamp_ids = TimestampIds(ctx.tokenizer, "Qwen3-VL")
 
     def supported_mm_limits(self) -> dict[str, int | None]:
         return {modality: None for modality in MODALITIES}
@@ -103,15 +104,6 @@ class Qwen3VLProcessingInfo(BaseProcessingInfo):
         layout = frame_layout(self.timestamp_ids, times, per_pair, self.vision_start_id, self.vision_end_id,
                               self.marker_token_id("video"))
         return layout, pairs, per_pair, times
-
-    def timestamp_ids(self, text: str) -> list[int]:
-        """The ids of one timestamp, tokenized on its own (``video.py``), once per text."""
-        ids = self._timestamp_ids.get(text)
-        if ids is None:
-            if self.ctx.tokenizer is None:
-                raise ValueError("Qwen3-VL video counts need the checkpoint's tokenizer (its timestamps are text)")
-            ids = self._timestamp_ids[text] = list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
-        return ids
 
     def video_frame_indices(self, total: int, source_fps: float | None, policy) -> list[int]:
         """transformers' ``Qwen3VLVideoProcessor.sample_frames``: the server's fps
@@ -200,20 +192,10 @@ class Qwen3VLProcessor(BaseMultiModalProcessor):
         prompt_token_ids = collapse_wrappers(prompt_token_ids, info.vision_start_id, info.marker_token_id("video"),
                                              info.vision_end_id)
         output = super().apply(prompt_token_ids, media, kwargs)
-        tokenizer = info.ctx.tokenizer
-        if tokenizer is None:
-            return output
         temporal = info.settings["video"].temporal_patch_size
-        videos = iter(media["video"])
-        first = {index: f"<{pair_times(frame_times(next(videos)), temporal)[0]:.1f} seconds>"
-                 for index, item in enumerate(output.items) if item.modality == "video"}
-        ids, items = join_first_timestamps(
-            output.prompt_token_ids, output.items, first, lambda text: tokenizer.encode(text, add_special_tokens=False),
-            lambda ids: tokenizer.decode(ids, clean_up_tokenization_spaces=False),
-            set(tokenizer.added_tokens_decoder))
-        if ids == output.prompt_token_ids:
-            return output
-        return ProcessorOutput(ids, items, self.family_state(ids, items))
+        return with_first_timestamps_joined(
+            output, media["video"], lambda video: f"<{pair_times(frame_times(video), temporal)[0]:.1f} seconds>",
+            info.ctx.tokenizer, self.family_state)
 
     def family_state(self, prompt_token_ids: list[int], items: list[MultiModalItem]) -> PositionTable | None:
         if not items:

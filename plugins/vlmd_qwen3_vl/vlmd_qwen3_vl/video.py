@@ -28,15 +28,14 @@ transformers tokenizes the expanded prompt.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from vlmd.errors import BadRequestError
+from vlmd.processing.frame_text import DEFAULT_FPS, frame_times, interleave_rows, join_first_timestamps
 
-DEFAULT_FPS = 24  # transformers' rate for a video whose metadata names none
+__all__ = ["DEFAULT_FPS", "frame_times", "interleave_rows", "join_first_timestamps"]  # shared with Gemma 4
 
 
 def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int,
@@ -75,13 +74,6 @@ def capped_max_pixels(num_frames: int, min_pixels: int, max_pixels: int, factor:
     return per_frame * num_frames
 
 
-def frame_times(video: Any) -> tuple[float, ...]:
-    """Each frame's time in seconds, as transformers computes it from ``VideoMetadata``:
-    the decoder's ``frame_indices`` and ``source_fps`` (``vlmd.media.video.VideoFrames``);
-    frames that name neither count as frames 0, 1, ... at 24 fps."""
-    indices = getattr(video, "frame_indices", None) or range(len(video))
-    fps = getattr(video, "source_fps", None) or DEFAULT_FPS
-    return tuple(index / fps for index in indices)
 
 
 def pair_times(times: Sequence[float], temporal: int) -> list[float]:
@@ -131,47 +123,3 @@ def collapse_wrappers(prompt_ids: list[int], start_id: int, pad_id: int, end_id:
             out.append(prompt_ids[index])
             index += 1
     return out
-
-
-def join_first_timestamps(prompt_ids: list[int], items: list, first_timestamps: dict[int, str],
-                          encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                          boundaries: set[int]) -> tuple[list[int], list]:
-    """(prompt ids, items) with each video's first timestamp tokenized together with the text
-    before it, back to the previous special token (``boundaries``), where that differs from
-    the two tokenized apart; later items move by the difference. ``first_timestamps``: item
-    index -> that video's first timestamp text; its ids end right before the bracket that
-    opens the first pair, one token before the item's offset."""
-    ids, out, shift = list(prompt_ids), [], 0
-    for index, item in enumerate(items):
-        if shift:
-            item = dataclasses.replace(item, offset=item.offset + shift)
-        text = first_timestamps.get(index)
-        if text is not None:
-            end = item.offset - 1  # the first pair's <|vision_start|>
-            start = end - len(encode(text))
-            begin = start
-            while begin > 0 and ids[begin - 1] not in boundaries:
-                begin -= 1
-            if begin < start:
-                joined = encode(decode(ids[begin:start]) + text)
-                if joined != ids[begin:end]:
-                    delta = len(joined) - (end - begin)
-                    ids[begin:end] = joined
-                    item = dataclasses.replace(item, offset=item.offset + delta)
-                    shift += delta
-        out.append(item)
-    return ids, out
-
-
-def interleave_rows(pair_rows: list, between: list, width: int):
-    """One video's encoder output: pair 1's rows, the rows of the text between pairs 1 and
-    2 (its embeddings, DeepStack parts zero: the reference adds DeepStack features at
-    placeholders only), pair 2's rows, ... ``between`` holds ``[tokens, hidden]`` embeddings."""
-    import torch
-
-    parts = [pair_rows[0]]
-    for gap, rows in zip(between, pair_rows[1:]):
-        text = torch.zeros(gap.shape[0], width, dtype=rows.dtype, device=rows.device)
-        text[:, : gap.shape[1]] = gap.to(rows.dtype)
-        parts.extend((text, rows))
-    return torch.cat(parts)
