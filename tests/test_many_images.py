@@ -79,3 +79,35 @@ def test_thirty_two_pages_are_refused_from_their_headers_before_the_rest_are_dec
     decoded = decodes(server) - before
     assert 4 <= decoded <= 9, decoded  # ~122 tokens a page: the ninth passes 1024; none after it
     text_answered(server)
+
+
+# Qwen2-VL small at a pixel ceiling that keeps a page whole (~4,900 tokens an A4 page against
+# max_model_len 8192, measured by hand: D116's note) has a page take ~60 % of max_model_len; the
+# tiny one at the same ratio: max_pixels 470,400 makes a page 580 tokens of 1024.
+PAGE_RATIO_MAX_PIXELS = 600 * 28 * 28
+
+
+@pytest.fixture(scope="module")
+def large_page_server(tiny_qwen2_vl_dir, tmp_path_factory):
+    server = Server(tiny_qwen2_vl_dir, "--max-model-len", str(MAX_MODEL_LEN), "--limit-mm-per-prompt", "video=0",
+                    "--mm-processor-kwargs", orjson.dumps({"max_pixels": PAGE_RATIO_MAX_PIXELS}).decode(),
+                    "--preprocess-threads", "2", "--preprocess-timeout", "60", name="large-pages",
+                    log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+def test_one_page_of_most_of_max_model_len_is_served(large_page_server):
+    status, body = pages_request(large_page_server, 1, first_seed=200)
+    assert status == 200, body
+    assert MAX_MODEL_LEN // 2 < body["usage"]["prompt_tokens"] < MAX_MODEL_LEN
+    text_answered(large_page_server)
+
+
+@pytest.mark.parametrize("count", [8, 32])
+def test_pages_that_each_take_most_of_max_model_len_are_refused_at_the_second_header(large_page_server, count):
+    before = decodes(large_page_server)
+    status, body = pages_request(large_page_server, count, first_seed=300 + count)
+    assert_error(status, body, 400, "--max-model-len", f"max_model_len is {MAX_MODEL_LEN}", param="messages")
+    assert decodes(large_page_server) - before <= 1  # the second page's header already passes max_model_len
+    text_answered(large_page_server)

@@ -290,6 +290,9 @@ class EngineTimings:
     first_token: float = 0.0  # the end of the step that sampled its first token
     encoder_seconds: float = 0.0
     chunk_seconds: list[float] = field(default_factory=list)
+    # vlmd.media.image.DECODED_PIXELS.begun at ``first_token``: the front end counts the image
+    # decodes that ran whole before the loop took the token (PreprocessStages.pixels_waited).
+    decoded_pixels_begun: int = 0
 
 
 @dataclass

@@ -10,6 +10,12 @@ each input's stages (mean ms a request and share of its time to first token) ove
 
     python contrib/bench/flood.py --url http://127.0.0.1:8000 --model vlmd-tiny-llava
     python contrib/bench/flood.py --model-dir /path/to/llava --server-flag=--preprocess-threads=4
+
+With ``--peer-url`` (and ``--peer-model``, its served name), the same flood with the same
+images is then sent to that server too (vLLM's, started beforehand on the same checkpoint),
+and the line holds both runs and their ratios (vlmd over the peer):
+
+    python contrib/bench/flood.py --model-dir DIR --peer-url http://127.0.0.1:8100 --peer-model m
 """
 
 from __future__ import annotations
@@ -134,6 +140,8 @@ def main() -> None:
     parser.add_argument("--flood-tokens", type=int, default=16)
     parser.add_argument("--text-interval", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=1000, help="first image seed (another run: other pixels)")
+    parser.add_argument("--peer-url", help="another server (vLLM) to send the same flood to, after vlmd's")
+    parser.add_argument("--peer-model", default="m", help="the model name to send to --peer-url")
     args = parser.parse_args()
 
     process = None
@@ -144,20 +152,32 @@ def main() -> None:
     try:
         count = args.flood_requests * args.images
         images = [make_jpeg(args.seed + index, args.width, args.height) for index in range(count + args.images)]
-        # One warm-up of each kind outside the measurement (its own images).
-        warm = argparse.Namespace(**{**vars(args), "flood_requests": 1, "concurrency": 1})
-        asyncio.run(flood(url, model, warm, images[count:]))
-        before = stage_sums(url)
-        result = asyncio.run(flood(url, model, args, images))
-        result["stages"] = stage_table(before, stage_sums(url))
+        result = measure(url, model, args, images, count)
         result.update(image=f"{args.width}x{args.height}", images_per_request=args.images,
                       concurrency=args.concurrency, flood_requests=args.flood_requests,
                       server_flags=args.server_flag)
-        print(orjson.dumps(result).decode())
     finally:
         if process is not None:
             process.terminate()
             process.wait(30)
+    if args.peer_url:
+        peer = measure(args.peer_url, args.peer_model, args, images, count)
+        ratios = {"flood_req_per_s": round(result["flood_req_per_s"] / peer["flood_req_per_s"], 3)}
+        for key in ("text_ttft_p50_s", "text_ttft_p90_s"):  # vlmd's over the peer's: under 1 is faster
+            ratios[key] = round(result[key] / peer[key], 3) if peer[key] else None
+        result = {"vlmd": result, "peer": {**peer, "url": args.peer_url}, "ratios": ratios}
+    print(orjson.dumps(result).decode())
+
+
+def measure(url: str, model: str, args, images: list[str], count: int) -> dict:
+    """One warm-up of each kind outside the measurement (its own images), then the flood;
+    the stage table where the server exports vlmd's stage histograms."""
+    warm = argparse.Namespace(**{**vars(args), "flood_requests": 1, "concurrency": 1})
+    asyncio.run(flood(url, model, warm, images[count:]))
+    before = stage_sums(url)
+    result = asyncio.run(flood(url, model, args, images))
+    result["stages"] = stage_table(before, stage_sums(url))
+    return result
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from vlmd.errors import ENGINE_FAILED
 from vlmd.sched.output import RunnerOutput, SchedulerOutput
 from vlmd.sched.scheduler import Scheduler
 from vlmd.types import EngineRequest, EngineTimings, FinishReason, RequestDelta
+from vlmd.media.image import DECODED_PIXELS
 
 log = structlog.get_logger(__name__)
 
@@ -150,6 +151,7 @@ class EngineCore:
                 timings = self.timings.pop(delta.request_id, None)
                 if timings is not None:
                     timings.first_token = ended
+                    timings.decoded_pixels_begun = DECODED_PIXELS.begun
                     delta.timings = timings
             elif delta.finish_reason is not None:
                 self.timings.pop(delta.request_id, None)

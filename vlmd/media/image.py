@@ -8,6 +8,8 @@ through transformers itself.
 from __future__ import annotations
 
 import io
+import threading
+from contextlib import contextmanager
 
 from PIL import Image, UnidentifiedImageError
 
@@ -54,12 +56,41 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
                 f"the limit is {policy.max_image_aspect_ratio:g}:1"
             )
         try:
-            img.load()  # decode now, so a truncated file fails here and not in a worker
-            return to_rgb(img)
+            with DECODED_PIXELS.decoding(width * height):
+                img.load()  # decode now, so a truncated file fails here and not in a worker
+                return to_rgb(img)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise MediaError(_too_many_pixels_message(img.size, policy)) from None
         except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ...
             raise MediaError(f"cannot decode {img.format} image: {_reason(exc)}") from None
+
+
+class DecodedPixels:
+    """The pixels of the image decodes this process has begun and finished, on any thread.
+
+    A request that waits (for a preprocessing thread, or for the event loop to take its
+    result back) reads ``begun`` when its wait starts and ``finished`` when it ends: what
+    ``finished`` grew past ``begun`` is, at least, the pixels of decodes that began and ended
+    inside its wait, so a request that waited behind a whole image's decode shows it as a
+    count (``PreprocessStages.pixels_waited``, D116), whatever the host's speed."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # two threads' ``+=`` could lose one's pixels
+        self.begun = 0
+        self.finished = 0
+
+    @contextmanager
+    def decoding(self, pixels: int):
+        with self._lock:
+            self.begun += pixels
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.finished += pixels
+
+
+DECODED_PIXELS = DecodedPixels()
 
 
 def header_size(data: bytes) -> tuple[int, int] | None:

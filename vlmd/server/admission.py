@@ -124,16 +124,20 @@ class Admission:
         def run() -> T:
             if stages is not None:
                 stages.started = time.perf_counter()
+                stages.wait_ends()  # the pool's queue
             deadline.start()
             loop.call_soon_threadsafe(_set_result, started)
             deadline.check("starting")  # abandoned while queued (the client left)
             result = work(deadline)
             if stages is not None:
                 stages.ended = time.perf_counter()
+                stages.wait_begins()  # for the loop, to the engine (Generation ends it)
             return result
 
         if stages is not None:
             stages.submitted = time.perf_counter()
+            stages.wait_ends()  # from its arrival (the front end's work and turns of the loop)
+            stages.wait_begins()
         self.num_preprocessing += 1
         if media:
             try:

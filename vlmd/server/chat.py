@@ -53,6 +53,7 @@ async def read_text_body(request: web.Request, state: ServerState):
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
+    stages = PreprocessStages()  # from its arrival (D109, D116)
     state: ServerState = request.app["state"]
     chat = parse_chat_request(await read_text_body(request, state))
 
@@ -61,10 +62,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, state, chat, generations)
         return await _complete(state, chat, generations)
 
-    return await generate_chat(state, chat, started, "chatcmpl-", answer)
+    return await generate_chat(state, chat, started, stages, "chatcmpl-", answer)
 
 
-async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started: float, id_prefix: str,
+async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started: float, stages: PreprocessStages,
+                        id_prefix: str,
                         answer: Callable[[list[Generation]], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """The one generation path of a chat request (``/v1/chat/completions`` and
     ``/v1/responses``): the model and the cheap bounds checked, the grammar compiled, the
@@ -75,7 +77,6 @@ async def generate_chat(state: ServerState, chat: ChatCompletionRequest, started
     chat.sampling.check_vocabulary(state.preprocessor.vocab_size)
     state.preprocessor.check_text_length(chat.messages)  # 400 before a thread is taken
     grammar = await compile_structured_output(state, chat.structured) if chat.structured else None
-    stages = PreprocessStages()
     with state.admission.media_lease() as lease:
         processed = await state.admission.preprocess(
             lambda deadline: state.preprocessor.process_chat(

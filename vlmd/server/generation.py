@@ -101,6 +101,8 @@ class Generation:
             )
 
     async def _deltas(self) -> AsyncIterator[Delta]:
+        if self.counts_prompt and self.preprocess_stages is not None:
+            self.preprocess_stages.wait_ends()  # its preprocessing thread's end to the engine
         async with aclosing(self.state.engine.generate(self.engine_request)) as stream:
             async for delta in stream:
                 if delta.finish_reason is FinishReason.ERROR:
@@ -138,12 +140,14 @@ class Generation:
         self.last_token_time = now
 
     def _observe_stages(self, timings: EngineTimings, now: float) -> None:
+        self.preprocess_stages.wait_ends(timings.decoded_pixels_begun)  # its first token to the loop
         stages = stage_seconds(self.started, self.preprocess_stages, timings, now)
         kind = "media" if self.engine_request.mm_items else "text"
         self.state.metrics.observe_stages(stages, kind, timings.chunk_seconds)
         if self.state.config.log_request_stages:
             log.info("request stages", request_id=self.engine_request.request_id, input=kind,
                      ttft_ms=round(1000 * (now - self.started), 2), prefill_chunks=len(timings.chunk_seconds),
+                     pixels_waited=self.preprocess_stages.pixels_waited,
                      **{f"{name}_ms": round(1000 * seconds, 2) for name, seconds in stages.items()})
 
 

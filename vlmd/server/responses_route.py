@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from vlmd.errors import VlmdError
+from vlmd.processing.stages import PreprocessStages
 from vlmd.server.chat import generate_chat, read_text_body, response_id
 from vlmd.server.generation import Generation, merged_deltas, usage
 from vlmd.server.response_objects import EventStream, output_message, response_object, response_usage
@@ -30,6 +31,7 @@ _FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "respons
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
+    stages = PreprocessStages()  # from its arrival (D109, D116)
     state: ServerState = request.app["state"]
     parsed = parse_responses_request(await read_text_body(request, state))  # its errors name its fields
 
@@ -39,7 +41,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return await _complete(state, parsed, generations[0])
 
     try:
-        return await generate_chat(state, parsed.chat, started, "resp_", answer)
+        return await generate_chat(state, parsed.chat, started, stages, "resp_", answer)
     except VlmdError as exc:  # the chat path names chat's fields
         _named_for_responses(exc)
         raise
