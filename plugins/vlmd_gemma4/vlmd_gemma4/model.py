@@ -9,8 +9,9 @@ budget's patch count and masks the padding out of attention and pooling, which c
 same vectors. An image token's embedding row is its tower output; its per-layer part is the
 pad token's (``merge_multimodal``; the decoder's module docstring says why). Where the config
 says ``use_bidirectional_attention="vision"`` an image's soft tokens attend to each other
-both ways on the sliding layers (``attention_spans``; the full layers stay causal). The audio tower
-is not built yet: its weights are passed over and audio parts are refused (issue 45).
+both ways on the sliding layers (``attention_spans``; the full layers stay causal; audio
+soft tokens never do). Where the config has an ``audio_config`` (E2B, E4B) the audio tower
+and its embedder are ours (``audio.py``), in ``audio.tower_dtype`` of the server's dtype.
 """
 
 from __future__ import annotations
@@ -25,20 +26,20 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import SKIP, WeightNames, iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.types import MultiModalItem
+from vlmd_gemma4 import audio
 from vlmd_gemma4.decoder import Gemma4TextModel
 
 # Checkpoint prefixes (transformers 5's Gemma4ForConditionalGeneration) -> ours, first match
-# wins (vlmd/models/loader.py, D108); the audio towers are not built yet (module docstring):
-# their weights are passed over.
+# wins (vlmd/models/loader.py, D108).
 WEIGHT_NAMES = WeightNames("Gemma 4", (
     ("model.language_model.", "language_model."),
     ("lm_head.", "language_model.lm_head."),
     ("model.vision_tower.", "vision_tower."),
     ("model.embed_vision.", "embed_vision."),
-    ("model.audio_tower.", SKIP),
-    ("model.embed_audio.", SKIP),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.embed_audio.", "embed_audio."),
 ))
 
 
@@ -75,6 +76,10 @@ class Gemma4Model(nn.Module):
             self.vision_tower = Gemma4VisionModel(vision_config)
             adopt_linear_modules(self.vision_tower)  # its linears on the seam (adopt.py), as every tower's
             self.embed_vision = Gemma4MultimodalEmbedder(vision_config, text)
+        self.audio_tower = self.embed_audio = None
+        if config.audio_config is not None:
+            self.audio_tower = audio.Gemma4AudioTower(config.audio_config)
+            self.embed_audio = audio.Gemma4AudioEmbedder(config.audio_config, text)
         # An image's soft tokens see each other both ways (on the sliding layers) where the config says so.
         self.bidirectional_images = text.use_bidirectional_attention == "vision"
         tied = bool(getattr(config, "tie_word_embeddings", True))
@@ -85,7 +90,9 @@ class Gemma4Model(nn.Module):
     def load(cls, model_dir: str | Path, config, dtype: torch.dtype, tp: TPGroup = SINGLE) -> "Gemma4Model":
         model = cls(config, tp)
         model.load_weights(iterate_weights(model_dir))
-        return model.to(dtype).eval()
+        for name, module in model.named_children():  # the audio tower in its own dtype (audio.py)
+            module.to(audio.tower_dtype(dtype) if name in ("audio_tower", "embed_audio") else dtype)
+        return model.eval()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         encoder_params = {}
@@ -95,6 +102,9 @@ class Gemma4Model(nn.Module):
                 # The tower's standardization (std_bias, std_scale) is a pair of checkpoint buffers.
                 encoder_params.update({prefix + name: b for name, b in module.named_buffers()
                                        if name.startswith("std_")})
+        for prefix, module in (("audio_tower.", self.audio_tower), ("embed_audio.", self.embed_audio)):
+            if module is not None:  # the linears' clamp bounds are checkpoint buffers
+                encoder_params.update({prefix + name: t for name, t in module.state_dict(keep_vars=True).items()})
         load_multimodal_weights(weights, WEIGHT_NAMES, encoder_params, self.language_model)
 
     # ---- the runner's contract -----------------------------------------------------
@@ -103,13 +113,19 @@ class Gemma4Model(nn.Module):
         return self.language_model.embed_input_ids(input_ids)
 
     def drop_encoders(self, modalities: set[str]) -> list[str]:
-        if "image" not in modalities or self.vision_tower is None:
-            return []
-        self.vision_tower = self.embed_vision = None
-        return ["vision_tower", "embed_vision"]
+        dropped = []
+        if "image" in modalities and self.vision_tower is not None:
+            self.vision_tower = self.embed_vision = None
+            dropped += ["vision_tower", "embed_vision"]
+        if "audio" in modalities and self.audio_tower is not None:
+            self.audio_tower = self.embed_audio = None
+            dropped += ["audio_tower", "embed_audio"]
+        return dropped
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Each image through the tower alone (module docstring): [soft tokens, text hidden]."""
+        if modality == "audio":
+            return self.embed_audio_clips(encoder_inputs)
         if modality != "image":
             raise ValueError(f"Gemma 4 does not encode {modality} yet")
         if self.vision_tower is None:
@@ -125,8 +141,18 @@ class Gemma4Model(nn.Module):
             outputs.append(self.embed_vision(encoded))
         return outputs
 
+    def embed_audio_clips(self, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Each clip's valid log-mel frames through the audio tower alone, in the decoder's dtype
+        (what the encoder cache holds): [soft tokens, text hidden]."""
+        if self.audio_tower is None:
+            raise ValueError("this Gemma 4 has no audio tower (or it is off: --limit-mm-per-prompt audio=0)")
+        device = self.language_model.embed_tokens.weight.device
+        dtype = self.language_model.embed_tokens.weight.dtype
+        return [self.embed_audio(self.audio_tower(torch.from_numpy(np.ascontiguousarray(inputs["input_features"])).to(device))).to(dtype)
+                for inputs in encoder_inputs]
+
     def merge_multimodal(self, inputs_embeds: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> None:
-        """Image rows: the tower's vectors, and the pad token's per-layer embeddings."""
+        """Image and audio rows: the tower's vectors, and the pad token's per-layer embeddings."""
         hidden = self.language_model.hidden_size
         inputs_embeds[rows, :hidden] = features.to(inputs_embeds.dtype)
         if inputs_embeds.shape[1] > hidden:
@@ -135,10 +161,11 @@ class Gemma4Model(nn.Module):
 
     def attention_spans(self, items: list[MultiModalItem]) -> list[tuple[int, int]]:
         """Each image's soft tokens (not its boundary tokens: transformers' mm_token_type_ids),
-        where they attend both ways; none otherwise."""
+        where they attend both ways; none otherwise. Audio soft tokens stay causal (transformers
+        marks only vision tokens)."""
         if not self.bidirectional_images:
             return []
-        return [(item.offset, item.end) for item in items]
+        return [(item.offset, item.end) for item in items if item.modality != "audio"]
 
     def forward(self, inputs_embeds, positions, meta, kv_caches, outputs=None, multimodal=None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, meta, kv_caches, outputs)

@@ -3,8 +3,8 @@
 The chat template leaves the image soft token (``<|image|>``) per image; transformers'
 processor replaces it with ``<|image>`` + n x ``<|image|>`` + ``<image|>``, n the image's
 pooled patches (``settings.py``). The replacement here is those ids. Rescaling and
-patchifying happen on the device (``model.py``). Video and audio are not taken yet (issue
-45): their parts are refused (400).
+patchifying happen on the device (``model.py``). Audio is ``audio_processing.py``'s; video
+is not taken yet (issue 45): its parts are refused (400).
 """
 
 from __future__ import annotations
