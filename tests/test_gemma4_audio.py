@@ -4,7 +4,8 @@ The tiny checkpoint is ``gemma4_audio`` (``vlmd_gemma4/tiny.py``: the ``gemma4``
 vision tower, plus two conformer layers over the real 128-bin features, with drawn clamp
 bounds). The tower equals transformers' ``get_audio_features`` vector for vector, in float32;
 in float16 it runs in float32 (D113). Through the server: a clip in chat gives transformers'
-greedy tokens, alone and concurrently with a text and an image request; the soft-token count
+greedy tokens, alone and concurrently with a text and an image request, as ``input_audio``
+and as an ``audio_url`` (a local file); the soft-token count
 (``<|audio>`` + n + ``<audio|>``) is transformers' processor's for every clip length;
 ``/v1/audio/transcriptions`` gives transformers' generate under the model card's
 transcription prompt, as json, text and verbose_json (one segment per window); translations,
@@ -42,8 +43,9 @@ def _text_body(content, max_tokens: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gemma4_audio_dir, tmp_path_factory):
+def server(tiny_gemma4_audio_dir, media_dir, tmp_path_factory):
     server = Server(tiny_gemma4_audio_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=1,audio=2",
+                    "--allowed-local-media-path", str(media_dir),
                     "--media-io-kwargs", '{"audio": {"max_bytes": 3000000}}', name="tiny-gemma4-audio",
                     log_dir=tmp_path_factory.mktemp("gemma4-audio-logs"))
     yield server
@@ -137,6 +139,16 @@ def test_a_clip_in_chat_equals_transformers_alone_and_concurrently(server, refer
         assert_chat_parity(answer, references[name])
 
 
+def test_an_audio_url_is_the_same_clip(server, references, media_dir):
+    path = media_dir / "gemma4-audio-clip.wav"
+    path.write_bytes(CLIP)
+    body = _audio_body(CLIP, "What is it?", 10)
+    body["messages"][0]["content"][0] = {"type": "audio_url", "audio_url": {"url": path.as_uri()}}
+    status, answer = server.chat(body)
+    assert status == 200, answer
+    assert_chat_parity(answer, references["audio"])
+
+
 @pytest.fixture(scope="module")
 def transcription_reference(tiny_gemma4_audio_dir):
     from vlmd_gemma4.audio_processing import DEFAULT_WINDOW_TOKENS, transcription_instruction
@@ -199,3 +211,19 @@ def test_cost_counts_the_servers_audio_tokens(server, references, transcription_
     assert row["prompt_tokens"] == in_prompt == 77 and row["placeholder_tokens"] == row["encoder_tokens"] == 75
     window = next(r for r in report["requests"] if r["request"] == "transcription window")
     assert window["prompt_tokens"] == len(transcription_reference["prompt_token_ids"])
+
+
+def test_audio_stays_causal_where_images_attend_both_ways(tiny_gemma4_audio_dir):
+    """transformers marks only vision tokens (types 1, 2) for bidirectional attention; an
+    audio clip's soft tokens (type 3) stay causal, so they bring no span."""
+    from transformers import AutoConfig
+
+    from vlmd.types import MultiModalItem
+    from vlmd_gemma4.model import Gemma4Model
+
+    config = AutoConfig.from_pretrained(tiny_gemma4_audio_dir)
+    config.text_config.use_bidirectional_attention = "vision"
+    model = Gemma4Model(config)
+    items = [MultiModalItem(modality="audio", identifier="a", offset=3, length=75),
+             MultiModalItem(modality="image", identifier="i", offset=90, length=20)]
+    assert model.attention_spans(items) == [(90, 110)]
