@@ -28,7 +28,10 @@ from oracle import assert_chat_parity
 from qwen2_audio_support import decoded, encode, input_audio, make_clip
 from whisper_support import post_audio
 
-CLIP = encode(make_clip(3.0, 5), "WAV")  # 48,000 samples: 75 soft tokens
+# 48,150 samples: 300 valid frames, 75 soft tokens; transformers' padding to 128 samples adds a
+# 301st frame, masked (the processor must not hand it to the tower).
+SECONDS = 48_150 / 16_000
+CLIP = encode(make_clip(SECONDS, 5), "WAV")
 IMAGE = random_image(7, 60, 80)
 
 
@@ -166,15 +169,15 @@ def test_transcriptions_equal_transformers_in_whispers_formats(server, transcrip
     assert expected
     status, raw = post_audio(server, {}, CLIP)
     assert status == 200, raw
-    assert orjson.loads(raw) == {"text": expected, "usage": {"type": "duration", "seconds": 3.0}}
+    assert orjson.loads(raw) == {"text": expected, "usage": {"type": "duration", "seconds": round(SECONDS, 3)}}
     status, text = post_audio(server, {"response_format": "text"}, CLIP)
     assert status == 200 and text.decode() == expected + "\n"
     status, raw = post_audio(server, {"response_format": "verbose_json"}, CLIP)
     assert status == 200, raw
     verbose = orjson.loads(raw)
-    assert verbose["task"] == "transcribe" and verbose["duration"] == 3.0 and verbose["text"] == expected
+    assert verbose["task"] == "transcribe" and verbose["duration"] == round(SECONDS, 3) and verbose["text"] == expected
     (segment,) = verbose["segments"]  # one window, one segment spanning it
-    assert segment["start"] == 0.0 and segment["end"] == 3.0 and segment["text"].strip() == expected
+    assert segment["start"] == 0.0 and segment["end"] == round(SECONDS, 3) and segment["text"].strip() == expected
     assert segment["avg_logprob"] <= 0
 
 
@@ -201,7 +204,7 @@ def test_cost_counts_the_servers_audio_tokens(server, references, transcription_
     from vlmd.cost import CostOptions, ItemSpec, compute_cost
     from vlmd.processing.base import ItemSize
 
-    report = compute_cost(str(tiny_gemma4_audio_dir), [ItemSpec("audio", "audio 3 s", ItemSize(seconds=3.0))],
+    report = compute_cost(str(tiny_gemma4_audio_dir), [ItemSpec("audio", "the clip", ItemSize(seconds=SECONDS))],
                           CostOptions())
     (row,) = report["items"]
     status, body = server.chat(_bodies()["audio"])
@@ -227,3 +230,22 @@ def test_audio_stays_causal_where_images_attend_both_ways(tiny_gemma4_audio_dir)
     items = [MultiModalItem(modality="audio", identifier="a", offset=3, length=75),
              MultiModalItem(modality="image", identifier="i", offset=90, length=20)]
     assert model.attention_spans(items) == [(90, 110)]
+
+
+def test_audio_limited_to_zero_frees_the_tower_and_refuses_audio(tiny_gemma4_audio_dir, tmp_path):
+    """``--limit-mm-per-prompt audio=0``: the tower and its embedder are dropped before the
+    model goes to the device, a clip in chat and /v1/audio/transcriptions are a 400, images
+    still work."""
+    server = Server(tiny_gemma4_audio_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=1,audio=0",
+                    log_dir=tmp_path)
+    try:
+        status, body = server.chat(_audio_body(CLIP, "What is it?", 2))
+        assert status == 400 and "audio" in body["error"]["message"], body
+        status, raw = post_audio(server, {}, CLIP)
+        assert status == 400 and "does not take audio" in orjson.loads(raw)["error"]["message"], raw
+        status, body = server.chat(_bodies()["image"])
+        assert status == 200, body
+    finally:
+        server.stop()
+    plan = next(line for line in server.log_path.read_text().splitlines() if "memory plan" in line)
+    assert "audio_tower" in plan and "embed_audio" in plan and "vision_tower" not in plan
