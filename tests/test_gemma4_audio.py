@@ -181,6 +181,23 @@ def test_transcriptions_equal_transformers_in_whispers_formats(server, transcrip
     assert segment["avg_logprob"] <= 0
 
 
+def test_language_and_prompt_go_into_the_instruction(server, tiny_gemma4_audio_dir, transcription_reference):
+    """``language=en``: the card's "in English into English text"; a ``prompt`` follows the
+    instruction as context (as Qwen2-Audio's); both equal transformers' generate on that prompt."""
+    from vlmd_gemma4.audio_processing import DEFAULT_WINDOW_TOKENS, transcription_instruction
+
+    instruction = transcription_instruction("en") + "\nContext: Names: Ada."
+    assert "in English into English text" in instruction
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
+    reference = hf_gemma4_audio_generate(tiny_gemma4_audio_dir, messages, [decoded(CLIP)], DEFAULT_WINDOW_TOKENS)
+    assert reference["prompt_token_ids"] != transcription_reference["prompt_token_ids"]
+    assert reference["output_token_ids"]
+    _, tokenizer = load_hf_gemma4(str(tiny_gemma4_audio_dir.resolve()))
+    status, raw = post_audio(server, {"language": "en", "prompt": "Names: Ada."}, CLIP)
+    assert status == 200, raw
+    assert orjson.loads(raw)["text"] == tokenizer.decode(reference["output_token_ids"], skip_special_tokens=True).strip()
+
+
 def test_translations_and_bad_audio_are_a_400_and_the_server_keeps_serving(server, references):
     status, raw = post_audio(server, {}, CLIP, path="/v1/audio/translations")
     assert status == 400 and "cannot translate" in orjson.loads(raw)["error"]["message"]
