@@ -154,7 +154,8 @@ def test_an_audio_url_is_the_same_clip(server, references, media_dir):
 
 @pytest.fixture(scope="module")
 def transcription_reference(tiny_gemma4_audio_dir):
-    from vlmd_gemma4.audio_processing import DEFAULT_WINDOW_TOKENS, transcription_instruction
+    from vlmd.processing.speech import DEFAULT_WINDOW_TOKENS
+    from vlmd_gemma4.audio_processing import transcription_instruction
 
     messages = [{"role": "user", "content": [{"type": "audio"},
                                              {"type": "text", "text": transcription_instruction(None)}]}]
@@ -184,7 +185,8 @@ def test_transcriptions_equal_transformers_in_whispers_formats(server, transcrip
 def test_language_and_prompt_go_into_the_instruction(server, tiny_gemma4_audio_dir, transcription_reference):
     """``language=en``: the card's "in English into English text"; a ``prompt`` follows the
     instruction as context (as Qwen2-Audio's); both equal transformers' generate on that prompt."""
-    from vlmd_gemma4.audio_processing import DEFAULT_WINDOW_TOKENS, transcription_instruction
+    from vlmd.processing.speech import DEFAULT_WINDOW_TOKENS
+    from vlmd_gemma4.audio_processing import transcription_instruction
 
     instruction = transcription_instruction("en") + "\nContext: Names: Ada."
     assert "in English into English text" in instruction

@@ -30,14 +30,10 @@ from typing import Any
 import numpy as np
 
 from vlmd.errors import BadRequestError
-from vlmd.processing.base import ItemSize, ItemTokens, ProcessedItem, ProcessorOutput
-from vlmd.processing.speech import SpeechToTextProcessor, TranscriptionOptions
+from vlmd.processing.base import ItemSize, ItemTokens, ProcessedItem
+from vlmd.processing.speech import ChatSpeechToTextProcessor, TranscriptionOptions, checked_clip
 from vlmd_gemma4.processing import Gemma4DummyInputsBuilder, Gemma4ProcessingInfo, Gemma4Processor
 
-# Output tokens per transcription window when the generation config names no limit (as
-# Qwen2-Audio's: Whisper's decoder length, ample for 30 s of speech, and a bound on a model
-# that never says end of turn).
-DEFAULT_WINDOW_TOKENS = 448
 LANGUAGE_NAMES = {"en": "English"}
 
 
@@ -132,7 +128,7 @@ class Gemma4AudioProcessingInfo(Gemma4ProcessingInfo):
         return Gemma4AudioFeatureExtractor(**self.audio.feature_settings)
 
 
-class Gemma4AudioProcessor(Gemma4Processor, SpeechToTextProcessor):
+class Gemma4AudioProcessor(Gemma4Processor, ChatSpeechToTextProcessor):
     """Gemma 4's processor where the checkpoint has an audio tower: clips in chat, and
     /v1/audio/transcriptions (``gemma4_processor`` picks it)."""
 
@@ -148,13 +144,7 @@ class Gemma4AudioProcessor(Gemma4Processor, SpeechToTextProcessor):
         if modality != "audio":
             return super().process_item(modality, media, kwargs)
         info: Gemma4AudioProcessingInfo = self.info
-        samples = np.asarray(media, dtype=np.float32)
-        if samples.ndim != 1 or samples.shape[0] == 0:
-            raise BadRequestError("an audio clip must decode to one or more mono samples", param="messages")
-        if samples.shape[0] > info.audio.max_samples:
-            raise BadRequestError(
-                f"an audio clip is {samples.shape[0] / self.sampling_rate:.1f} s long; this model takes at most "
-                f"{self.window_seconds:g} s per clip", param="messages")
+        samples = checked_clip(media, info.audio.max_samples, self.sampling_rate)
         tokens = info.item_tokens("audio", ItemSize(seconds=samples.shape[0] / self.sampling_rate), kwargs).placeholders
         if tokens < 1:
             raise BadRequestError(
@@ -170,18 +160,11 @@ class Gemma4AudioProcessor(Gemma4Processor, SpeechToTextProcessor):
 
     # ---- /v1/audio/transcriptions ---------------------------------------------------
 
-    def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
+    def speech_instruction(self, options: TranscriptionOptions) -> str:
         instruction = transcription_instruction(options.language)
         if options.prompt:  # as Qwen2-Audio's: the card has no place for context, so it follows
             instruction += f"\nContext: {options.prompt.strip()}"
-        messages = [{"role": "user", "content": [self.info.chat_part("audio"), {"type": "text", "text": instruction}]}]
-        tokenizer = self.info.ctx.tokenizer
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.apply(tokenizer.encode(text, add_special_tokens=False), {"audio": [samples]})
-
-    def max_output_tokens(self, prompt_length: int, max_model_len: int) -> int:
-        limit = int(self.info.generation.get("max_new_tokens") or DEFAULT_WINDOW_TOKENS)
-        return max(1, min(limit, max_model_len - prompt_length))
+        return instruction
 
 
 def gemma4_processor(info: Gemma4AudioProcessingInfo) -> Gemma4Processor:
