@@ -297,6 +297,13 @@ def tiny_gemma4_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma4_audio_dir(tmp_path_factory) -> Path:
+    from vlmd.tiny import build_tiny
+
+    return build_tiny("gemma4_audio", tmp_path_factory.mktemp("tiny-gemma4-audio"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_audio_dir(tmp_path_factory) -> Path:
     from vlmd.testing.tiny import build_tiny
 

@@ -267,7 +267,8 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         # the profile's worst-case items above must neither fill the cache nor count in its lookups.
         processor.cache = ProcessorCache(int(config.mm_processor_cache_gb * 2**30))
     transcriber = None
-    if isinstance(processor, SpeechToTextProcessor):
+    # A speech-to-text processor serves /v1/audio/* unless audio is limited to 0 (its encoder dropped).
+    if isinstance(processor, SpeechToTextProcessor) and "audio" in modalities:
         transcriber = TranscriptionPreprocessor(processor, policy, max_model_len)
     eos = _eos_token_ids(model_dir, tokenizer)
     # Structured outputs: for chat models with a fast tokenizer (llguidance reads its JSON).

@@ -20,11 +20,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vlmd.errors import BadRequestError
+
 if TYPE_CHECKING:
     from vlmd.processing.base import ProcessorOutput
     from vlmd.types import MultiModalItem
 
 TASKS = ("transcribe", "translate")
+# Output tokens per transcription window of a chat-template model whose generation config names
+# no limit: Whisper's decoder length, ample for 30 s of speech, and a bound on a model that never
+# ends its turn.
+DEFAULT_WINDOW_TOKENS = 448
 
 
 @dataclass(frozen=True)
@@ -143,3 +149,40 @@ class SpeechToTextProcessor(ABC):
         """The words of one window's output ``token_ids``, timed by ``alignment`` (what the
         engine's ``align`` returned for ``alignment_query``), in seconds from the window start."""
         raise NotImplementedError("this model does not time words")
+
+
+def checked_clip(media, max_samples: int, sampling_rate: int) -> np.ndarray:
+    """A decoded clip in chat as float32 mono samples, or a 400: no samples, not mono, or
+    longer than the model takes (``max_samples``)."""
+    samples = np.asarray(media, dtype=np.float32)
+    if samples.ndim != 1 or samples.shape[0] == 0:
+        raise BadRequestError("an audio clip must decode to one or more mono samples", param="messages")
+    if samples.shape[0] > max_samples:
+        raise BadRequestError(
+            f"an audio clip is {samples.shape[0] / sampling_rate:.1f} s long; this model takes at most "
+            f"{max_samples / sampling_rate:g} s per clip", param="messages")
+    return samples
+
+
+class ChatSpeechToTextProcessor(SpeechToTextProcessor):
+    """A decoder-only audio LM's transcription (Qwen2-Audio, Gemma 4): a window is one user turn
+    of the checkpoint's chat template, the clip then the family's ``speech_instruction``, and
+    generates at most the generation config's ``max_new_tokens`` (else
+    ``DEFAULT_WINDOW_TOKENS``). Mixed into a ``BaseMultiModalProcessor`` whose info reads the
+    generation config into ``generation``."""
+
+    @abstractmethod
+    def speech_instruction(self, options: TranscriptionOptions) -> str:
+        """The text after the clip: what to do with it."""
+
+    def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
+        info = self.info
+        messages = [{"role": "user", "content": [info.chat_part("audio"),
+                                                 {"type": "text", "text": self.speech_instruction(options)}]}]
+        tokenizer = info.ctx.tokenizer
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.apply(tokenizer.encode(text, add_special_tokens=False), {"audio": [samples]})
+
+    def max_output_tokens(self, prompt_length: int, max_model_len: int) -> int:
+        limit = int(self.info.generation.get("max_new_tokens") or DEFAULT_WINDOW_TOKENS)
+        return max(1, min(limit, max_model_len - prompt_length))

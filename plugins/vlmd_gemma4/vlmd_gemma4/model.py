@@ -11,8 +11,9 @@ the timestamp text between them keeps its own embeddings (``video.py``). A media
 embedding row is its tower output; its per-layer part is the pad token's, as transformers
 looks media ids up as pad (``embed_input_ids``; the decoder's module docstring says why). Where the config
 says ``use_bidirectional_attention="vision"`` an image's soft tokens attend to each other
-both ways on the sliding layers (``attention_spans``; the full layers stay causal). The audio tower
-is not built yet: its weights are passed over and audio parts are refused (issue 45).
+both ways on the sliding layers (``attention_spans``; the full layers stay causal; audio
+soft tokens never do). Where the config has an ``audio_config`` (E2B, E4B) the audio tower
+and its embedder are ours (``audio.py``), in ``audio.tower_dtype`` of the server's dtype.
 """
 
 from __future__ import annotations
@@ -27,21 +28,21 @@ from torch import nn
 
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
-from vlmd.models.loader import SKIP, WeightNames, iterate_weights, load_multimodal_weights
+from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
 from vlmd.processing.frame_text import interleave_rows
 from vlmd.types import MultiModalItem
+from vlmd_gemma4 import audio
 from vlmd_gemma4.decoder import Gemma4TextModel
 
 # Checkpoint prefixes (transformers 5's Gemma4ForConditionalGeneration) -> ours, first match
-# wins (vlmd/models/loader.py, D108); the audio towers are not built yet (module docstring):
-# their weights are passed over.
+# wins (vlmd/models/loader.py, D108).
 WEIGHT_NAMES = WeightNames("Gemma 4", (
     ("model.language_model.", "language_model."),
     ("lm_head.", "language_model.lm_head."),
     ("model.vision_tower.", "vision_tower."),
     ("model.embed_vision.", "embed_vision."),
-    ("model.audio_tower.", SKIP),
-    ("model.embed_audio.", SKIP),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.embed_audio.", "embed_audio."),
 ))
 
 
@@ -82,6 +83,10 @@ class Gemma4Model(nn.Module):
             # and the tower failed at start-up).
             adopt_linear_modules(self.vision_tower.encoder)
             self.embed_vision = Gemma4MultimodalEmbedder(vision_config, text)
+        self.audio_tower = self.embed_audio = None
+        if config.audio_config is not None:
+            self.audio_tower = audio.Gemma4AudioTower(config.audio_config)
+            self.embed_audio = audio.Gemma4AudioEmbedder(config.audio_config, text)
         # An image's soft tokens see each other both ways (on the sliding layers) where the config says so.
         self.bidirectional_images = text.use_bidirectional_attention == "vision"
         tied = bool(getattr(config, "tie_word_embeddings", True))
@@ -103,7 +108,9 @@ class Gemma4Model(nn.Module):
         # checkpoints, past float16's 65504 (vLLM #40290), and a 16-bit copy would round it to
         # 32s (float16) or 256s (bfloat16) before the cancellation.
         standardization = model.standardization_buffers()
-        model = model.to(dtype).eval()
+        for name, module in model.named_children():  # the audio tower in its own dtype (audio.py)
+            module.to(audio.tower_dtype(dtype) if name in ("audio_tower", "embed_audio") else dtype)
+        model = model.eval()
         for name, value in standardization.items():
             model.vision_tower.register_buffer(name, value)
         return model
@@ -124,6 +131,9 @@ class Gemma4Model(nn.Module):
                 # The tower's standardization (std_bias, std_scale) is a pair of checkpoint buffers.
                 encoder_params.update({prefix + name: b for name, b in module.named_buffers()
                                        if name.startswith("std_")})
+        for prefix, module in (("audio_tower.", self.audio_tower), ("embed_audio.", self.embed_audio)):
+            if module is not None:  # the linears' clamp bounds are checkpoint buffers
+                encoder_params.update({prefix + name: t for name, t in module.state_dict(keep_vars=True).items()})
         load_multimodal_weights(weights, WEIGHT_NAMES, encoder_params, self.language_model)
 
     # ---- the runner's contract -----------------------------------------------------
@@ -135,15 +145,22 @@ class Gemma4Model(nn.Module):
         return self.language_model.embed_input_ids(torch.where(media, self.pad_token_id, input_ids))
 
     def drop_encoders(self, modalities: set[str]) -> list[str]:
-        if not {"image", "video"} <= modalities or self.vision_tower is None:
-            return []
-        self.vision_tower = self.embed_vision = None
-        return ["vision_tower", "embed_vision"]
+        dropped = []
+        if {"image", "video"} <= modalities and self.vision_tower is not None:
+            self.vision_tower = self.embed_vision = None
+            dropped += ["vision_tower", "embed_vision"]
+        if "audio" in modalities and self.audio_tower is not None:
+            self.audio_tower = self.embed_audio = None
+            dropped += ["audio_tower", "embed_audio"]
+        return dropped
 
     def embed_multimodal(self, modality: str, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Each image through the tower alone (module docstring): [soft tokens, text hidden]. A
         video's frames (one size) through it together, its rows interleaved with the
-        embeddings of the timestamp text between frames: [span, text hidden]."""
+        embeddings of the timestamp text between frames: [span, text hidden]. Each audio
+        clip through the audio tower alone."""
+        if modality == "audio":
+            return self.embed_audio_clips(encoder_inputs)
         if modality not in ("image", "video"):
             raise ValueError(f"Gemma 4 does not encode {modality} yet")
         if self.vision_tower is None:
@@ -170,6 +187,16 @@ class Gemma4Model(nn.Module):
                    for ids in inputs["between"]]
         return interleave_rows(list(rows.split(int(inputs["tokens_per_frame"]))), between, hidden)
 
+    def embed_audio_clips(self, encoder_inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Each clip's valid log-mel frames through the audio tower alone, in the decoder's dtype
+        (what the encoder cache holds): [soft tokens, text hidden]."""
+        if self.audio_tower is None:
+            raise ValueError("this Gemma 4 has no audio tower (or it is off: --limit-mm-per-prompt audio=0)")
+        device = self.language_model.embed_tokens.weight.device
+        dtype = self.language_model.embed_tokens.weight.dtype
+        return [self.embed_audio(self.audio_tower(torch.from_numpy(np.ascontiguousarray(inputs["input_features"])).to(device))).to(dtype)
+                for inputs in encoder_inputs]
+
     def merge_multimodal(self, inputs_embeds: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> None:
         """An item's rows: the encoder's vectors in the token part; the per-layer part is
         what ``embed_input_ids`` gave (the pad token's at media ids, a timestamp's own)."""
@@ -179,11 +206,13 @@ class Gemma4Model(nn.Module):
     def attention_spans(self, items: list[MultiModalItem]) -> list[tuple[int, int]]:
         """Each image's soft tokens, each video frame's (not their boundary tokens nor the
         timestamps: transformers' mm_token_type_ids), where they attend both ways; none
-        otherwise."""
+        otherwise. Audio soft tokens stay causal (transformers marks only vision tokens)."""
         if not self.bidirectional_images:
             return []
         spans = []
         for item in items:
+            if item.modality == "audio":
+                continue
             if item.modality == "video":
                 per_frame = int(item.encoder_inputs["tokens_per_frame"])
                 spans += [(item.offset + start, item.offset + start + per_frame)

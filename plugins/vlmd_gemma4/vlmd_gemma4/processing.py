@@ -5,8 +5,8 @@ The chat template leaves the image soft token (``<|image|>``) per image; transfo
 processor replaces it with ``<|image>`` + n x ``<|image|>`` + ``<image|>``, n the image's
 pooled patches (``settings.py``). The replacement here is those ids. A video's marker
 (``<|video|>``) becomes each frame's ``mm:ss`` and its soft tokens in the same brackets.
-Rescaling and patchifying happen on the device (``model.py``). Audio is not taken yet (issue
-45): its parts are refused (400).
+Rescaling and patchifying happen on the device (``model.py``). Audio is
+``audio_processing.py``'s.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Deterministic random Gemma 4 checkpoints for tests (``Gemma4ForConditionalGeneration``
-with a vision tower; no audio tower yet).
+with a vision tower; ``gemma4_audio`` adds an audio tower, as E2B / E4B have).
 
 Written from transformers' own config classes, loadable offline by transformers and vlmd:
 ``config.json``, ``model.safetensors`` (float32), a Gemma-style tokenizer
@@ -16,6 +16,11 @@ and 64 on full ones, where RoPE is proportional (a quarter of each head rotates)
 embeddings of 16 per layer; each layer's ``layer_scalar`` drawn (a checkpoint's are not 1);
 a soft-capped output, untied from the embeddings (a tied random model only repeats its input
 token). The tower: two layers of 32, 4-px patches pooled 3 x 3, its standardization drawn.
+The audio variant (``AUDIO``, its own builder so the other checkpoints stay byte-identical):
+two conformer layers of 32 over the feature extractor's real 128 mel bins, the attention
+window of every checkpoint (12 positions back, in chunks of 12: a test clip's 25 positions a
+second run past it), a soft cap of 5 (reached by random weights), an output width of 48 (not
+the decoder's 64), and every linear's clamp bounds drawn near +-1.5 (they clamp).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from vlmd.tiny.checkpoint_io import save_checkpoint, write_json, write_tokenizer
 from vlmd.tiny.gemma_tokenizer import CORE_SPECIAL_TOKENS, build_gemma_tokenizer
 from vlmd.tiny.weights import StdRule, init_buffers, random_model
 
-__all__ = ["GEMMA4_CHAT_TEMPLATE", "MOE_TEXT", "SIZES", "build_tiny_gemma4", "build_tiny_gemma4_moe", "gemma4_config"]
+__all__ = ["AUDIO", "GEMMA4_CHAT_TEMPLATE", "MOE_TEXT", "SIZES", "build_tiny_gemma4", "build_tiny_gemma4_audio",
+           "build_tiny_gemma4_moe", "gemma4_config"]
 
 # Gemma 4's turn and media-boundary tokens (after the core five), and its soft tokens.
 LEADING_SPECIAL_TOKENS = (*CORE_SPECIAL_TOKENS, "<|turn>", "<turn|>", "<|image>", "<image|>", "<|audio>", "<audio|>")
@@ -77,6 +83,15 @@ SIZES: dict[str, dict] = {
 MOE_TEXT = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48,
             "attention_k_eq_v": True, "num_global_key_value_heads": 1}
 
+# The audio tower of ``gemma4_audio`` (module docstring); the first subsampling convolution has as
+# many channels as there are mel bins (transformers sizes the projection by it).
+AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
+             conv_kernel_size=5, attention_chunk_size=12, attention_context_left=13, attention_context_right=0,
+             attention_logit_cap=5.0, output_proj_dims=48, hidden_act="silu", use_clipped_linears=True)
+FEATURE_EXTRACTOR = {"feature_extractor_type": "Gemma4AudioFeatureExtractor", "feature_size": 128,
+                     "sampling_rate": 16000, "padding_value": 0.0, "frame_length_ms": 20.0, "hop_length_ms": 10.0,
+                     "min_frequency": 0.0, "max_frequency": 8000.0, "mel_floor": 0.001}
+
 # A chat template in Gemma 4's turn format: <bos>, then "<|turn>{role}\n{content}<turn|>\n"
 # per message (the assistant's role is "model"), an image, audio or video part as its soft token.
 GEMMA4_CHAT_TEMPLATE = (
@@ -109,7 +124,8 @@ def _build_tokenizer(seed: int, vocab_size: int):
     )
 
 
-def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int], text_overrides: dict | None = None):
+def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int], text_overrides: dict | None = None,
+                  audio_config: dict | None = None):
     from transformers import Gemma4Config
 
     spec = SIZES[size]
@@ -123,7 +139,7 @@ def gemma4_config(size: str, *, vocab_size: int, ids: dict[str, int], text_overr
             bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
             tie_word_embeddings=False, **{**spec["text"], **(text_overrides or {})},
         ),
-        vision_config=dict(spec["vision"]), audio_config=None,
+        vision_config=dict(spec["vision"]), audio_config=audio_config,
         boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], image_token_id=ids["<|image|>"],
         video_token_id=ids["<|video|>"], boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"],
         audio_token_id=ids["<|audio|>"], tie_word_embeddings=False,
@@ -143,6 +159,10 @@ def _buffer_scale(name: str) -> tuple[float, float] | None:
         return 0.0, 0.1
     if name.endswith("vision_tower.std_scale"):
         return 1.0, 0.1
+    if name.endswith(("input_min", "output_min")):
+        return -1.5, 0.2
+    if name.endswith(("input_max", "output_max")):
+        return 1.5, 0.2
     return None
 
 
@@ -169,7 +189,12 @@ def build_tiny_gemma4_moe(out_dir, seed: int = 0, size: str = "tiny") -> Path:
     return _build(out_dir, seed, size, "gemma4_moe", MOE_TEXT)
 
 
-def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> Path:
+def build_tiny_gemma4_audio(out_dir, seed: int = 0, size: str = "tiny") -> Path:
+    """The same with an audio tower (``AUDIO``) and the feature extractor's settings."""
+    return _build(out_dir, seed, size, "gemma4_audio", {}, audio=AUDIO)
+
+
+def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict, audio: dict | None = None) -> Path:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     from transformers import Gemma4ForConditionalGeneration
@@ -180,7 +205,7 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
     tokenizer = _build_tokenizer(seed, spec["vocab_size"])
     vocab = tokenizer.get_vocab()
     ids = {token: vocab[token] for token in SPECIAL_TOKENS}
-    config = gemma4_config(size, vocab_size=len(tokenizer), ids=ids, text_overrides=text_overrides)
+    config = gemma4_config(size, vocab_size=len(tokenizer), ids=ids, text_overrides=text_overrides, audio_config=audio)
     model = random_model(Gemma4ForConditionalGeneration, config, seed, _param_std, sorted(ids.values()))
     # Each layer's output scale around 1 and the tower's standardization, drawn from the seed
     # (transformers builds them at 1 and 0: a loader that dropped them would pass unseen).
@@ -201,8 +226,10 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
              "image_std": [1.0, 1.0, 1.0], "resample": 3, "do_sample_frames": True, "num_frames": 32,
              "patch_size": spec["vision"]["patch_size"], "pooling_kernel_size": spec["vision"]["pooling_kernel_size"],
              "max_soft_tokens": 70}
-    write_json(out / "processor_config.json", {"processor_class": "Gemma4Processor", "image_processor": image,
-                                               "video_processor": video})
+    processor = {"processor_class": "Gemma4Processor", "image_processor": image, "video_processor": video}
+    if audio is not None:
+        processor.update(feature_extractor=FEATURE_EXTRACTOR, audio_seq_length=750, audio_ms_per_token=40)
+    write_json(out / "processor_config.json", processor)
     text = spec["text"]
     write_json(out / "vlmd_tiny.json", {
         "family": family, "size": size, "seed": int(seed), "num_parameters": int(num_params),
@@ -213,5 +240,7 @@ def _build(out_dir, seed: int, size: str, family: str, text_overrides: dict) -> 
         "attention_k_eq_v": bool(text_overrides.get("attention_k_eq_v")),
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
         "video_token_id": ids["<|video|>"],
+        **({"audio_token_id": ids["<|audio|>"], "boa_token_id": ids["<|audio>"], "eoa_token_id": ids["<audio|>"]}
+           if audio is not None else {}),
     })
     return out

@@ -26,17 +26,13 @@ from vlmd.processing.base import (
     BaseMultiModalProcessor,
     BaseProcessingInfo,
     ProcessedItem,
-    ProcessorOutput,
 )
-from vlmd.processing.speech import SpeechToTextProcessor, TranscriptionOptions
+from vlmd.processing.speech import ChatSpeechToTextProcessor, TranscriptionOptions, checked_clip
 
 INSTRUCTIONS = {
     "transcribe": "Transcribe the speech in this audio.",
     "translate": "Translate the speech in this audio into English.",
 }
-# Output tokens per transcription window when the generation config names no limit: Whisper's
-# decoder length, ample for 30 s of speech, and a bound on a model that never says eos.
-DEFAULT_WINDOW_TOKENS = 448
 
 
 def conv_output_frames(num_frames: int) -> int:
@@ -80,7 +76,7 @@ class Qwen2AudioProcessingInfo(BaseProcessingInfo):
         return WhisperFeatureExtractor.from_pretrained(self.ctx.model_dir)
 
 
-class Qwen2AudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
+class Qwen2AudioProcessor(BaseMultiModalProcessor, ChatSpeechToTextProcessor):
     speech_tasks = ("transcribe", "translate")
     timestamps = False
 
@@ -96,15 +92,7 @@ class Qwen2AudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
             raise BadRequestError(
                 f"Qwen2-Audio takes no mm_processor_kwargs (got {sorted(kwargs)})", param="mm_processor_kwargs"
             )
-        samples = np.asarray(media, dtype=np.float32)
-        if samples.ndim != 1 or samples.shape[0] == 0:
-            raise BadRequestError("an audio clip must decode to one or more mono samples", param="messages")
-        if samples.shape[0] > self.info.max_samples:
-            raise BadRequestError(
-                f"an audio clip is {samples.shape[0] / self.sampling_rate:.1f} s long; this model takes at most "
-                f"{self.window_seconds:g} s per clip",
-                param="messages",
-            )
+        samples = checked_clip(media, self.info.max_samples, self.sampling_rate)
         extracted = self.info.feature_extractor(
             samples, sampling_rate=self.sampling_rate, padding="max_length", return_attention_mask=True,
             return_tensors="np",
@@ -124,18 +112,11 @@ class Qwen2AudioProcessor(BaseMultiModalProcessor, SpeechToTextProcessor):
 
     # ---- /v1/audio/transcriptions ---------------------------------------------------
 
-    def speech_prompt(self, samples: np.ndarray, options: TranscriptionOptions, language: str | None) -> ProcessorOutput:
+    def speech_instruction(self, options: TranscriptionOptions) -> str:
         instruction = INSTRUCTIONS[options.task]
         if options.prompt:
             instruction += f" Context: {options.prompt.strip()}"
-        messages = [{"role": "user", "content": [self.info.chat_part("audio"), {"type": "text", "text": instruction}]}]
-        tokenizer = self.info.ctx.tokenizer
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.apply(tokenizer.encode(text, add_special_tokens=False), {"audio": [samples]})
-
-    def max_output_tokens(self, prompt_length: int, max_model_len: int) -> int:
-        limit = int(self.info.generation.get("max_new_tokens") or DEFAULT_WINDOW_TOKENS)
-        return max(1, min(limit, max_model_len - prompt_length))
+        return instruction
 
 
 class Qwen2AudioDummyInputsBuilder(BaseDummyInputsBuilder):
