@@ -53,8 +53,9 @@ def available() -> bool:
 
 
 def bf16_dot_products(wanted: bool | None = None) -> bool:
-    """Whether bfloat16 panels are multiplied by AVX512-BF16's dot product (rows rounded to
-    bfloat16 first; ``packed_linear.c`` says why) rather than widened to float32. The host
+    """Whether bfloat16 panels are multiplied by AVX512-BF16's dot product at 2 or more rows
+    (rows rounded to bfloat16 first; ``packed_linear.c`` says why) rather than widened to
+    float32 (one row always is). The host
     decides by default: yes where it has the instruction and the loaded variant built it.
     ``wanted`` sets it (True only where it can be), for a test or bench comparing the two;
     returns the setting then in force (False where no kernel library is loaded)."""
