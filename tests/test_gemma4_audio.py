@@ -47,7 +47,7 @@ def _text_body(content, max_tokens: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_gemma4_audio_dir, media_dir, tmp_path_factory):
-    server = Server(tiny_gemma4_audio_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=1,audio=2",
+    server = Server(tiny_gemma4_audio_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=1,audio=2,video=0",
                     "--allowed-local-media-path", str(media_dir),
                     "--media-io-kwargs", '{"audio": {"max_bytes": 3000000}}', name="tiny-gemma4-audio",
                     log_dir=tmp_path_factory.mktemp("gemma4-audio-logs"))
@@ -255,7 +255,7 @@ def test_audio_limited_to_zero_frees_the_tower_and_refuses_audio(tiny_gemma4_aud
     """``--limit-mm-per-prompt audio=0``: the tower and its embedder are dropped before the
     model goes to the device, a clip in chat and /v1/audio/transcriptions are a 400, images
     still work."""
-    server = Server(tiny_gemma4_audio_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=1,audio=0",
+    server = Server(tiny_gemma4_audio_dir, "--max-model-len", "1024", "--limit-mm-per-prompt", "image=1,audio=0,video=0",
                     log_dir=tmp_path)
     try:
         status, body = server.chat(_audio_body(CLIP, "What is it?", 2))
