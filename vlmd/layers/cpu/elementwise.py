@@ -68,28 +68,15 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     as a new [rows, width] tensor. bfloat16 rows and weight: each step rounded as torch's
     bfloat16 ops round (``norm.RMSNorm``)."""
     tensors = (hidden, weight.view(1, -1), *(() if delta is None else (delta,)))
-    if serves_bf16(*tensors):
-        return _add_rms_norm_bf16(hidden, delta, weight, eps)
-    _require_rows(*tensors)
+    bf16 = serves_bf16(*tensors)
+    if not bf16:
+        _require_rows(*tensors)
     rows, width = hidden.shape
     if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
         raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
                          f"and weight {tuple(weight.shape)} do not match")
-    out = torch.empty(rows, width, dtype=torch.float32)
-    _checked(_kernel()["vlmd_add_rms_norm"](
-        hidden.data_ptr(), hidden.stride(0), None if delta is None else delta.data_ptr(),
-        0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), width, rows, width, eps,
-        torch.get_num_threads()), "RMSNorm")
-    return out
-
-
-def _add_rms_norm_bf16(hidden, delta, weight, eps) -> torch.Tensor:
-    rows, width = hidden.shape
-    if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
-        raise ValueError(f"shapes {tuple(hidden.shape)}, {None if delta is None else tuple(delta.shape)} "
-                         f"and weight {tuple(weight.shape)} do not match")
-    out = torch.empty(rows, width, dtype=torch.bfloat16)
-    _checked(_kernel()["vlmd_add_rms_norm_bf16"](
+    out = torch.empty(rows, width, dtype=hidden.dtype)
+    _checked(_kernel()["vlmd_add_rms_norm_bf16" if bf16 else "vlmd_add_rms_norm"](
         hidden.data_ptr(), hidden.stride(0), None if delta is None else delta.data_ptr(),
         0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), width, rows, width, eps,
         torch.get_num_threads()), "RMSNorm")
