@@ -208,3 +208,5 @@ def test_bfloat16_rows_of_mixed_dtypes_are_not_served():
     assert not elementwise.serves_bf16(torch.randn(8, 2).bfloat16().t())
     with pytest.raises(ValueError):  # a float32 weight for bfloat16 rows would be misread
         elementwise.add_rms_norm(rows, None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError):  # GELU-tanh has no bfloat16 twin: its float32 kernel would misread them
+        elementwise.gelu_tanh_mul(torch.randn(2, 16).bfloat16(), 8)

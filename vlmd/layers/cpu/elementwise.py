@@ -110,9 +110,7 @@ def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     """``silu(gate_up[:, :width]) * gate_up[:, width:2 * width]`` as a new [rows, width] tensor
     of ``gate_up``'s dtype (bfloat16: the activation rounded before the product, as torch's)."""
-    if serves_bf16(gate_up):
-        return _gated(gate_up, width, "vlmd_silu_mul_bf16", "SiLU")
-    return _gated(gate_up, width, "vlmd_silu_mul", "SiLU")
+    return _gated(gate_up, width, "vlmd_silu_mul", "SiLU", bf16_name="vlmd_silu_mul_bf16")
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
@@ -121,14 +119,16 @@ def gelu_tanh_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     return _gated(gate_up, width, "vlmd_gelu_tanh_mul", "GELU-tanh")
 
 
-def _gated(gate_up: torch.Tensor, width: int, name: str, what: str) -> torch.Tensor:
-    """Float32 rows into float32; bfloat16 rows (the ``_bf16`` kernels) into bfloat16."""
-    if not serves_bf16(gate_up):
+def _gated(gate_up: torch.Tensor, width: int, name: str, what: str, bf16_name: str | None = None) -> torch.Tensor:
+    """Float32 rows into float32 (``name``); bfloat16 rows into bfloat16 where the activation
+    has a bfloat16 twin (``bf16_name``), anything else refused (the kernel would misread it)."""
+    bf16 = bf16_name is not None and serves_bf16(gate_up)
+    if not bf16:
         _require_rows(gate_up)
     rows = gate_up.shape[0]
     if gate_up.shape[1] < 2 * width:
         raise ValueError(f"gate and up of {width} each do not fit rows of {gate_up.shape[1]}")
     out = torch.empty(rows, width, dtype=gate_up.dtype)
-    _checked(_kernel()[name](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width,
-                             torch.get_num_threads()), what)
+    _checked(_kernel()[bf16_name if bf16 else name](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width,
+                                                    rows, width, torch.get_num_threads()), what)
     return out
