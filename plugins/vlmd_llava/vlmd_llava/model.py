@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.attention.towers import TOWER_ATTENTION
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.llama import LlamaForCausalLM
@@ -55,7 +56,8 @@ class LlavaModel(nn.Module):
 
         self.config = config
         vision_config = config.vision_config
-        vision_config._attn_implementation = "sdpa"
+        # transformers' SDPA, but bfloat16 images by AVX512-BF16 where the host has it.
+        vision_config._attn_implementation = TOWER_ATTENTION
         feature_layer = config.vision_feature_layer
         if not isinstance(feature_layer, int):
             raise ValueError(f"vision_feature_layer {feature_layer!r} is not supported (an int is)")

@@ -58,6 +58,13 @@ struct vlmd_step;
        int num_table_blocks, int64_t num_slots, int block_size, int start, int n, int heads, int kv_heads,       \
        int dim, float scale, int causal, float *out, int64_t out_stride, int threads))                           \
     X(int, vlmd_paged_prefill_serves, (int dim))                                                                  \
+    /* flash_bf16.c */                                                                                            \
+    X(int, vlmd_flash_bf16,                                                                                       \
+      (const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,                     \
+       const int32_t *table, int num_table_blocks, int64_t num_slots, int block_size, int start, int n,           \
+       int heads, int kv_heads, int dim, float scale, int causal, uint16_t *out, int64_t out_stride,              \
+       int threads))                                                                                              \
+    X(int, vlmd_flash_bf16_serves, (int dim))                                                                     \
     /* elementwise.c */                                                                                           \
     X(int, vlmd_add_rms_norm,                                                                                     \
       (float *hidden, int64_t hidden_stride, const float *delta, int64_t delta_stride, const float *weight,       \

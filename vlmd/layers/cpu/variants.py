@@ -9,9 +9,10 @@ Why these levels: the kernels' sources branch on one thing, ``__AVX512F__`` (16-
 vectors and wider register tiles) against everything else (8-lane vectors), so x86-64-v4
 (AVX-512 F/BW/CD/DQ/VL) and x86-64-v3 (AVX2, FMA) are the two that differ in code; v2
 (SSE4.2) keeps a pre-2013 or emulated x86 CPU off torch ops, and ``generic`` serves any
-other architecture. No source line uses AVX512-BF16 or AMX instructions today (the
-bfloat16 reader widens by bit masks), so a variant for them would be a copy of v4; add
-one here, with its flags, when a kernel branches on them.
+other architecture. AVX512-BF16 is not a level of its own: the v4 kernels that use it
+(`packed_linear.c`'s dot product, `flash_bf16.c`) build those functions with a target
+attribute and ask the CPU at run time (`__builtin_cpu_supports`), so one v4 library serves
+Zen 4 and Intel hosts with and without it. No source line uses AMX.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # Every variant's build flags; the kernels' common ones are in COMMON_FLAGS.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=gnu11", "-Wno-psabi")
 LINK_FLAGS = ("-fopenmp", "-Wl,-Bsymbolic")  # a library's calls to its own kernels stay inside it
-SOURCES = ("packed_linear.c", "quantized_linear.c", "paged_decode.c", "paged_prefill.c", "elementwise.c",
+SOURCES = ("packed_linear.c", "quantized_linear.c", "paged_decode.c", "paged_prefill.c", "flash_bf16.c",
+           "elementwise.c",
            "decoder_step.c", "signatures.c")
 
 
