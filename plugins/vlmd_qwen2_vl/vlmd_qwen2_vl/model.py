@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.attention.towers import TOWER_ATTENTION
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
@@ -60,7 +61,8 @@ class Qwen2VLModel(nn.Module):
         super().__init__()
         self.config = config
         vision_config = config.vision_config
-        vision_config._attn_implementation = "sdpa"
+        # transformers' SDPA, but bfloat16 frames by AVX512-BF16 where the host has it (D118).
+        vision_config._attn_implementation = TOWER_ATTENTION
         self.visual = self.build_vision_tower(vision_config)
         # The tower's linears on the seam (pre-packed oneDNN weights, timed at start-up): one
         # 640x480 image through the small Qwen2-VL's tower took 163 ms against 188 with plain
