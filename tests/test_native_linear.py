@@ -191,6 +191,10 @@ def test_the_bfloat16_readers_on_float32_rows_and_nan_padding(bf16_reader, out_f
     for rows in (1, 2, 4, 5, 9):
         x = torch.randn(rows, in_features)
         got = packed_linear(x, panels, None).double()
+        # Rows inside a wider buffer whose columns past K are NaN: never read (odd K's last pair).
+        wide = torch.full((rows, in_features + 3), float("nan"))
+        wide[:, :in_features] = x
+        assert torch.equal(packed_linear(wide[:, :in_features], panels, None).double(), got)
         read = x.bfloat16().double() if bf16_reader and rows >= 2 else x.double()
         expected, magnitude = read @ weight.double().T, read.abs() @ weight.double().abs().T
         assert (got - expected).abs().le(magnitude * 2e-6 + 1e-30).all()  # float32 sums of exact products

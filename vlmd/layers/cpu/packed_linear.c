@@ -362,30 +362,48 @@ static void chunk_rows_dot(const float *x, int64_t x_stride, const void *weights
     }
 }
 
-/* float32 -> bfloat16, to nearest with ties to even, any NaN the quiet NaN 0x7fc0: torch's rounding. */
-static inline uint32_t round_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+/* Each row of x rounded to bfloat16 pairs (k even, k odd; an odd K's last pair's odd half 0)
+ * into `rounded` (rows x pairs), 32 values a step by VCVTNE2PS2BF16: to nearest with ties to
+ * even, as torch rounds (a NaN stays a NaN; a subnormal row value becomes 0, as the dot
+ * product would flush it). */
+DOT_TARGET static void round_rows(const float *x, int64_t x_stride, int64_t rows, int64_t k_len, uint32_t *rounded) {
+    const int64_t pairs = (k_len + 1) / 2;
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * x_stride;
+        for (int64_t k0 = 0; k0 < k_len; k0 += 32) {
+            const int64_t left = k_len - k0;
+            const __mmask16 low = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            const __mmask16 high = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            const __m512 a = _mm512_maskz_loadu_ps(low, row + k0), b = _mm512_maskz_loadu_ps(high, row + k0 + 16);
+            const int64_t step_pairs = pairs - k0 / 2 < 16 ? pairs - k0 / 2 : 16;
+            _mm512_mask_storeu_epi32(rounded + m * pairs + k0 / 2, (__mmask16)((1u << step_pairs) - 1),
+                                     (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
 }
+
+/* The rounded rows' scratch, kept per thread between calls (a decode step makes ~40
+ * products, each of a few rows): grown, never shrunk, never freed while the thread lives. */
+static _Thread_local uint32_t *dot_scratch = NULL;
+static _Thread_local size_t dot_scratch_bytes = 0;
 
 static int dot_products(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width, int64_t padded_k,
                         const float *bias, float *out, int64_t out_stride, int64_t rows, int64_t n_len,
                         int64_t k_len, int threads) {
     if (rows < 1 || k_len < 1 || x_stride < k_len) return -3; /* before sizing the scratch */
     const int64_t pairs = (k_len + 1) / 2;
-    uint32_t *rounded = malloc((size_t)(rows * pairs) * sizeof(uint32_t));
-    if (!rounded) return -6;
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t p = 0; p < pairs; p++) {
-            const float *pair = x + m * x_stride + 2 * p;
-            rounded[m * pairs + p] = round_bf16(pair[0]) | (2 * p + 1 < k_len ? round_bf16(pair[1]) << 16 : 0u);
-        }
-    int code = run_panel_chunks(chunk_rows_dot, BF16_CHUNK, 2, threads, (const float *)(const void *)rounded, 2 * pairs,
-                                w, NULL, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len);
-    free(rounded);
-    return code;
+    const size_t bytes = (size_t)(rows * pairs) * sizeof(uint32_t);
+    if (bytes > dot_scratch_bytes) {
+        const size_t grown = (bytes + 4095) & ~(size_t)4095;
+        uint32_t *larger = aligned_alloc(64, grown);
+        if (!larger) return -6;
+        free(dot_scratch);
+        dot_scratch = larger;
+        dot_scratch_bytes = grown;
+    }
+    round_rows(x, x_stride, rows, k_len, dot_scratch);
+    return run_panel_chunks(chunk_rows_dot, BF16_CHUNK, 2, threads, (const float *)(const void *)dot_scratch, 2 * pairs,
+                            w, NULL, panel_width, padded_k, bias, out, out_stride, rows, n_len, k_len);
 }
 #endif
 
