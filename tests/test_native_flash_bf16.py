@@ -61,6 +61,9 @@ def _reference(q, keys, values, start, causal, dtype=torch.float64):
     (4, 2, 100, 128, 1000, 16),  # 128-wide heads after a long context
     (2, 2, 1, 64, 0, 16),       # a one-token prompt
     (4, 4, 7, 256, 31, 1),      # the widest head, one-token blocks, odd key count
+    (6, 6, 40, 72, 0, 16),      # SigLIP's and Qwen3-VL's towers: 4.5 vectors a head
+    (16, 16, 25, 80, 9, 16),    # Qwen2-VL's tower: 5 vectors a head
+    (4, 2, 19, 8, 3, 16),       # the narrowest head: half a vector
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunks_match_the_reference(heads, kv_heads, n, dim, start, block_size, causal):
@@ -112,7 +115,7 @@ def test_what_it_cannot_serve_raises_instead_of_reading_out_of_bounds():
                torch.empty(10, 3, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):
         attend(q.float(), k_cache, v_cache, table, 16, 0, 0.125, out.float())
-    assert not flash_bf16.serves(80) and not flash_bf16.serves(16)  # multiples of 32 only
+    assert not flash_bf16.serves(76) and not flash_bf16.serves(264)  # multiples of 8 up to 256
     assert not flash_bf16.supports(k_cache, q.float())
 
 

@@ -2,9 +2,10 @@
 kernel and paged_prefill.c (which widens bfloat16 to float32), one chunk from position 0.
 
 Shapes: the small LLaVA's causal prefills (12 heads over 4 of 64) at 587, 1,750 and 4,096
-tokens, a CLIP image (8 heads of 64 over 577 tokens, not causal) and 1,024 tokens of 128-wide
-heads (12 over 2). Prints one JSON line: per shape, the median ms of each and GFLOP/s of
-useful work (the causal mask's half counted once):
+tokens, a CLIP image (8 heads of 64 over 577 tokens, not causal), 1,024 tokens of 128-wide
+heads (12 over 2) and a 1,024-patch image in Qwen2-VL's tower (16 heads of 80, not causal).
+Prints one JSON line: per shape, the median ms of each and GFLOP/s of useful work (the
+causal mask's half counted once):
 
     python contrib/bench/bench_flash_bf16.py [--rounds 9]
 """
@@ -21,7 +22,7 @@ import torch
 from vlmd.layers.cpu import flash_bf16, paged_prefill
 
 SHAPES = ((587, 12, 4, 64, True), (1750, 12, 4, 64, True), (4096, 12, 4, 64, True), (577, 8, 8, 64, False),
-          (1024, 12, 2, 128, True))
+          (1024, 12, 2, 128, True), (1024, 16, 16, 80, False))
 
 
 def median_ms(call, rounds: int) -> float:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.attention.towers import TOWER_ATTENTION
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
@@ -78,7 +79,7 @@ class Gemma3Model(nn.Module):
 
         self.config = config
         vision_config = config.vision_config
-        vision_config._attn_implementation = "sdpa"
+        vision_config._attn_implementation = TOWER_ATTENTION  # SDPA; bfloat16 by AVX512-BF16 (D118)
         self.vision_tower = SiglipVisionModel(vision_config)
         adopt_linear_modules(self.vision_tower)  # its linears on the seam (adopt.py), as every tower's
         self.multi_modal_projector = Gemma3Projector(config)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.attention.towers import TOWER_ATTENTION
 from vlmd.layers.linear import SINGLE, ReplicatedLinear, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import WeightNames, iterate_weights, load_multimodal_weights
@@ -77,7 +78,7 @@ class InternVLModel(nn.Module):
 
         self.config = config
         vision_config = config.vision_config
-        vision_config._attn_implementation = "sdpa"
+        vision_config._attn_implementation = TOWER_ATTENTION  # SDPA; bfloat16 by AVX512-BF16 (D118)
         if getattr(config, "vision_feature_select_strategy", "default") != "default":
             raise ValueError("InternVL with vision_feature_select_strategy other than 'default' is not supported")
         feature_layer = config.vision_feature_layer

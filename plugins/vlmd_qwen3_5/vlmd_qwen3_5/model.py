@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmd.layers.attention.towers import TOWER_ATTENTION
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.models.base import ModelCapabilities
 from vlmd.models.loader import SKIP, WeightNames
@@ -56,7 +57,7 @@ class Qwen3_5Model(VisionItems, nn.Module):
         super().__init__()
         self.config = config
         vision_config, text_config = config.vision_config, config.text_config
-        vision_config._attn_implementation = "sdpa"
+        vision_config._attn_implementation = TOWER_ATTENTION  # SDPA; bfloat16 by AVX512-BF16 (D118)
         self.visual = _vision_model_class(config)(vision_config)
         adopt_linear_modules(self.visual)
         self.encoder_output_width = int(text_config.hidden_size)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmd.layers.attention.towers import TOWER_ATTENTION
 from vlmd.layers.linear import SINGLE, TPGroup, adopt_linear_modules
 from vlmd.layers.rotary import MRotaryEmbedding, mrope_section, rope_parameters
 from vlmd.models.base import ModelCapabilities
@@ -151,7 +152,7 @@ class Qwen3VLModel(VisionItems, nn.Module):
         super().__init__()
         self.config = config
         vision_config, text_config = config.vision_config, config.text_config
-        vision_config._attn_implementation = "sdpa"
+        vision_config._attn_implementation = TOWER_ATTENTION  # SDPA; bfloat16 by AVX512-BF16 (D118)
         self.visual = _vision_model_class(config)(vision_config)
         adopt_linear_modules(self.visual)  # on the seam, as Qwen2-VL's (108 ms a 640x480 image against 129)
         self.num_deepstack = len(vision_config.deepstack_visual_indexes)

@@ -38,7 +38,7 @@
 #define FLASH_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
 #define ROWS 8        /* query rows a tile: 8 x 2 score accumulators, 8 x 2 output ones */
 #define KEYS 32       /* keys a step: two vectors of scores a row */
-#define MAX_DIM 256   /* head sizes: a multiple of 32 up to this */
+#define MAX_DIM 256   /* head sizes: a multiple of 8 up to this */
 
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
@@ -52,25 +52,31 @@ typedef struct {
     float scale;
 } Packed;
 
+/* The columns of output vector c (16 a vector) that lie inside a head of `dim`. */
+static inline __mmask16 column_mask(int dim, int c) {
+    const int left = dim - c * 16;
+    return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
 /* `rows` (<= ROWS) query tokens of one head, positions pos0.., bfloat16 rows q_stride apart,
  * against the packed keys of their KV head; out: bfloat16 rows out_stride apart. */
 FLASH_TARGET static void flash_tile(const Packed *packed, const uint16_t *q, int64_t q_stride, int rows, int pos0,
                                     int kv_head, uint16_t *out, int64_t out_stride) {
-    const int dim = packed->dim, dim_pairs = dim / 2, vectors = dim / 16;
+    const int dim = packed->dim, dim_pairs = dim / 2, vectors = (dim + 15) / 16;
     const int64_t stride = packed->stride;
     const uint32_t *keys = packed->keys + (int64_t)kv_head * dim_pairs * stride;
     const uint32_t *values = packed->values + (int64_t)kv_head * (stride / 2) * dim;
     const uint32_t *query[ROWS];
     for (int r = 0; r < ROWS; r++) /* rows past the tile's repeat its last: computed, never written */
         query[r] = (const uint32_t *)(q + (int64_t)(r < rows ? r : rows - 1) * q_stride);
-    float o[ROWS][MAX_DIM] __attribute__((aligned(64)));
+    float o[ROWS][MAX_DIM + 16] __attribute__((aligned(64))); /* + a vector: a pair's second past dim */
     uint32_t weights[ROWS][KEYS / 2] __attribute__((aligned(64)));
     float maxes[ROWS], corrections[ROWS];
     __m512 sums[ROWS];
     for (int r = 0; r < ROWS; r++) {
         maxes[r] = -INFINITY;
         sums[r] = _mm512_setzero_ps();
-        memset(o[r], 0, sizeof(float) * dim);
+        memset(o[r], 0, sizeof(float) * (vectors + 1) * 16);
     }
     const __m512 scale = _mm512_set1_ps(packed->scale), hidden = _mm512_set1_ps(-INFINITY);
     const int end = packed->causal ? pos0 + rows : packed->total; /* keys [0, end) */
@@ -110,20 +116,31 @@ FLASH_TARGET static void flash_tile(const Packed *packed, const uint16_t *q, int
         }
         const int count = end - k0 < KEYS ? end - k0 : KEYS, key_pairs = (count + 1) / 2;
         const uint32_t *step_values = values + (int64_t)(k0 / 2) * dim;
+        /* Two output vectors at a time; the last one alone, masked past dim (72 = 4.5 x 16). */
         for (int c = 0; c < vectors; c += 2) {
+            const __mmask16 m0 = column_mask(dim, c), m1 = c + 1 < vectors ? column_mask(dim, c + 1) : 0;
             __m512 acc[ROWS][2];
             for (int r = 0; r < ROWS; r++) {
                 const __m512 correction = _mm512_set1_ps(corrections[r]);
                 acc[r][0] = _mm512_mul_ps(_mm512_load_ps(o[r] + c * 16), correction);
                 acc[r][1] = _mm512_mul_ps(_mm512_load_ps(o[r] + c * 16 + 16), correction);
             }
-            for (int j = 0; j < key_pairs; j++) {
-                const uint32_t *row = step_values + (int64_t)j * dim + c * 16;
-                const __m512bh v0 = (__m512bh)_mm512_load_si512(row), v1 = (__m512bh)_mm512_load_si512(row + 16);
-                for (int r = 0; r < ROWS; r++) {
-                    const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)weights[r][j]);
-                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pair, v0);
-                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pair, v1);
+            if (m1) {
+                for (int j = 0; j < key_pairs; j++) {
+                    const uint32_t *row = step_values + (int64_t)j * dim + c * 16;
+                    const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, row);
+                    const __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, row + 16);
+                    for (int r = 0; r < ROWS; r++) {
+                        const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)weights[r][j]);
+                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pair, v0);
+                        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pair, v1);
+                    }
+                }
+            } else {
+                for (int j = 0; j < key_pairs; j++) {
+                    const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, step_values + (int64_t)j * dim + c * 16);
+                    for (int r = 0; r < ROWS; r++)
+                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)weights[r][j]), v0);
                 }
             }
             for (int r = 0; r < ROWS; r++) {
@@ -135,8 +152,8 @@ FLASH_TARGET static void flash_tile(const Packed *packed, const uint16_t *q, int
     for (int r = 0; r < rows; r++) {
         const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums[r]));
         for (int c = 0; c < vectors; c++)
-            _mm256_storeu_si256((__m256i *)(out + r * out_stride + c * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[r] + c * 16), inverse)));
+            _mm256_mask_storeu_epi16(out + r * out_stride + c * 16, column_mask(dim, c),
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[r] + c * 16), inverse)));
     }
 }
 
@@ -146,7 +163,7 @@ static int host_has_bf16(void) {
 }
 
 int vlmd_flash_bf16_serves(int dim) {
-    return host_has_bf16() && dim > 0 && dim % 32 == 0 && dim <= MAX_DIM;
+    return host_has_bf16() && dim > 0 && dim % 8 == 0 && dim <= MAX_DIM;
 }
 
 /* q: n query tokens, token t's head h at q + t * q_stride + h * dim (bfloat16); caches

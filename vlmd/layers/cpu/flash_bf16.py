@@ -3,7 +3,7 @@ AVX512-BF16's dot product, causal against a sequence's paged cache (a prefill ch
 every query against every key (a vision tower's image).
 
 ``serves(dim)`` says whether this host and library serve a head size (AVX512-BF16, a
-multiple of 32 up to 256); where it does not, callers keep their other path.
+multiple of 8 up to 256); where it does not, callers keep their other path.
 """
 
 from __future__ import annotations
