@@ -210,3 +210,21 @@ def test_bfloat16_rows_of_mixed_dtypes_are_not_served():
         elementwise.add_rms_norm(rows, None, torch.ones(8), 1e-5)
     with pytest.raises(ValueError):  # GELU-tanh has no bfloat16 twin: its float32 kernel would misread them
         elementwise.gelu_tanh_mul(torch.randn(2, 16).bfloat16(), 8)
+
+
+@pytest.mark.parametrize("rows,heads,dim", [(1, 3, 16), (5, 20, 64), (600, 16, 64), (4, 6, 128), (3, 2, 10)])
+def test_bfloat16_rotary_is_torchs_bfloat16_rotary_bit_for_bit(rows, heads, dim, threads):
+    # Each product and the sum rounded as torch's bfloat16 ops round (rotary.apply_rotary),
+    # the heads past `heads` (v's) untouched, in place on rows inside a wider buffer.
+    from vlmd.layers.rotary import apply_rotary
+
+    torch.manual_seed(3 * rows + heads + dim)
+    width = heads * dim + 2 * dim
+    x = (torch.randn(rows, width + 5) * 4).bfloat16()[:, :width]
+    angles = torch.randn(rows, dim // 2).repeat(1, 2) * 3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    original = x.clone()
+    elementwise.rotary_(x, heads, dim, cos, sin)
+    expected = apply_rotary(original[:, : heads * dim].view(rows, heads, dim), cos.unsqueeze(1), sin.unsqueeze(1))
+    assert torch.equal(x[:, : heads * dim].view(rows, heads, dim), expected)
+    assert torch.equal(x[:, heads * dim:], original[:, heads * dim:])

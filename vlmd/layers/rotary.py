@@ -143,12 +143,13 @@ def rotate_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused q/k/v product's rows [T, (H + 2 Hkv) * D] split into q [T, H, D], k and v
     [T, Hkv, D], with rotate-half rotary applied to q and k; ``cos``/``sin`` [T, 1, D].
-    Float32 CPU rows take the CPU room's kernel, which rotates q's and k's adjacent heads
-    in one pass in place (``layers/cpu/elementwise.c``); anything else torch ops, with the
-    same result to float rounding."""
+    Float32 and bfloat16 CPU rows take the CPU room's kernel, which rotates q's and k's
+    adjacent heads in one pass in place (``layers/cpu/elementwise.c``; bfloat16 rounded where
+    torch's ops round, so the same bits); anything else torch ops, with the same result to
+    float rounding."""
     tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if elementwise.serves(qkv):
+    if elementwise.serves(qkv, cos[:, 0], sin[:, 0]) or elementwise.serves_bf16(qkv, cos[:, 0], sin[:, 0]):
         elementwise.rotary_(qkv, num_heads + num_kv_heads, head_dim, cos[:, 0], sin[:, 0])
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, num_heads, head_dim)

@@ -244,6 +244,36 @@ int vlmd_add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16
     return 0;
 }
 
+/* As vlmd_rotary on bfloat16 rows and tables: torch's x * cos + cat(-x2, x1) * sin in
+ * bfloat16, each product and the sum rounded (`rotary.py:apply_rotary`), in place. */
+int vlmd_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t heads, int64_t dim, const uint16_t *cos_table,
+                     const uint16_t *sin_table, int64_t table_stride, int64_t rows, int threads) {
+    if (rows < 0 || dim <= 0 || dim % 2) return -3;
+    int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * heads * dim >= PARALLEL_FLOATS) \
+    schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *cos_row = cos_table + r * table_stride, *sin_row = sin_table + r * table_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *head = x + r * row_stride + h * dim;
+            int64_t c = 0;
+            for (; c + VEC <= half; c += VEC) {
+                vf low = widen(head + c), high = widen(head + half + c);
+                narrow(head + c, round_to_bf16(low * widen(cos_row + c)) - round_to_bf16(high * widen(sin_row + c)));
+                narrow(head + half + c, round_to_bf16(high * widen(cos_row + half + c)) +
+                                            round_to_bf16(low * widen(sin_row + half + c)));
+            }
+            for (; c < half; c++) {
+                float low = widen1(head[c]), high = widen1(head[half + c]);
+                head[c] = narrow1(widen1(narrow1(low * widen1(cos_row[c]))) - widen1(narrow1(high * widen1(sin_row[c]))));
+                head[half + c] = narrow1(widen1(narrow1(high * widen1(cos_row[half + c]))) +
+                                         widen1(narrow1(low * widen1(sin_row[half + c]))));
+            }
+        }
+    }
+    return 0;
+}
+
 /* As vlmd_silu_mul on bfloat16: out = bf16(bf16(silu(gate)) * up), torch's F.silu(gate) * up. */
 int vlmd_silu_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out, int64_t out_stride, int64_t rows,
                        int64_t width, int threads) {

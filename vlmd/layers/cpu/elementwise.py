@@ -4,8 +4,8 @@ rotary in place, SiLU * up and GELU-tanh * up.
 Each function serves float32 CPU tensors whose rows are contiguous (rows may be strided);
 ``serves(*tensors)`` says whether a call would, and the layers keep their torch ops for
 everything else (another dtype or device, or where the kernel did not build). The residual
-add + RMSNorm and SiLU * up also serve bfloat16 rows (``serves_bf16``), rounding where
-torch's bfloat16 ops round.
+add + RMSNorm, rotary and SiLU * up also serve bfloat16 rows (``serves_bf16``), rounding
+where torch's bfloat16 ops round.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from vlmd.layers.cpu.library import load_functions
 
 # signatures: kernels.h
 _NAMES = ("vlmd_add_rms_norm", "vlmd_head_rms_norm", "vlmd_rotary", "vlmd_silu_mul", "vlmd_gelu_tanh_mul",
-          "vlmd_add_rms_norm_bf16", "vlmd_silu_mul_bf16")
+          "vlmd_add_rms_norm_bf16", "vlmd_silu_mul_bf16", "vlmd_rotary_bf16")
 
 
 def _kernel() -> dict | None:
@@ -98,13 +98,17 @@ def head_rms_norm_(x: torch.Tensor, first: int, heads: int, dim: int, weight: to
 
 def rotary_(x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half rotary embedding in place on the first ``heads`` heads of size ``dim`` of
-    each row of ``x`` [rows, >= heads * dim]; ``cos``/``sin`` [rows, dim] (one row a token)."""
-    _require_rows(x, cos, sin)
+    each row of ``x`` [rows, >= heads * dim]; ``cos``/``sin`` [rows, dim] (one row a token).
+    bfloat16 rows and tables: each product and the sum rounded as torch's bfloat16 ops round."""
+    bf16 = serves_bf16(x, cos, sin)
+    if not bf16:
+        _require_rows(x, cos, sin)
     rows = x.shape[0]
     if x.shape[1] < heads * dim or cos.shape != (rows, dim) or sin.shape != cos.shape or sin.stride() != cos.stride():
         raise ValueError(f"rotary of {heads} heads of {dim} over {tuple(x.shape)} with tables {tuple(cos.shape)}")
-    _checked(_kernel()["vlmd_rotary"](x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(),
-                                      cos.stride(0), rows, torch.get_num_threads()), "rotary")
+    _checked(_kernel()["vlmd_rotary_bf16" if bf16 else "vlmd_rotary"](
+        x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0), rows,
+        torch.get_num_threads()), "rotary")
 
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:

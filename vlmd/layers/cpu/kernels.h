@@ -82,6 +82,9 @@ struct vlmd_step;
       (uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,                      \
        const uint16_t *weight, uint16_t *out, int64_t out_stride, int64_t rows, int64_t width, float eps,         \
        int threads))                                                                                              \
+    X(int, vlmd_rotary_bf16,                                                                                      \
+      (uint16_t *x, int64_t row_stride, int64_t heads, int64_t dim, const uint16_t *cos_table,                    \
+       const uint16_t *sin_table, int64_t table_stride, int64_t rows, int threads))                               \
     X(int, vlmd_silu_mul_bf16,                                                                                    \
       (const uint16_t *gate_up, int64_t in_stride, uint16_t *out, int64_t out_stride, int64_t rows,               \
        int64_t width, int threads))                                                                               \
