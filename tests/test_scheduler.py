@@ -255,17 +255,18 @@ def test_a_prompt_with_an_item_is_never_short():
 # ---- long prefills share a step's bound while the engine is shared (D118) ---------------
 
 
-def _long_tokens(out, *request_ids):
-    return sum(out.num_scheduled_tokens.get(request_id, 0) for request_id in request_ids)
-
-
-def test_two_long_prompts_beside_a_decode_take_the_bound_together():
-    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_step_tokens=8)
+def _a_decode_then_two_long_prompts(long_prefill_step_tokens: int) -> FakeRunner:
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_step_tokens=long_prefill_step_tokens)
     runner = FakeRunner(sched)
     sched.add_request(make_request("d", 4, max_tokens=20))
     runner.step()
     sched.add_request(make_request("a", 30, max_tokens=2))
     sched.add_request(make_request("b", 30, max_tokens=2))
+    return runner
+
+
+def test_two_long_prompts_beside_a_decode_take_the_bound_together():
+    runner = _a_decode_then_two_long_prompts(8)
     steps = [runner.step()[0].num_scheduled_tokens for _ in range(5)]
     assert steps == [{"d": 1, "a": 8}, {"d": 1, "a": 8}, {"d": 1, "a": 8},
                      {"d": 1, "a": 6, "b": 2},  # a's last 6, then b takes what the bound leaves
@@ -275,13 +276,7 @@ def test_two_long_prompts_beside_a_decode_take_the_bound_together():
 
 
 def test_without_the_bound_long_prompts_take_the_whole_budget():
-    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_step_tokens=0)
-    runner = FakeRunner(sched)
-    sched.add_request(make_request("d", 4, max_tokens=20))
-    runner.step()
-    sched.add_request(make_request("a", 30, max_tokens=2))
-    sched.add_request(make_request("b", 30, max_tokens=2))
-    out, _ = runner.step()
+    out, _ = _a_decode_then_two_long_prompts(0).step()
     assert out.num_scheduled_tokens == {"d": 1, "a": 30, "b": 30}
 
 
