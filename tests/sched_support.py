@@ -187,7 +187,7 @@ class FakeRunner:
         return result
 
     def _check_long_prefill_bound(self, long_chunks: list[tuple[int, int, list]]) -> None:
-        """D118: while the engine is shared, a step's long prefill chunks take at most the
+        """D119: while the engine is shared, a step's long prefill chunks take at most the
         bound together; past it only a lone first chunk that must take an item whole."""
         bound = self.config.long_prefill_step_tokens
         if not bound or not self.shared:

@@ -10,7 +10,7 @@ text after another image shares no block; bad input gets a 4xx and the next good
 answer. The server's token budget (16) splits every
 prompt across steps, so the cross-attention K/V built with the first chunk serve the later
 ones; run concurrently, the prompts' chunks share 6 tokens a step (``--long-prefill-step-tokens``,
-D118), each chunk still under its request's images. ``usage.prompt_tokens`` and ``/tokenize`` equal transformers' processor's count. A first
+D119), each chunk still under its request's images. ``usage.prompt_tokens`` and ``/tokenize`` equal transformers' processor's count. A first
 divergence is accepted only where transformers' own top-1/top-2 log-prob gap is < 1e-3, and
 the greedy tokens' log-probs agree within 1e-3 up to it.
 """
@@ -27,7 +27,7 @@ from mllama_oracle import hf_mllama_generate
 from oracle import assert_chat_parity
 
 TOKEN_BUDGET = 16
-LONG_PREFILL_BOUND = 6  # a step's long prefill tokens while requests share the engine (D118)
+LONG_PREFILL_BOUND = 6  # a step's long prefill tokens while requests share the engine (D119)
 
 # name: (parts, max_tokens); a part is text or (seed, width, height) of an image
 CASES = {

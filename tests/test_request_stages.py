@@ -6,7 +6,7 @@ float identity, no wall-clock bound), every stage's count by one, and the log li
 ``--log-request-stages`` shows each stage non-negative. A small step budget
 (``--max-num-batched-tokens 256``) splits an image's prompt into chunks: their count is
 the prompt's tokens over the budget, rounded up; beside a request that decodes, over
-``--long-prefill-step-tokens`` (D118).
+``--long-prefill-step-tokens`` (D119).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_an_image_request_s_stages_add_up_to_its_time_to_first_token(server):
 
 
 def test_an_image_prompt_beside_a_decode_takes_the_long_prefill_bound_a_step(server):
-    """D118: while a text request decodes (its stream held open), an image prompt's chunks
+    """D119: while a text request decodes (its stream held open), an image prompt's chunks
     take 64 tokens a step; alone (the first test) the same prompt took 256."""
     wait_until_idle(server)
     decoding = {"model": server.model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1800,

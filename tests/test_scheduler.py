@@ -167,7 +167,7 @@ def test_random_load_with_preemption_and_aborts_keeps_every_promise(seed):
                            block_size=4, num_kv_blocks=24, max_num_encoder_input_tokens=16, encoder_cache_size=32,
                            disable_chunked_mm_input=disable_chunked_mm_input,
                            short_prefill_tokens=12 if seed % 2 else 0,
-                           # D118's bound (FakeRunner checks it every step), below the largest item on some
+                           # D119's bound (FakeRunner checks it every step), below the largest item on some
                            long_prefill_step_tokens=(0, 5, 9)[seed // 3])
     runner = FakeRunner(sched)
     expected: dict[str, int] = {}
@@ -252,7 +252,7 @@ def test_a_prompt_with_an_item_is_never_short():
     assert out.num_scheduled_tokens == {"long": 12, "tiny-image": 4}
 
 
-# ---- long prefills share a step's bound while the engine is shared (D118) ---------------
+# ---- long prefills share a step's bound while the engine is shared (D119) ---------------
 
 
 def _a_decode_then_two_long_prompts(long_prefill_step_tokens: int) -> FakeRunner:

@@ -37,7 +37,7 @@ class SchedulerConfig:
     # with the decodes alone, no encoder and no longer prefill, every other step at most (0: off; D110).
     short_prefill_tokens: int = 0
     # While more than one request is in the engine, the chunks of a step that belong to prompts
-    # that are not short take at most this many tokens together (0: off; D118).
+    # that are not short take at most this many tokens together (0: off; D119).
     long_prefill_step_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -191,7 +191,7 @@ class Scheduler:
     def _long_chunk_cap(self, request: Request, long_bound: int, long_taken: int) -> int | None:
         """The most tokens the step's long-prefill bound lets ``request``'s chunk take (None:
         no cap: the bound is off or the engine holds this request alone, or its prompt is
-        short), given ``long_taken`` tokens of long chunks already in the step (D118).
+        short), given ``long_taken`` tokens of long chunks already in the step (D119).
 
         With ``disable_chunked_mm_input`` an item goes in one step: the step's first long
         chunk may reach the end of an item it starts at or inside, past the bound, or a
@@ -214,7 +214,7 @@ class Scheduler:
         long prefill; the longer prefills go on the next step (D110). While more than one
         request is in the engine, the chunks of prompts that are not short take at most
         ``long_prefill_step_tokens`` of a step together, so the step that a newcomer waits for
-        stays short; a request alone keeps the whole budget (D118)."""
+        stays short; a request alone keeps the whole budget (D119)."""
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
         long_bound = self.config.long_prefill_step_tokens if len(self.running) + len(self.waiting) > 1 else 0
