@@ -86,8 +86,10 @@ class FakeRunner:
         self.encode_counts: Counter[str] = Counter()
         self.outputs: list[str] = []  # every request id ever sampled for, in order
         self.deltas: dict[str, list[RequestDelta]] = {}
+        self.shared = False  # more than one request in the engine as the step was scheduled
 
     def step(self) -> tuple[SchedulerOutput, list[RequestDelta]]:
+        self.shared = len(self.sched.running) + len(self.sched.waiting) > 1
         out = self.sched.schedule()
         result = self.execute(out)
         deltas = self.sched.update_from_output(out, result)
@@ -145,11 +147,15 @@ class FakeRunner:
 
         owners: dict[int, str] = {}
         result = RunnerOutput()
+        long_chunks: list[tuple[int, int, list]] = []  # (start, end, items) of chunks the bound covers
         for request_id, num_new in out.num_scheduled_tokens.items():
             state = self.states[request_id]
             assert num_new >= 1
             start, end = state.computed, state.computed + num_new
             assert end <= len(state.token_ids)
+            short = not state.items and len(state.token_ids) <= config.short_prefill_tokens
+            if len(state.token_ids) - start > 1 and not short:
+                long_chunks.append((start, end, state.items))
             self._check_tables(request_id, state, start, end)
             # The scheduler's tables: the runner's keep entries a window gave back (never read).
             for table in self.sched.kv.tables(request_id).values():
@@ -177,7 +183,23 @@ class FakeRunner:
                 state.token_ids.append(token)
                 result.sampled_token_ids[request_id] = token
                 self.outputs.append(request_id)
+        self._check_long_prefill_bound(long_chunks)
         return result
+
+    def _check_long_prefill_bound(self, long_chunks: list[tuple[int, int, list]]) -> None:
+        """D119: while the engine is shared, a step's long prefill chunks take at most the
+        bound together; past it only a lone first chunk that must take an item whole."""
+        bound = self.config.long_prefill_step_tokens
+        if not bound or not self.shared:
+            return
+        total = sum(end - start for start, end, _ in long_chunks)
+        if total <= bound:
+            return
+        assert self.config.disable_chunked_mm_input and len(long_chunks) == 1, (
+            f"long prefill chunks of {total} tokens in a shared step, bound {bound}: {long_chunks}")
+        start, end, items = long_chunks[0]
+        assert any(item.offset <= start < item.end == end for item in items), (
+            f"a chunk [{start}, {end}) past the bound {bound} takes no item whole")
 
     def _check_tables(self, request_id: str, state: _State, start: int, end: int) -> None:
         """Every group's table is the scheduler's, the same in the runner: a full-attention

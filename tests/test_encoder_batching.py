@@ -16,9 +16,12 @@ def _engine(model_dir):
 
     # Budgets that admit all four image prompts in one step (tiny LLaVA: 576 placeholders).
     # The encoder's defaults to one item a step (D110: a short request waits for one image's
-    # encoder, not a flood's); a server for image throughput raises it, as here.
+    # encoder, not a flood's); a server for image throughput raises it, as here, and lifts the
+    # bound on a shared step's long prefill tokens (D119: under it a step's chunks reach one
+    # request's image, so the four would be encoded in four steps, one call each).
     config = ServeConfig(model=str(model_dir), max_model_len=1024, max_num_batched_tokens=4096,
-                         max_num_encoder_input_tokens=4096, mm_processor_cache_gb=0, enable_prefix_caching=False)
+                         max_num_encoder_input_tokens=4096, long_prefill_step_tokens=0, mm_processor_cache_gb=0,
+                         enable_prefix_caching=False)
     return builder.build_engine(config)
 
 

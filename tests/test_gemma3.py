@@ -89,9 +89,11 @@ def references(tiny_gemma3_dir):
 def server(tiny_gemma3_dir, tmp_path_factory):
     # vlmd's products at every decode batch size: each step of decodes alone runs every layer
     # in one native call (the fused step), which ``test_decodes_took_the_fused_step`` counts.
+    # Concurrent prompts share 8 long prefill tokens a step (D119), less than an image, whose
+    # tokens go in one chunk (they attend both ways): the step's first long chunk takes it whole.
     server = Server(tiny_gemma3_dir, "--limit-mm-per-prompt", "image=3", "--max-model-len", "1024",
                     "--mm-processor-kwargs", PAN_AND_SCAN, "--linear-kernels", "native",
-                    log_dir=tmp_path_factory.mktemp("gemma3-logs"))
+                    "--long-prefill-step-tokens", "8", log_dir=tmp_path_factory.mktemp("gemma3-logs"))
     yield server
     server.stop()
 

@@ -9,7 +9,8 @@ the rows after the hit); a second turn over the first one's answer finds it cach
 text after another image shares no block; bad input gets a 4xx and the next good request its
 answer. The server's token budget (16) splits every
 prompt across steps, so the cross-attention K/V built with the first chunk serve the later
-ones. ``usage.prompt_tokens`` and ``/tokenize`` equal transformers' processor's count. A first
+ones; run concurrently, the prompts' chunks share 6 tokens a step (``--long-prefill-step-tokens``,
+D119), each chunk still under its request's images. ``usage.prompt_tokens`` and ``/tokenize`` equal transformers' processor's count. A first
 divergence is accepted only where transformers' own top-1/top-2 log-prob gap is < 1e-3, and
 the greedy tokens' log-probs agree within 1e-3 up to it.
 """
@@ -26,6 +27,7 @@ from mllama_oracle import hf_mllama_generate
 from oracle import assert_chat_parity
 
 TOKEN_BUDGET = 16
+LONG_PREFILL_BOUND = 6  # a step's long prefill tokens while requests share the engine (D119)
 
 # name: (parts, max_tokens); a part is text or (seed, width, height) of an image
 CASES = {
@@ -70,7 +72,8 @@ def server(tiny_mllama_dir, tmp_path_factory):
     # request's images are all encoded with its first chunk.
     server = Server(tiny_mllama_dir, "--limit-mm-per-prompt", "image=2", "--max-model-len", "1024",
                     "--max-num-batched-tokens", str(TOKEN_BUDGET), "--max-num-encoder-input-tokens", "68",
-                    "--encoder-cache-size", "136", log_dir=tmp_path_factory.mktemp("mllama-logs"))
+                    "--encoder-cache-size", "136", "--long-prefill-step-tokens", str(LONG_PREFILL_BOUND),
+                    log_dir=tmp_path_factory.mktemp("mllama-logs"))
     yield server
     server.stop()
 

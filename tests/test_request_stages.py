@@ -5,7 +5,8 @@ histograms' sums grow by exactly what the time-to-first-token histogram's sum gr
 float identity, no wall-clock bound), every stage's count by one, and the log line of
 ``--log-request-stages`` shows each stage non-negative. A small step budget
 (``--max-num-batched-tokens 256``) splits an image's prompt into chunks: their count is
-the prompt's tokens over the budget, rounded up.
+the prompt's tokens over the budget, rounded up; beside a request that decodes, over
+``--long-prefill-step-tokens`` (D119).
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import orjson
 import pytest
 
 from conftest import Server, image_message, random_image
+from test_disconnect import RUNNING, raw_post, read_sse_events, wait_until_idle
 from vlmd.server.stages import STAGES
 
 BUDGET = 256
+LONG_PREFILL_BOUND = 64  # a step's long prefill tokens while another request is in the engine
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llava_dir, tmp_path_factory):
     server = Server(tiny_llava_dir, "--log-request-stages", "--max-num-batched-tokens", str(BUDGET),
+                    "--long-prefill-step-tokens", str(LONG_PREFILL_BOUND),
                     "--max-num-encoder-input-tokens", "1024", "--encoder-cache-size", "1024",
                     "--max-model-len", "2048", "--no-warmup", name="stages-llava",
                     log_dir=tmp_path_factory.mktemp("logs"))
@@ -75,6 +79,25 @@ def test_an_image_request_s_stages_add_up_to_its_time_to_first_token(server):
     assert grown(before, after, 'vlmd_prefill_chunk_seconds_count{input="media"}') == chunks
     for stage in ("render", "fetch", "decode", "process", "encoder", "prefill"):
         assert line[f"{stage}_ms"] > 0, (stage, line)
+
+
+def test_an_image_prompt_beside_a_decode_takes_the_long_prefill_bound_a_step(server):
+    """D119: while a text request decodes (its stream held open), an image prompt's chunks
+    take 64 tokens a step; alone (the first test) the same prompt took 256."""
+    wait_until_idle(server)
+    decoding = {"model": server.model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1800,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+    sock = raw_post(server, orjson.dumps(decoding))
+    try:
+        read_sse_events(sock, 2)  # its first token: it decodes from now on
+        answer, line = check_one_request(
+            server, {"messages": image_message("What is it?", random_image(8, 96, 72))}, "media")
+        # Still decoding (1,800 steps): it shared every step of the image prompt's prefill.
+        assert server.metrics()[RUNNING] == 1
+    finally:
+        sock.close()
+    wait_until_idle(server)
+    assert line["prefill_chunks"] == math.ceil(answer["usage"]["prompt_tokens"] / LONG_PREFILL_BOUND) >= 9
 
 
 def test_a_text_request_has_no_media_stages(server):

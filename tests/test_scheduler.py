@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from vlmd.sched.kv_spec import FullAttention, RecurrentState
 from vlmd.sched.output import RunnerOutput
 from vlmd.sched.request import RequestStatus
 from vlmd.types import FinishReason, TokenLogprob
@@ -149,7 +150,7 @@ def test_token_budget_holds_under_a_mixed_load():
     assert sched.requests == {}
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_random_load_with_preemption_and_aborts_keeps_every_promise(seed):
     """Arrivals over time, images shared and repeated, tight KV and encoder caches, aborts.
 
@@ -165,7 +166,9 @@ def test_random_load_with_preemption_and_aborts_keeps_every_promise(seed):
     sched = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=rng.choice([2, 4, 6]), max_model_len=96,
                            block_size=4, num_kv_blocks=24, max_num_encoder_input_tokens=16, encoder_cache_size=32,
                            disable_chunked_mm_input=disable_chunked_mm_input,
-                           short_prefill_tokens=12 if seed % 2 else 0)
+                           short_prefill_tokens=12 if seed % 2 else 0,
+                           # D119's bound (FakeRunner checks it every step), below the largest item on some
+                           long_prefill_step_tokens=(0, 5, 9)[seed // 3])
     runner = FakeRunner(sched)
     expected: dict[str, int] = {}
     aborted: set[str] = set()
@@ -247,6 +250,155 @@ def test_a_prompt_with_an_item_is_never_short():
     sched.add_request(make_request("tiny-image", 4, items=(image("img", 1, 2),)))
     out, _ = runner.step()
     assert out.num_scheduled_tokens == {"long": 12, "tiny-image": 4}
+
+
+# ---- long prefills share a step's bound while the engine is shared (D119) ---------------
+
+
+def _a_decode_then_two_long_prompts(long_prefill_step_tokens: int) -> FakeRunner:
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_step_tokens=long_prefill_step_tokens)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("d", 4, max_tokens=20))
+    runner.step()
+    sched.add_request(make_request("a", 30, max_tokens=2))
+    sched.add_request(make_request("b", 30, max_tokens=2))
+    return runner
+
+
+def test_two_long_prompts_beside_a_decode_take_the_bound_together():
+    runner = _a_decode_then_two_long_prompts(8)
+    steps = [runner.step()[0].num_scheduled_tokens for _ in range(5)]
+    assert steps == [{"d": 1, "a": 8}, {"d": 1, "a": 8}, {"d": 1, "a": 8},
+                     {"d": 1, "a": 6, "b": 2},  # a's last 6, then b takes what the bound leaves
+                     {"d": 1, "a": 1, "b": 8}]  # a decodes: outside the bound
+    runner.run()
+    assert runner.finish_reason("a") is runner.finish_reason("b") is FinishReason.LENGTH
+
+
+def test_without_the_bound_long_prompts_take_the_whole_budget():
+    out, _ = _a_decode_then_two_long_prompts(0).step()
+    assert out.num_scheduled_tokens == {"d": 1, "a": 30, "b": 30}
+
+
+def test_a_lone_long_prompt_keeps_the_whole_budget():
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_step_tokens=4)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 40, max_tokens=2))
+    chunks = [runner.step()[0].num_scheduled_tokens for _ in range(3)]
+    assert chunks == [{"a": 16}, {"a": 16}, {"a": 8}]
+    # Once another request is in the engine, the bound holds from the next step on.
+    sched.add_request(make_request("b", 40, max_tokens=2))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4}
+    runner.run()
+
+
+def test_decodes_and_short_prompts_are_outside_the_bound():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_seqs=16, short_prefill_tokens=10,
+                           long_prefill_step_tokens=4)
+    runner = FakeRunner(sched)
+    for index in range(6):
+        sched.add_request(make_request(f"d{index}", 5, max_tokens=30))
+    out, _ = runner.step()  # six short prompts: 30 tokens in one step
+    assert out.num_scheduled_tokens == {f"d{index}": 5 for index in range(6)}
+    runner.step()  # decodes alone: the next short prompt may have a short step
+    sched.add_request(make_request("long", 40, max_tokens=2))
+    sched.add_request(make_request("short", 10, max_tokens=2))
+    out, _ = runner.step()  # a short step: the decodes and the short prompt, whole
+    assert out.num_scheduled_tokens == {**{f"d{index}": 1 for index in range(6)}, "short": 10}
+    out, _ = runner.step()  # six decodes and short's: 7 tokens, past the bound; long takes the bound
+    assert out.num_scheduled_tokens == {**{f"d{index}": 1 for index in range(6)}, "short": 1, "long": 4}
+    sched.add_request(make_request("short2", 10, max_tokens=2))
+    out, _ = runner.step()  # a short step
+    assert out.num_scheduled_tokens["short2"] == 10 and "long" not in out.num_scheduled_tokens
+    # Never two short steps in a row: short3 is admitted in a step with long's chunk, whole.
+    sched.add_request(make_request("short3", 10, max_tokens=2))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens["long"] == 4 and out.num_scheduled_tokens["short3"] == 10
+    runner.run()
+
+
+def test_a_prefix_hit_is_not_counted_against_the_bound():
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_step_tokens=8, enable_prefix_caching=True)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("first", 40, max_tokens=1))
+    runner.run()
+    sched.add_request(make_request("d", 4, max_tokens=20))
+    runner.step()
+    second = make_request("second", 44, max_tokens=1)  # the first's 40 tokens, then 4 more
+    sched.add_request(second)
+    out, deltas = runner.step()
+    (data,) = out.new_requests
+    assert data.num_computed_tokens == 40 and out.num_scheduled_tokens == {"d": 1, "second": 4}
+    assert "second" in {delta.request_id for delta in deltas}  # its whole prompt, in one step
+    runner.run()
+
+
+def test_every_request_finishes_under_the_bound_while_short_prompts_keep_coming():
+    """No starvation: short prompts arriving every step (each taking a short step of its own
+    every other step), a decode and five long prompts with images; the long prompts still get
+    the bound every other step, so the loop ends within its count of steps."""
+    sched = make_scheduler(max_num_batched_tokens=32, max_num_seqs=16, short_prefill_tokens=6,
+                           long_prefill_step_tokens=8, num_kv_blocks=256, max_num_encoder_input_tokens=16,
+                           encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("d", 4, max_tokens=200))
+    for index in range(5):
+        sched.add_request(make_request(f"long{index}", 40, items=(image(f"img{index}", 5, 16),), max_tokens=3))
+    first_tokens: dict[str, int] = {}
+    for step in range(120):
+        if step < 100:
+            sched.add_request(make_request(f"s{step}", 4, max_tokens=1))
+        _, deltas = runner.step()
+        for delta in deltas:
+            first_tokens.setdefault(delta.request_id, step)
+    # 200 long prompt tokens at 8 a step, every other step: 50 steps; their first tokens by then.
+    assert all(first_tokens.get(f"long{index}", 999) <= 52 for index in range(5)), first_tokens
+    runner.run()
+    for index in range(5):
+        assert len(runner.output_tokens(f"long{index}")) == 3
+    assert all(len(runner.output_tokens(f"s{step}")) == 1 for step in range(100))
+
+
+def test_an_item_longer_than_the_bound_goes_whole_when_items_are_not_split():
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_step_tokens=4, disable_chunked_mm_input=True,
+                           encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("d", 4, max_tokens=30))
+    runner.step()
+    sched.add_request(make_request("a", 30, items=(image("x", 2, 20),), max_tokens=2))
+    sched.add_request(make_request("b", 30, items=(image("y", 0, 20),), max_tokens=2))
+    chunks = [(chunk_ranges(runner, out, "a") if "a" in out.num_scheduled_tokens else None,
+               out.num_scheduled_tokens.get("b"))
+              for out, _ in (runner.step() for _ in range(5))]
+    # a: the text before its item, then the item whole (past the bound: the step's first long
+    # chunk), then the bound; b's item waits for a step with no long chunk before it (a's
+    # decode is none).
+    assert chunks == [((0, 2), None), ((2, 22), None), ((22, 26), None), ((26, 30), None), ((30, 31), 20)]
+    runner.run()
+    assert runner.finish_reason("a") is runner.finish_reason("b") is FinishReason.LENGTH
+    assert runner.encode_counts == {"x": 1, "y": 1}
+
+
+def test_chunks_under_the_bound_still_end_at_recurrent_snapshots():
+    sched = make_scheduler(layers=(FullAttention(), RecurrentState(250)), slot_bytes=100, enable_prefix_caching=True,
+                           num_kv_blocks=80, max_model_len=64, long_prefill_step_tokens=8)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("d", 4, max_tokens=40))
+    runner.step()
+    # Placeholders [3, 14): snapshots at 12 and 28 of 30 tokens (D105).
+    sched.add_request(make_request("a", 30, items=(image("img", 3, 11),), max_tokens=2))
+    chunks = []
+    for _ in range(5):
+        out, _ = runner.step()
+        chunks.append((chunk_ranges(runner, out, "a"), bool(out.state_snapshots.get("a"))))
+    assert chunks == [((0, 8), False), ((8, 12), True), ((12, 20), False), ((20, 28), True), ((28, 30), False)]
+    runner.run()
+
+
+def test_the_bound_must_not_be_negative():
+    with pytest.raises(ValueError, match="long_prefill_step_tokens"):
+        make_scheduler(long_prefill_step_tokens=-1)
 
 
 # ---- multimodal items ----------------------------------------------------------------

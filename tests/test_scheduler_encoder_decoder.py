@@ -150,12 +150,31 @@ def test_a_preempted_transcription_rebuilds_its_cross_state():
         assert runner.output_tokens(name) == [7] * 8
 
 
+def test_bounded_chunks_encode_a_requests_items_together_with_the_first():
+    """D119 beside a decode: a prompt with two items without placeholders at offset 0 (as
+    Llama 3.2 Vision's images) goes 4 tokens a step; its first chunk encodes both together
+    (the encoder budget is not the bound's), and every later chunk has the cross state."""
+    sched = make_scheduler(max_num_batched_tokens=32, long_prefill_step_tokens=4, max_num_encoder_input_tokens=30,
+                           encoder_cache_size=30)
+    runner = EncoderDecoderRunner(sched)
+    sched.add_request(make_request("d", 2, items=(audio("x"),), max_tokens=12))
+    runner.step()
+    sched.add_request(make_request("v", 14, items=(audio("p", 10), audio("q", 10)),
+                                   max_tokens=2))
+    steps = [runner.step()[0] for _ in range(4)]
+    assert [out.num_scheduled_tokens.get("v") for out in steps] == [4, 4, 4, 2]
+    assert [out.scheduled_encoder_inputs.get("v") for out in steps] == [[0, 1], None, None, None]
+    runner.run()
+    assert runner.output_tokens("v") == [7, 7]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_mixes_of_transcriptions_and_image_chats(seed):
     rng = random.Random(seed)
     budget = rng.choice([4, 8, 32])
     sched = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=rng.choice([2, 4, 8]), num_kv_blocks=48,
-                           max_num_encoder_input_tokens=max(budget, 15), encoder_cache_size=rng.choice([15, 30, 60]))
+                           max_num_encoder_input_tokens=max(budget, 15), encoder_cache_size=rng.choice([15, 30, 60]),
+                           long_prefill_step_tokens=(0, 3)[seed % 2])  # D119's bound on every other seed
     runner = EncoderDecoderRunner(sched)
     expected = {}
     for index in range(10):

@@ -144,6 +144,12 @@ class ServeConfig:
         256, "a waiting prompt of at most this many tokens and no media is short: a step runs it with the "
         "decodes alone, before longer waiting prompts, with no encoder work and no longer prefill (those go on "
         "the next step; at most every other step is such a step); 0 schedules in arrival order only", minimum=0)
+    long_prefill_step_tokens: int = setting(
+        256, "while more than one request is in the engine, the prefill chunks of prompts that are not short "
+        "(longer than --short-prefill-tokens, or with media) take at most this many tokens of a step together, "
+        "so a step stays short for a request that waits for it; a request alone keeps all of "
+        "--max-num-batched-tokens. Per step, unlike vLLM's per-request --long-prefill-token-threshold; 0: off",
+        minimum=0)
     enable_prefix_caching: bool = setting(
         True, "share KV blocks of identical prefixes, media included", negatable=True)
     mm_processor_cache_gb: float = setting(4.0, "processed-media cache on the front end, GiB (0 disables)", minimum=0)

@@ -220,6 +220,7 @@ def build_engine(config: ServeConfig, log_level: str = "info") -> BuiltEngine:
         disable_chunked_mm_input=keep_items_whole,
         enable_prefix_caching=enable_prefix_caching,
         short_prefill_tokens=config.short_prefill_tokens,
+        long_prefill_step_tokens=config.long_prefill_step_tokens,
     )
     filler = (tokenizer.encode(" the", add_special_tokens=False) or [0])[0]
     if tensor_parallel is None:

@@ -36,11 +36,17 @@ class SchedulerConfig:
     # A waiting prompt of at most this many tokens and no items is short: a step admits it
     # with the decodes alone, no encoder and no longer prefill, every other step at most (0: off; D110).
     short_prefill_tokens: int = 0
+    # While more than one request is in the engine, the chunks of a step that belong to prompts
+    # that are not short take at most this many tokens together (0: off; D119).
+    long_prefill_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        for name in ("short_prefill_tokens", "long_prefill_step_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
         # A request that may grow to max_model_len must fit alone, or it would preempt
         # itself forever (its cross-attention table is checked per request, at admission).
         alone = sum(self.kv_cache.peak_request_blocks(self.max_model_len, self.max_num_batched_tokens))
@@ -182,14 +188,37 @@ class Scheduler:
     def _is_short(self, request: Request) -> bool:
         return not request.mm_items and request.num_tokens <= self.config.short_prefill_tokens
 
+    def _long_chunk_cap(self, request: Request, long_bound: int, long_taken: int) -> int | None:
+        """The most tokens the step's long-prefill bound lets ``request``'s chunk take (None:
+        no cap: the bound is off or the engine holds this request alone, or its prompt is
+        short), given ``long_taken`` tokens of long chunks already in the step (D119).
+
+        With ``disable_chunked_mm_input`` an item goes in one step: the step's first long
+        chunk may reach the end of an item it starts at or inside, past the bound, or a
+        request at an item longer than the bound could never move."""
+        if long_bound <= 0 or self._is_short(request):
+            return None
+        cap = max(0, long_bound - long_taken)
+        if long_taken == 0 and self.config.disable_chunked_mm_input:
+            start = request.num_computed_tokens
+            for item in request.mm_items:
+                if item.offset <= start < item.end:
+                    cap = max(cap, item.end - start)
+        return cap
+
     def schedule(self) -> SchedulerOutput:
         """One step. Normally: running requests first (decodes and prefill chunks), then the
         waiting ones in arrival order. When a short prompt waits (``short_prefill_tokens``)
         and the last step was not such a step: the decodes and the short prompts alone
         (ahead of longer waiting ones), so their first token waits for no encoder and no
-        long prefill; the longer prefills go on the next step (D110)."""
+        long prefill; the longer prefills go on the next step (D110). While more than one
+        request is in the engine, the chunks of prompts that are not short take at most
+        ``long_prefill_step_tokens`` of a step together, so the step that a newcomer waits for
+        stays short; a request alone keeps the whole budget (D119)."""
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
+        long_bound = self.config.long_prefill_step_tokens if len(self.running) + len(self.waiting) > 1 else 0
+        long_taken = 0  # tokens of the step's long prefill chunks so far
         short_step = (self.config.short_prefill_tokens > 0 and not self._deferred_long
                       and any(self._is_short(request) for request in self.waiting))
         self._deferred_long = short_step
@@ -211,8 +240,14 @@ class Scheduler:
             elif short_step:
                 index += 1  # a prefill: next step
                 continue
-            num_new, encoder_inputs, encoder_hits = self._plan_chunk(
-                request, budget if is_decode else _Budget(max(0, budget.tokens - decodes_left), budget.encoder))
+            chunk_budget = budget if is_decode else _Budget(max(0, budget.tokens - decodes_left), budget.encoder)
+            cap = None if is_decode else self._long_chunk_cap(request, long_bound, long_taken)
+            if cap is not None:
+                if cap == 0:  # the step's long prefill tokens are spent: next step
+                    index += 1
+                    continue
+                chunk_budget = _Budget(min(chunk_budget.tokens, cap), chunk_budget.encoder)
+            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, chunk_budget)
             if num_new == 0:
                 index += 1
                 continue
@@ -223,6 +258,8 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             self._note_snapshots(out, request)
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
+            if cap is not None:
+                long_taken += num_new
             index += 1
 
         candidates = [request for request in self.waiting if self._is_short(request)] if short_step else self.waiting
@@ -231,7 +268,11 @@ class Scheduler:
                 break
             computed = self.kv.computed_blocks(request)
             request.num_computed_tokens = computed.num_blocks * self.config.block_size
-            num_new, encoder_inputs, encoder_hits = self._plan_chunk(request, budget, admitting=True)
+            # Its cap counts only what it computes: a prefix hit is not prefill work.
+            cap = self._long_chunk_cap(request, long_bound, long_taken)
+            chunk_budget = budget if cap is None else _Budget(min(budget.tokens, cap), budget.encoder)
+            num_new, encoder_inputs, encoder_hits = (
+                (0, [], 0) if chunk_budget.tokens <= 0 else self._plan_chunk(request, chunk_budget, admitting=True))
             if (
                 num_new == 0
                 or self.kv.allocate_slots(request, request.num_computed_tokens + num_new, computed) is None
@@ -254,6 +295,8 @@ class Scheduler:
             out.new_requests.append(self._new_request_data(request, computed.state_sources))
             self._note_snapshots(out, request)
             self._commit_chunk(out, request, num_new, encoder_inputs, encoder_hits, budget)
+            if cap is not None:
+                long_taken += num_new
 
         out.evicted_encoder_identifiers = self.encoder_cache.take_evicted()
         out.dropped_request_ids, self._dropped = self._dropped, []
