@@ -174,11 +174,11 @@ class LlamaForCausalLM(nn.Module):
         last layer runs only those rows (in a prefill of n tokens, 1/n of its work but the
         K/V product; the small LLaVA's last layer is ~1/9 of its decoder)."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        # Every row is used: the backend may run the whole step itself (a decoder it cannot
-        # describe as data, ``decoder_structure`` None, always runs its modules).
-        if outputs is None and self.decoder_structure is not None:
+        # The backend may run the whole step itself (a decoder it cannot describe as data,
+        # ``decoder_structure`` None, always runs its modules).
+        if self.decoder_structure is not None:
             stepped = meta.backend.decode_step(self.decoder_structure, inputs_embeds, cos[:, 0], sin[:, 0], meta,
-                                               kv_caches)
+                                               kv_caches, outputs)
             if stepped is not None:
                 return stepped
         hidden, residual = inputs_embeds, None

@@ -152,8 +152,9 @@ class _EngineCollector:
         yield from _kv_group_metrics(stats.kv_groups, stats.num_kv_blocks)
         paths = CounterMetricFamily(
             "vlmd_decode_steps", "Steps of decodes alone, by path: fused (every layer in one native call, "
-            "layers/cpu/fused_step.py) or modules (the model's layers one by one)", labels=["path"])
-        for path in ("fused", "modules"):
+            "layers/cpu/fused_step.py) or modules (the model's layers one by one); fused_chunks: steps with short "
+            "prefill chunks that ran fused, each chunk's rows as decodes", labels=["path"])
+        for path in ("fused", "modules", "fused_chunks"):
             paths.add_metric([path], stats.decode_steps.get(path, 0))
         yield paths
         if self.memory_plan is not None:

@@ -180,12 +180,13 @@ class Gemma3TextModel(nn.Module):
     def forward(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches,
                 outputs: OutputRows | None = None) -> torch.Tensor:
         tables = {name: table.cos_sin(positions, inputs_embeds.dtype) for name, table in self.rotary.items()}
-        if outputs is None and meta.num_decodes == inputs_embeds.shape[0]:
-            # A step of decodes alone may run every layer in one call: the tables stacked in
-            # ``self.rotary``'s order, as ``decoder_structure`` numbers them.
+        if meta.num_decodes == inputs_embeds.shape[0] or meta.backend.FUSES_SHORT_CHUNKS:
+            # A step of decodes (or short chunks, as decodes) may run every layer in one call:
+            # the tables stacked in ``self.rotary``'s order, as ``decoder_structure`` numbers them.
             cos, sin = (torch.stack([table[i][:, 0] for table in tables.values()]) if len(tables) > 1
                         else next(iter(tables.values()))[i][:, 0] for i in (0, 1))
-            stepped = meta.backend.decode_step(self.decoder_structure, inputs_embeds, cos, sin, meta, kv_caches)
+            stepped = meta.backend.decode_step(self.decoder_structure, inputs_embeds, cos, sin, meta, kv_caches,
+                                               outputs)
             if stepped is not None:
                 return stepped
         hidden = inputs_embeds

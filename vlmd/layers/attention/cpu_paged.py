@@ -262,6 +262,7 @@ class CPUPagedMetadata(AttentionMetadata):
 
 class CPUPagedBackend(AttentionBackend):
     name = "cpu_paged"
+    FUSES_SHORT_CHUNKS = True  # decoder_step.c writes every row's K/V before any row attends
 
     def __init__(self, block_size: int, kernels: str = "auto"):
         """``kernels``: ``auto`` (decodes and float32 prefill chunks through the native
