@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "prefill_checks.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -177,12 +178,10 @@ int vlmd_flash_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
                     int threads) {
     if (kv_heads <= 0 || heads <= 0 || heads % kv_heads != 0) return -1;
     if (!vlmd_flash_bf16_serves(dim)) return -2;
-    if (n <= 0 || start < 0 || block_size <= 0 || q_stride < (int64_t)heads * dim || out_stride < (int64_t)heads * dim)
-        return -3;
+    const int checked = check_prefill_chunk(table, num_table_blocks, num_slots, block_size, start, n, heads, dim,
+                                            q_stride, out_stride);
+    if (checked != 0) return checked;
     const int total = start + n;
-    if ((int64_t)num_table_blocks * block_size < total) return -3;
-    for (int i = 0; i < (total + block_size - 1) / block_size; i++)
-        if (table[i] < 0 || ((int64_t)table[i] + 1) * block_size > num_slots) return -6;
     const int group = heads / kv_heads, dim_pairs = dim / 2;
     const int64_t token_values = (int64_t)kv_heads * dim, stride = ((int64_t)(total + KEYS - 1) / KEYS) * KEYS;
     uint32_t *keys = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * kv_heads * dim_pairs * stride);

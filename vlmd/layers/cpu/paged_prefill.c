@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "prefill_checks.h"
 
 #include "vector_exp.h"
 
@@ -259,12 +260,10 @@ static int prefill(const float *q, int64_t q_stride, const void *k_cache, const 
     Tile tile = NULL;
     const int rows = rows_for(dim, &tile);
     if (rows == 0) return -2;
-    if (n <= 0 || start < 0 || block_size <= 0 || q_stride < (int64_t)heads * dim || out_stride < (int64_t)heads * dim)
-        return -3;
+    const int checked = check_prefill_chunk(table, num_table_blocks, num_slots, block_size, start, n, heads, dim,
+                                            q_stride, out_stride);
+    if (checked != 0) return checked;
     const int total = start + n;
-    if ((int64_t)num_table_blocks * block_size < total) return -3;
-    for (int i = 0; i < (total + block_size - 1) / block_size; i++)
-        if (table[i] < 0 || ((int64_t)table[i] + 1) * block_size > num_slots) return -6;
     const int group = heads / kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * dim;
     /* Padded so a chunk's vector loads past the last key stay inside (those lanes are masked). */
