@@ -100,10 +100,10 @@ NATIVE_SHARED_TOKENS = 4096
 NATIVE_PREFILL_MAX_KEYS = 896
 # A bfloat16 chunk goes to flash_bf16.c (AVX512-BF16 dot products) at any context up to this
 # many keys: it packs the keys once and walks them per tile of 8 rows, so unlike
-# paged_prefill.c it keeps its lead as the context grows. Measured (flash_bf16.c's shapes,
-# AMD EPYC family 25 model 17, 2 threads, one chunk from position 0; flash_bf16 / torch's
-# bfloat16 flash ms): 587 tokens 2.7 / 9.0, 1,750 19.4 / 49.1, 4,096 105 / 218 (12 heads over
-# 4 of 64); 1,024 tokens of 128-wide heads 12.3 / 33.3.
+# paged_prefill.c it keeps its lead as the context grows. Measured (contrib/bench/
+# bench_flash_bf16.py, AMD EPYC family 25 model 17, 2 threads, one chunk from position 0;
+# flash_bf16 / torch's bfloat16 flash ms): 587 tokens 2.1 / 7.0, 1,750 18.7 / 40.1, 4,096
+# 93.5 / 195 (12 heads over 4 of 64); 1,024 tokens of 128-wide heads 10.1 / 28.5.
 FLASH_BF16_MAX_KEYS = 16384
 
 
