@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from prefill_support import paged_case, reference
 from vlmd.layers.attention import SequenceChunk
 from vlmd.layers.attention import cpu_paged
 from vlmd.layers.attention.cpu_paged import CPUPagedBackend
@@ -25,31 +26,9 @@ def served(each_kernel_variant):
 
 
 def _case(heads, kv_heads, n, dim, start, block_size, seed=0):
-    """bfloat16 queries and scattered cache blocks holding start + n tokens."""
-    torch.manual_seed(seed)
-    total = start + n
-    needed = -(-total // block_size)
-    num_blocks = needed + 3
-    table = torch.randperm(num_blocks)[:needed].to(torch.int32)
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim).bfloat16()
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim).bfloat16()
-    slots = (table.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:total]
-    keys = k_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-    values = v_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-    return torch.randn(n, heads, dim).bfloat16(), k_cache, v_cache, table, keys, values
-
-
-def _mask(n, total, start, causal):
-    mask = torch.ones(n, total, dtype=torch.bool)
-    return mask.tril(start) if causal else mask
-
-
-def _reference(q, keys, values, start, causal, dtype=torch.float64):
-    """[n, H, D] attention of q against [H, total, D] keys and values, computed in ``dtype``."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).to(dtype), keys.to(dtype), values.to(dtype),
-                                         attn_mask=_mask(q.shape[0], keys.shape[1], start, causal),
-                                         scale=q.shape[-1] ** -0.5)
-    return out.transpose(0, 1)
+    """``paged_case`` in bfloat16 (keys and values: the caches' own rounded values)."""
+    q, k_cache, v_cache, table, keys, values = paged_case(heads, kv_heads, n, dim, start, block_size, seed)
+    return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), table, keys.bfloat16(), values.bfloat16()
 
 
 @pytest.mark.usefixtures("served")
@@ -72,8 +51,8 @@ def test_chunks_match_the_reference(heads, kv_heads, n, dim, start, block_size, 
     q, k_cache, v_cache, table, keys, values = _case(heads, kv_heads, n, dim, start, block_size)
     out = torch.full_like(q, float("nan"))
     attend(q, k_cache, v_cache, table, block_size, start, dim ** -0.5, out, causal)
-    exact = _reference(q, keys, values, start, causal)
-    torch_bf16 = _reference(q, keys, values, start, causal, torch.bfloat16)
+    exact = reference(q, keys, values, start, causal)
+    torch_bf16 = reference(q, keys, values, start, causal, torch.bfloat16)
     ours_error, torch_error = (out.double() - exact).abs(), (torch_bf16.double() - exact).abs()
     assert ours_error.max() <= 2 * torch_error.max() + 1e-3
     assert ours_error.mean() <= 2 * torch_error.mean() + 1e-6

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from prefill_support import paged_case, reference
 from vlmd.layers.attention import SequenceChunk
 from vlmd.layers.attention.cpu_paged import CPUPagedBackend
 from vlmd.layers.cpu import paged_prefill as native_prefill
@@ -14,32 +14,6 @@ from vlmd.layers.cpu.paged_prefill import paged_prefill
 
 needs_kernel = pytest.mark.skipif(not native_prefill.available(), reason="no kernel library was built in this install")
 pytestmark = pytest.mark.usefixtures("each_kernel_variant")
-
-
-def _case(heads, kv_heads, n, dim, start, block_size, seed=0):
-    """Scattered blocks holding start + n tokens; returns (q, k_cache, v_cache, table, keys, values)."""
-    torch.manual_seed(seed)
-    total = start + n
-    needed = -(-total // block_size)
-    num_blocks = needed + 4
-    table = torch.randperm(num_blocks)[:needed].to(torch.int32)
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim)
-    slots = (table.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:total]
-    keys = k_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-    values = v_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-    return torch.randn(n, heads, dim), k_cache, v_cache, table, keys, values
-
-
-def _reference(q, keys, values, start, causal):
-    n, total = q.shape[0], keys.shape[1]
-    mask = torch.ones(n, total, dtype=torch.bool)
-    if causal:
-        mask = mask.tril(start)
-    scale = q.shape[-1] ** -0.5
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), keys.double(), values.double(),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
 
 
 @needs_kernel
@@ -55,10 +29,10 @@ def _reference(q, keys, values, start, causal):
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunks_match_the_reference(heads, kv_heads, n, dim, start, block_size, causal):
-    q, k_cache, v_cache, table, keys, values = _case(heads, kv_heads, n, dim, start, block_size)
+    q, k_cache, v_cache, table, keys, values = paged_case(heads, kv_heads, n, dim, start, block_size)
     out = torch.empty_like(q)
     paged_prefill(q, k_cache, v_cache, table, block_size, start, dim ** -0.5, out, causal)
-    torch.testing.assert_close(out.double(), _reference(q, keys, values, start, causal), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, start, causal), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -72,11 +46,11 @@ def test_chunks_match_the_reference(heads, kv_heads, n, dim, start, block_size, 
 def test_bfloat16_caches_are_read_in_place(heads, kv_heads, n, dim, start, block_size, causal):
     """A bfloat16 cache (the dtype a user of an AVX512-BF16 or AMX host runs): the attention
     of the bfloat16 values, computed in float32, rounded once to bfloat16 at the end."""
-    q, k_cache, v_cache, table, keys, values = _case(heads, kv_heads, n, dim, start, block_size)
+    q, k_cache, v_cache, table, keys, values = paged_case(heads, kv_heads, n, dim, start, block_size)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     out = torch.empty_like(q)
     paged_prefill(q, k_cache, v_cache, table, block_size, start, dim ** -0.5, out, causal)
-    expected = _reference(q.float(), keys.bfloat16().float(), values.bfloat16().float(), start, causal)
+    expected = reference(q.float(), keys.bfloat16().float(), values.bfloat16().float(), start, causal)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected.bfloat16().double(), rtol=0, atol=1e-2)
     # Within float32 rounding before the one bfloat16 rounding: never a rounding step apart.
@@ -86,7 +60,7 @@ def test_bfloat16_caches_are_read_in_place(heads, kv_heads, n, dim, start, block
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_strided_queries_and_thread_counts(threads):
-    q, k_cache, v_cache, table, keys, values = _case(12, 4, 100, 64, 20, 16)
+    q, k_cache, v_cache, table, keys, values = paged_case(12, 4, 100, 64, 20, 16)
     fused = torch.randn(100, 12 + 8, 64)  # q as a view of a fused qkv output: tokens 20 heads apart
     fused[:, :12] = q
     out = torch.empty(100, 12, 64)
@@ -96,12 +70,12 @@ def test_strided_queries_and_thread_counts(threads):
         paged_prefill(fused[:, :12], k_cache, v_cache, table, 16, 20, 0.125, out)
     finally:
         torch.set_num_threads(previous)
-    torch.testing.assert_close(out.double(), _reference(q, keys, values, 20, True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, 20, True), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
 def test_what_it_cannot_serve_raises_instead_of_reading_out_of_bounds():
-    q, k_cache, v_cache, table, _, _ = _case(4, 2, 10, 16, 0, 16)
+    q, k_cache, v_cache, table, _, _ = paged_case(4, 2, 10, 16, 0, 16)
     out = torch.empty_like(q)
     outside = table.clone()
     outside[0] = k_cache.shape[0] // 16  # one past the last block
@@ -143,7 +117,7 @@ def test_the_backend_hands_prefill_chunks_to_the_kernel(monkeypatch, kernels, ex
     for rows, key_rows, start in (((0, 7), (0, 7), 0), ((7, 10), (7, 15), 5)):
         ks = keys[0][key_rows[0]:key_rows[1]].transpose(0, 1).repeat_interleave(2, 0)
         vs = keys[1][key_rows[0]:key_rows[1]].transpose(0, 1).repeat_interleave(2, 0)
-        expected = _reference(q[rows[0]:rows[1]], ks, vs, start, True)
+        expected = reference(q[rows[0]:rows[1]], ks, vs, start, True)
         torch.testing.assert_close(out[rows[0]:rows[1]].double(), expected, rtol=1e-5, atol=1e-5)
 
 
