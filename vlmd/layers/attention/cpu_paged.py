@@ -356,8 +356,9 @@ class CPUPagedBackend(AttentionBackend):
             out[:decodes] = attended.reshape(decodes, heads, q.shape[2])
         elif decodes:
             out[:decodes] = _attend_decodes(q[:decodes], k_cache, v_cache, meta.decode_plan, scale)
-        prefill_natively = self.native_prefill and native_prefill.supports(k_cache, q)
-        flash_natively = self.native_prefill and flash_bf16.supports(k_cache, q)
+        # Asked once a layer, and only where the step has prefill chunks (a decode step has none).
+        prefill_natively = bool(meta.plans) and self.native_prefill and native_prefill.supports(k_cache, q)
+        flash_natively = bool(meta.plans) and self.native_prefill and flash_bf16.supports(k_cache, q)
         for plan in meta.plans:
             first, end = plan.rows
             n = end - first
