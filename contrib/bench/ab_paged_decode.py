@@ -44,6 +44,8 @@ def sources(revision: str, directory: str) -> Path:
     """The kernel sources of ``revision`` (``tree``: the working tree) in a directory."""
     if revision == "tree":
         return REPO / KERNELS
+    if Path(revision).is_dir():  # a directory holding kernel sources (a variant being tried)
+        return Path(revision)
     target = Path(directory) / f"src-{len(list(Path(directory).iterdir()))}"
     archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, str(KERNELS)], check=True,
                              capture_output=True).stdout
@@ -83,21 +85,25 @@ def tables(case: str, rng: random.Random) -> DecodeTables:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("old", help="a git revision, or tree")
-    parser.add_argument("new", help="a git revision, or tree")
+    parser.add_argument("old", help="a git revision, tree, or a directory of kernel sources")
+    parser.add_argument("new", help="a git revision, tree, or a directory of kernel sources")
     parser.add_argument("--cases", nargs="+", default=["c1", "c8u", "c8s", "c16s"])
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the caches' dtype (a bfloat16 model's caches are bfloat16)")
     args = parser.parse_args()
+    cache_dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as directory:
         builds = {"old": build(args.old, directory, "old"), "new": build(args.new, directory, "new")}
-        caches = [(torch.randn(BLOCKS * BLOCK, KV_HEADS, DIM), torch.randn(BLOCKS * BLOCK, KV_HEADS, DIM))
-                  for _ in range(LAYERS)]
+        caches = [(torch.randn(BLOCKS * BLOCK, KV_HEADS, DIM).to(cache_dtype),
+                   torch.randn(BLOCKS * BLOCK, KV_HEADS, DIM).to(cache_dtype)) for _ in range(LAYERS)]
         junk = torch.empty(16 << 20)
         rng, result = random.Random(1), {}
 
         def call(function, q, t, layer, out):
             k, v = caches[layer]
-            arguments = [q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, t.block_tables.data_ptr(),
+            arguments = [q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                         t.block_tables.data_ptr(),
                          t.context_lens.data_ptr(), out.data_ptr(), q.shape[0], HEADS, KV_HEADS, DIM, BLOCK,
                          t.block_tables.shape[1], k.shape[0], t.group_tokens.shape[0], t.group_offsets.data_ptr(),
                          t.group_members.data_ptr(), t.group_tokens.data_ptr(), DIM ** -0.5,
@@ -127,7 +133,7 @@ def main() -> None:
                         times[name].append((time.perf_counter() - started) / LAYERS * 1e6)
                 figures[mode] = {name: round(statistics.median(values), 1) for name, values in times.items()}
             result[case] = figures
-    print(json.dumps({"bench": "ab_paged_decode", "us_per_layer": result, "rounds": args.rounds,
+    print(json.dumps({"bench": "ab_paged_decode", "dtype": args.dtype, "us_per_layer": result, "rounds": args.rounds,
                       "threads": torch.get_num_threads()}))
 
 

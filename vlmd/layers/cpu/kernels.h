@@ -48,6 +48,7 @@ struct vlmd_step;
        const int32_t *group_members, const int32_t *group_tokens, float scale, int num_threads,                  \
        int part_tokens, int window))                                                                              \
     X(int, vlmd_paged_decode_limit, (int which))                                                                  \
+    X(int, vlmd_paged_decode_bf16_dot, (int wanted))                                                              \
     /* paged_prefill.c */                                                                                         \
     X(int, vlmd_paged_prefill,                                                                                    \
       (const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int32_t *table,        \

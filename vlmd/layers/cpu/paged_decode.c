@@ -564,6 +564,205 @@ static AttendPart attend_part_for(int dim) {
     }
 }
 
+/* bfloat16 caches on a host with AVX512-BF16: the scores by VDPBF16PS, reading the cache's
+ * key rows as they lie.
+ *
+ * Why: the widening copy above widens every row and multiplies in float32 vectors of 8,
+ * and at batch 8 it was bound by that arithmetic, not by the bytes: the small LLaVA's 8
+ * unshared decodes of 620 tokens (12 heads over 4 KV heads of 64, bfloat16 caches, 5 MB a
+ * layer) took 328-375 us a layer (ab_paged_decode.py --dtype bfloat16, AMD EPYC family 25
+ * model 17, 2 threads), ~15 GB/s against the host's ~45, and about a third of the fused
+ * decode step. VDPBF16PS multiplies a pair of bfloat16 values per lane and adds both
+ * products into a float32 lane: a query's (d, d+1) pairs against a key row's, 16 pairs a
+ * vector, into one accumulator per token; 16 tokens' accumulators are summed across lanes
+ * together (reduce16: a transpose by shuffles) into one vector of 16 scores. The query is
+ * rounded to bfloat16 (to nearest even) for it, as a bfloat16 model's query already is on
+ * the module path; products are exact and summed in float32 (the instruction flushes
+ * subnormals). P x V stays float32 (each KV head's value rows widened once a chunk, every
+ * query of the head against them, unrounded weights): rounding the weights to bfloat16
+ * for a second VDPBF16PS product was ~9 % faster on this case and put the Gemma 3 fused
+ * step's bfloat16 error past the module path's. Same case: 216-254 us a layer. Stacked
+ * decodes (a shared prefix) keep attend_stacked, which was as fast. Head sizes a multiple
+ * of 32 (whole vectors of pairs). */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+VECTOR_EXP_NONPOSITIVE(exp16, vf16, vi16)
+
+/* 16 vectors -> one vector whose lane t is the sum of s[t]'s lanes. */
+DOT_TARGET static inline __attribute__((always_inline)) __m512 reduce16(const __m512 s[16]) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: (s0 a, s1 a, s0 b, s1 b) */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]),
+                                 _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: that lane's sums of tokens 4i .. 4i+3 */
+        quads[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd((__m512d)pairs[2 * i], (__m512d)pairs[2 * i + 1]),
+                                 (__m512)_mm512_unpackhi_pd((__m512d)pairs[2 * i], (__m512d)pairs[2 * i + 1]));
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),   /* lanes 0, 1 */
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));  /* + lanes 2, 3 */
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                                      _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+/* The item as attend_part_vec's contract: acc [Q, D] unnormalised, maxes [Q], sums [Q];
+ * query j is head j % H of its decode. scratch:
+ * dot_scratch_floats(D) floats. Each chunk takes three passes: every query's scores, then
+ * every query's softmax (independent of one another, so their chains of reductions and exp
+ * can overlap), then P x V a KV head at a time. */
+DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
+        const Shape *s, const int DIM, const float *queries, int num_queries, const void *k_cache,
+        const void *v_cache, const int32_t *table, int first, int end, float *acc, float *maxes, float *sums,
+        float *scratch) {
+    const int PAIRS = DIM / 2, QV = DIM / 32, AV = DIM / 16; /* pairs a row; vectors a row: of pairs, of sums */
+    const int group = s->group, heads = s->heads, kv_heads = s->kv_heads, rows = num_queries / heads;
+    const int64_t token_floats = (int64_t)kv_heads * DIM;
+    float *scores = scratch;                                                    /* [Q][CHUNK]: then the weights */
+    uint32_t *query_pairs = (uint32_t *)(scores + (int64_t)num_queries * CHUNK); /* [Q][PAIRS] */
+    float *widened = (float *)(query_pairs + (int64_t)num_queries * PAIRS);     /* [CHUNK][DIM]: one KV head's values */
+    start_part(acc, maxes, sums, num_queries, DIM);
+    for (int j = 0; j < num_queries; j++)
+        for (int c = 0; c < QV; c++)
+            _mm512_storeu_si512(query_pairs + (int64_t)j * PAIRS + c * 16,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries + (int64_t)j * DIM + c * 32 + 16),
+                                                             _mm512_loadu_ps(queries + (int64_t)j * DIM + c * 32)));
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    int token = first;
+    while (token < end) {
+        const int count = chunk_tokens(s, token, end);
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        const int64_t at = chunk_offset(s, table, token, token_floats);
+        const Upcoming upcoming = upcoming_chunk(s, k_cache, v_cache, table, token, end, token_floats, num_queries);
+        const uint16_t *keys = (const uint16_t *)k_cache + at, *values = (const uint16_t *)v_cache + at;
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < kv_heads; g++) {
+                const uint16_t *key0 = keys + g * DIM;
+                for (int j = r * heads + g * group; j < r * heads + (g + 1) * group; j++) {
+                    prefetch_share(&upcoming, upcoming.keys, j);
+                    __m512bh q[MAX_DIM / 32];
+                    for (int c = 0; c < QV; c++)
+                        q[c] = (__m512bh)_mm512_loadu_si512(query_pairs + (int64_t)j * PAIRS + c * 16);
+                    __m512 partial[CHUNK];
+                    for (int t = 0; t < CHUNK; t++) {
+                        partial[t] = _mm512_setzero_ps();
+                        if (t < count) /* rows past the chunk may lie past the cache */
+                            for (int c = 0; c < QV; c++)
+                                partial[t] = _mm512_dpbf16_ps(
+                                    partial[t], (__m512bh)_mm512_loadu_si512(key0 + t * token_floats + c * 32), q[c]);
+                    }
+                    _mm512_storeu_ps(scores + (int64_t)j * CHUNK, _mm512_mask_mov_ps(minus_inf, valid, reduce16(partial)));
+                }
+            }
+        for (int j = 0; j < num_queries; j++) {
+            const __m512 row = _mm512_loadu_ps(scores + (int64_t)j * CHUNK);
+            const float chunk_max = fmaxf(maxes[j], _mm512_reduce_max_ps(row));
+            const float correction = exp_nonpositive(maxes[j] - chunk_max);
+            const __m512 p = _mm512_maskz_mov_ps(valid, (__m512)exp16((vf16)_mm512_sub_ps(row, _mm512_set1_ps(chunk_max))));
+            sums[j] = sums[j] * correction + _mm512_reduce_add_ps(p);
+            maxes[j] = chunk_max;
+            _mm512_storeu_ps(scores + (int64_t)j * CHUNK, p);
+            if (correction != 1.0f) {
+                float *a = acc + (int64_t)j * DIM;
+                for (int v = 0; v < AV; v++)
+                    _mm512_storeu_ps(a + v * 16, _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), _mm512_set1_ps(correction)));
+            }
+        }
+        for (int g = 0; g < kv_heads; g++) {
+            /* the chunk's value rows of KV head g as float32 (bfloat16 is float32's top half) */
+            const uint16_t *value0 = values + g * DIM;
+            for (int t = 0; t < count; t++)
+                for (int v = 0; v < AV; v++)
+                    _mm512_storeu_ps(widened + t * DIM + v * 16,
+                                     (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         (const __m256i *)(value0 + t * token_floats + v * 16))), 16));
+            for (int r = 0; r < rows; r++)
+                for (int j = r * heads + g * group; j < r * heads + (g + 1) * group; j++) {
+                    prefetch_share(&upcoming, upcoming.values, j);
+                    float *a = acc + (int64_t)j * DIM;
+                    const float *p = scores + (int64_t)j * CHUNK;
+                    __m512 even[MAX_DIM / 16], odd[MAX_DIM / 16]; /* two chains a vector: half as deep */
+                    for (int v = 0; v < AV; v++) {
+                        even[v] = _mm512_loadu_ps(a + v * 16);
+                        odd[v] = _mm512_setzero_ps();
+                    }
+                    int t = 0;
+                    for (; t + 1 < count; t += 2) {
+                        const __m512 pe = _mm512_set1_ps(p[t]), po = _mm512_set1_ps(p[t + 1]);
+                        for (int v = 0; v < AV; v++) {
+                            even[v] = _mm512_fmadd_ps(pe, _mm512_loadu_ps(widened + t * DIM + v * 16), even[v]);
+                            odd[v] = _mm512_fmadd_ps(po, _mm512_loadu_ps(widened + (t + 1) * DIM + v * 16), odd[v]);
+                        }
+                    }
+                    if (t < count)
+                        for (int v = 0; v < AV; v++)
+                            even[v] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(widened + t * DIM + v * 16), even[v]);
+                    for (int v = 0; v < AV; v++) _mm512_storeu_ps(a + v * 16, _mm512_add_ps(even[v], odd[v]));
+                }
+        }
+        token += count;
+    }
+}
+#endif
+
+/* Whether bfloat16 caches take attend_part_dot: -1 not yet decided (the host decides on
+ * first use), 0 no, 1 yes. */
+static int decode_dot = -1;
+
+/* Asked with -1: whether bfloat16 caches are read by the AVX512-BF16 kernel (1) or widened
+ * to float32 (0). 0 or 1 sets it (1 only where this variant built it and the host has the
+ * instruction; a test or bench compares the two); returns the setting then in force. */
+int vlmd_paged_decode_bf16_dot(int wanted) {
+#ifdef __AVX512F__
+    __builtin_cpu_init();
+    const int host_can = __builtin_cpu_supports("avx512bf16") != 0;
+#else
+    const int host_can = 0;
+#endif
+    if (decode_dot < 0) decode_dot = host_can;
+    if (wanted >= 0) decode_dot = wanted && host_can;
+    return decode_dot;
+}
+
+#ifdef __AVX512F__
+#define SPECIALISE_DOT(D) \
+    DOT_TARGET static void attend_dot_##D(const Shape *s, const float *q, int nq, const void *k, const void *v, \
+                                          const int32_t *table, int first, int end, float *acc, float *maxes, \
+                                          float *sums, float *buffer, float *work) { \
+        if (nq > s->heads) /* stacked decodes: the widening copy's product across queries was the faster */ \
+            attend_part_for(D)(s, q, nq, k, v, table, first, end, acc, maxes, sums, buffer, work); \
+        else \
+            attend_part_dot(s, D, q, nq, k, v, table, first, end, acc, maxes, sums, buffer); \
+    }
+SPECIALISE_DOT(32)
+SPECIALISE_DOT(64)
+SPECIALISE_DOT(128)
+SPECIALISE_DOT(256)
+#endif
+
+/* The AVX512-BF16 item for bfloat16 caches of this head size, or NULL: the widening one serves. */
+static AttendPart attend_part_dot_for(int dim, int dtype) {
+    if (dtype != KV_BFLOAT16 || vlmd_paged_decode_bf16_dot(-1) <= 0) return NULL;
+#ifdef __AVX512F__
+    switch (dim) {
+        case 32: return attend_dot_32;
+        case 64: return attend_dot_64;
+        case 128: return attend_dot_128;
+        case 256: return attend_dot_256;
+    }
+#endif
+    return NULL;
+}
+
+/* Floats of attend_part_dot's scratch for an item of up to MAX_QUERIES queries: their
+ * scores (then weights) of a chunk, their bfloat16 pairs, one KV head's values of a chunk
+ * widened. */
+static int64_t dot_scratch_floats(int dim) {
+    return (int64_t)MAX_QUERIES * (CHUNK + dim / 2) + (int64_t)CHUNK * dim;
+}
+
 typedef struct {
     int32_t table_row;  /* the decode whose block table the item reads */
     int32_t first, end;  /* tokens of that table */
@@ -709,8 +908,9 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
     }
     int out_of_memory = 0;
     const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype};
-    const AttendPart attend = attend_part_for(dim);
-    const int64_t buffer_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
+    const AttendPart dot = attend_part_dot_for(dim, dtype), attend = dot ? dot : attend_part_for(dim);
+    const int64_t widened_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
+    const int64_t buffer_floats = dot && dot_scratch_floats(dim) > widened_floats ? dot_scratch_floats(dim) : widened_floats;
     /* attend_stacked's work: a tile's queries of one KV head, rounded up to vectors of 8 */
     const int stacked_qp = (tile * (heads / kv_heads) + 7) / 8 * 8;
     const int64_t work_floats = num_groups > 0 ? (int64_t)kv_heads * stacked_qp * (dim + CHUNK + 3) : 1;

@@ -6,7 +6,8 @@ tables once for all of them (cascade); the caller builds ``DecodeTables`` once p
 and every layer reuses them. ``window``: a sliding-window layer's decodes, each attending
 to its last ``window`` tokens only, through its window group's table (entries before the
 window may be FREED). ``available()`` says whether a kernel library is loaded here (else the
-caller keeps its torch path).
+caller keeps its torch path). ``bf16_dot_scores()``: whether bfloat16 caches' scores are
+AVX512-BF16 dot products (the host decides; a test or bench compares the two paths).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ _ERRORS = {-1: "heads not a multiple of KV heads, or too many", -2: "head size t
            -6: "a block id outside the cache",
            -7: "a shared-prefix group that is empty, not whole blocks, overlapping, as long as a context "
                "or in a windowed layer"}
-_NAMES = ("vlmd_paged_decode", "vlmd_paged_decode_limit")  # signatures: kernels.h; limit: 0 heads, 1 head size
+# Signatures: kernels.h; limit: 0 heads, 1 head size.
+_NAMES = ("vlmd_paged_decode", "vlmd_paged_decode_limit", "vlmd_paged_decode_bf16_dot")
 
 
 def _kernel():
@@ -37,6 +39,19 @@ def _limit(which: int) -> int:
 
 def available() -> bool:
     return _kernel() is not None
+
+
+def bf16_dot_scores(wanted: bool | None = None) -> bool:
+    """Whether a bfloat16 cache's scores (head sizes 32, 64, 128, 256; decodes not stacked on
+    a shared prefix) are AVX512-BF16 dot products of the query rounded to bfloat16 with the
+    keys as they lie, rather than float32 products of the widened keys (``paged_decode.c``
+    says why). The host decides by default: yes where it has the instruction and the loaded
+    variant built it. ``wanted`` sets it (True only where it can be); returns the setting
+    then in force (False where no kernel library is loaded)."""
+    functions = load_functions(_NAMES)
+    if functions is None:
+        return False
+    return bool(functions["vlmd_paged_decode_bf16_dot"](-1 if wanted is None else int(wanted)))
 
 
 def supports(k_cache: torch.Tensor, heads: int) -> bool:
