@@ -64,8 +64,16 @@ static inline const float *rows_as_float(const void *cache, int64_t offset, int6
     return buffer;
 }
 
+/* float32 -> bfloat16 bits, to nearest with ties to even (torch's rounding; a NaN stays a NaN). */
+static inline uint16_t bf16_bits(float value) {
+    union { float f; uint32_t u; } v = {value};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 typedef struct {
     int heads, kv_heads, group, dim, block_size, dtype;
+    int dot_scores; /* bfloat16 keys' scores by AVX512-BF16 (attend_part_dot, stacked_scores_dot) */
 } Shape;
 
 /* Tokens of the chunk that starts at ``token``: to the end of its block, of the part, or
@@ -367,6 +375,11 @@ static inline __attribute__((always_inline)) void stacked_values16(
                                            default: { enum { NR = 1 }; CALL; break; } }
 #endif
 
+#ifdef __AVX512F__
+static void stacked_scores_dot(const uint32_t *qt, int qp, const uint16_t *key0, int count, int64_t token_floats,
+                               int dim, float *scores);
+#endif
+
 /* The item's stacked queries ([rows x heads, DIM], pre-scaled) against tokens [first, end):
  * the same acc / maxes / sums as attend_part_vec. Chunk by chunk, every KV head's scores
  * (K rows read as one run), then every KV head's values: a KV head at a time over the whole
@@ -378,7 +391,7 @@ static void attend_stacked(const Shape *s, const int DIM, const float *queries, 
                            float *acc, float *maxes, float *sums, float *buffer, float *work) {
     const int group = s->group, heads = s->heads, kv_heads = s->kv_heads, rows = num_queries / heads;
     const int64_t token_floats = (int64_t)kv_heads * DIM;
-    const int nq = rows * group, qp = (nq + 7) / 8 * 8;
+    const int nq = rows * group, qp = s->dot_scores ? (nq + 15) / 16 * 16 : (nq + 7) / 8 * 8;
     const int64_t per_head = (int64_t)qp * (DIM + CHUNK + 3);
     const int value_batch = STACK_VALUE_ACC / (DIM / 8) < 1 ? 1 : STACK_VALUE_ACC / (DIM / 8) > 3 ? 3
                             : STACK_VALUE_ACC / (DIM / 8);
@@ -392,9 +405,17 @@ static void attend_stacked(const Shape *s, const int DIM, const float *queries, 
     memset(acc, 0, sizeof(float) * num_queries * DIM);
     for (int g = 0; g < kv_heads; g++) {
         float *qt = QT(g);
-        for (int u = 0; u < qp; u++)
-            for (int d = 0; d < DIM; d++)
-                qt[(int64_t)d * qp + u] = u < nq ? queries[(int64_t)QUERY_ROW(g, u) * DIM + d] : 0.0f;
+        if (s->dot_scores) /* [DIM / 2][qp] pairs, rounded to bfloat16 */
+            for (int u = 0; u < qp; u++)
+                for (int d = 0; d < DIM; d += 2) {
+                    const float *query = queries + (int64_t)QUERY_ROW(g, u) * DIM + d;
+                    ((uint32_t *)qt)[(int64_t)(d / 2) * qp + u] =
+                        u < nq ? (uint32_t)bf16_bits(query[0]) | (uint32_t)bf16_bits(query[1]) << 16 : 0u;
+                }
+        else
+            for (int u = 0; u < qp; u++)
+                for (int d = 0; d < DIM; d++)
+                    qt[(int64_t)d * qp + u] = u < nq ? queries[(int64_t)QUERY_ROW(g, u) * DIM + d] : 0.0f;
         for (int u = 0; u < qp; u++) {
             MAXES(g)[u] = -3.0e38f;  /* finite: the vector exp takes no -inf */
             SUMS(g)[u] = 0.0f;
@@ -405,10 +426,17 @@ static void attend_stacked(const Shape *s, const int DIM, const float *queries, 
         const int count = chunk_tokens(s, token, end);
         const int64_t at = chunk_offset(s, table, token, token_floats);
         const Upcoming upcoming = upcoming_chunk(s, k_cache, v_cache, table, token, end, token_floats, kv_heads);
-        const float *keys = rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
+        /* bfloat16 keys as they lie for the dot scores, else float32 (widened) */
+        const float *keys = s->dot_scores ? NULL : rows_as_float(k_cache, at, count * token_floats, s->dtype, buffer);
         for (int g = 0; g < kv_heads; g++) {
             prefetch_share(&upcoming, upcoming.keys, g);
             float *scores = SCORES(g), *m = MAXES(g), *l = SUMS(g), *corr = CORRECTIONS(g);
+#ifdef __AVX512F__
+            if (s->dot_scores)
+                stacked_scores_dot((const uint32_t *)QT(g), qp, (const uint16_t *)k_cache + at + g * DIM, count,
+                                   token_floats, DIM, scores);
+            else
+#endif
             for (int v0 = 0; v0 < qp / 8; v0 += 3) {
                 const int n = qp / 8 - v0 < 3 ? qp / 8 - v0 : 3;
                 STACK_CASES(n, stacked_scores(QT(g), qp, v0, NV, keys + g * DIM, count, token_floats, DIM, scores))
@@ -582,8 +610,10 @@ static AttendPart attend_part_for(int dim) {
  * query of the head against them, unrounded weights): rounding the weights to bfloat16
  * for a second VDPBF16PS product was ~9 % faster on this case and put the Gemma 3 fused
  * step's bfloat16 error past the module path's. Same case: 216-254 us a layer. Stacked
- * decodes (a shared prefix) keep attend_stacked, which was as fast. Head sizes a multiple
- * of 32 (whole vectors of pairs). */
+ * decodes (a shared prefix) keep attend_stacked, whose product across queries was as fast
+ * as this item's, with its scores by VDPBF16PS too (stacked_scores_dot: 8 and 16 decodes
+ * sharing 608 tokens, 216 / 378 -> 207 / 345 us a layer, hot). Head sizes 32, 64, 128
+ * and 256 (whole vectors of pairs; stacked: up to 128). */
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -606,6 +636,41 @@ DOT_TARGET static inline __attribute__((always_inline)) __m512 reduce16(const __
     const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
                                       _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+/* attend_stacked's scores of one KV head's stacked queries for a chunk, by VDPBF16PS:
+ * S[t][u] = sum over pairs of K[t]'s (d, d+1) pair broadcast against the queries' pairs
+ * (qt: [dim / 2][qp] 32-bit pairs, qp a multiple of 16), 16 queries a vector, so no sums
+ * across lanes; 8 tokens x 2 vectors of queries in registers at once. Tokens past the chunk
+ * reuse its last row (inside the cache); their scores are never read. */
+#define DOT_STACK_TOKENS 8
+DOT_TARGET static void stacked_scores_dot(const uint32_t *qt, int qp, const uint16_t *key0, int count,
+                                          int64_t token_floats, int dim, float *scores) {
+    const int pairs = dim / 2;
+    for (int t0 = 0; t0 < count; t0 += DOT_STACK_TOKENS) {
+        const uint32_t *row[DOT_STACK_TOKENS];
+        for (int t = 0; t < DOT_STACK_TOKENS; t++)
+            row[t] = (const uint32_t *)(key0 + (t0 + t < count ? t0 + t : count - 1) * token_floats);
+        for (int v0 = 0; v0 < qp / 16; v0 += 2) {
+            const int two = qp / 16 - v0 >= 2;
+            __m512 acc[DOT_STACK_TOKENS][2];
+            for (int t = 0; t < DOT_STACK_TOKENS; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+            for (int p = 0; p < pairs; p++) {
+                const __m512bh column0 = (__m512bh)_mm512_loadu_si512(qt + (int64_t)p * qp + v0 * 16);
+                const __m512bh column1 = two ? (__m512bh)_mm512_loadu_si512(qt + (int64_t)p * qp + v0 * 16 + 16)
+                                             : (__m512bh)_mm512_setzero_si512();
+                for (int t = 0; t < DOT_STACK_TOKENS; t++) {
+                    const __m512bh k = (__m512bh)_mm512_set1_epi32((int)row[t][p]);
+                    acc[t][0] = _mm512_dpbf16_ps(acc[t][0], column0, k);
+                    acc[t][1] = _mm512_dpbf16_ps(acc[t][1], column1, k);
+                }
+            }
+            for (int t = 0; t < DOT_STACK_TOKENS && t0 + t < count; t++) {
+                _mm512_storeu_ps(scores + (int64_t)(t0 + t) * qp + v0 * 16, acc[t][0]);
+                if (two) _mm512_storeu_ps(scores + (int64_t)(t0 + t) * qp + v0 * 16 + 16, acc[t][1]);
+            }
+        }
+    }
 }
 
 /* The item as attend_part_vec's contract: acc [Q, D] unnormalised, maxes [Q], sums [Q];
@@ -907,12 +972,12 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
         goto done;
     }
     int out_of_memory = 0;
-    const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype};
     const AttendPart dot = attend_part_dot_for(dim, dtype), attend = dot ? dot : attend_part_for(dim);
+    const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype, dot != NULL};
     const int64_t widened_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
     const int64_t buffer_floats = dot && dot_scratch_floats(dim) > widened_floats ? dot_scratch_floats(dim) : widened_floats;
     /* attend_stacked's work: a tile's queries of one KV head, rounded up to vectors of 8 */
-    const int stacked_qp = (tile * (heads / kv_heads) + 7) / 8 * 8;
+    const int stacked_qp = (tile * (heads / kv_heads) + 15) / 16 * 16; /* the dot scores' vectors are 16 */
     const int64_t work_floats = num_groups > 0 ? (int64_t)kv_heads * stacked_qp * (dim + CHUNK + 3) : 1;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)

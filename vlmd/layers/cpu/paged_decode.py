@@ -42,10 +42,10 @@ def available() -> bool:
 
 
 def bf16_dot_scores(wanted: bool | None = None) -> bool:
-    """Whether a bfloat16 cache's scores (head sizes 32, 64, 128, 256; decodes not stacked on
-    a shared prefix) are AVX512-BF16 dot products of the query rounded to bfloat16 with the
-    keys as they lie, rather than float32 products of the widened keys (``paged_decode.c``
-    says why). The host decides by default: yes where it has the instruction and the loaded
+    """Whether a bfloat16 cache's scores (head sizes 32, 64, 128, 256; decodes stacked on a
+    shared prefix: up to 128) are AVX512-BF16 dot products of the query rounded to bfloat16
+    with the keys as they lie, rather than float32 products of the widened keys
+    (``paged_decode.c`` says why). The host decides by default: yes where it has the instruction and the loaded
     variant built it. ``wanted`` sets it (True only where it can be); returns the setting
     then in force (False where no kernel library is loaded)."""
     functions = load_functions(_NAMES)
