@@ -297,6 +297,18 @@ static inline v8 lane_max8(v8 a, v8 b) {
     return (v8)(((v8i)a & bigger) | ((v8i)b & ~bigger));
 }
 
+#ifdef __AVX512F__
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16m __attribute__((vector_size(64), aligned(4))); /* in memory: any float's alignment */
+VECTOR_EXP_NONPOSITIVE(exp16, v16, v16i)
+
+static inline v16 lane_max16(v16 a, v16 b) {
+    const v16i bigger = a > b;
+    return (v16)(((v16i)a & bigger) | ((v16i)b & ~bigger));
+}
+#endif
+
 /* S[t][v0 * 8 ..] for the chunk's tokens, NV vectors of queries (qt: [DIM][qp]). Tokens
  * past the chunk reuse its last row (inside the cache); their scores are never read. */
 static inline __attribute__((always_inline)) void stacked_scores(
@@ -441,7 +453,26 @@ static void attend_stacked(const Shape *s, const int DIM, const float *queries, 
                 const int n = qp / 8 - v0 < 3 ? qp / 8 - v0 : 3;
                 STACK_CASES(n, stacked_scores(QT(g), qp, v0, NV, keys + g * DIM, count, token_floats, DIM, scores))
             }
-            for (int c = 0; c < qp; c += 8) {
+            int c = 0;
+#ifdef __AVX512F__
+            /* 16 queries a vector where they come in 16s (the dot scores' layout) */
+            for (; qp % 16 == 0 && c < qp; c += 16) {
+                const v16 old = *(const v16m *)(m + c);
+                v16 top = old;
+                for (int t = 0; t < count; t++) top = lane_max16(*(const v16m *)(scores + t * qp + c), top);
+                const v16 scale = exp16(old - top);
+                v16 total = {0};
+                for (int t = 0; t < count; t++) {
+                    const v16 p = exp16(*(const v16m *)(scores + t * qp + c) - top);
+                    *(v16m *)(scores + t * qp + c) = p;
+                    total += p;
+                }
+                *(v16m *)(l + c) = *(const v16m *)(l + c) * scale + total;
+                *(v16m *)(m + c) = top;
+                *(v16m *)(corr + c) = scale;
+            }
+#endif
+            for (; c < qp; c += 8) {
                 const v8 old = *(const v8 *)(m + c);
                 v8 top = old;
                 for (int t = 0; t < count; t++) top = lane_max8(*(const v8 *)(scores + t * qp + c), top);
@@ -618,9 +649,6 @@ static AttendPart attend_part_for(int dim) {
 #include <immintrin.h>
 #define DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-VECTOR_EXP_NONPOSITIVE(exp16, vf16, vi16)
 
 /* 16 vectors -> one vector whose lane t is the sum of s[t]'s lanes. */
 DOT_TARGET static inline __attribute__((always_inline)) __m512 reduce16(const __m512 s[16]) {
@@ -725,7 +753,7 @@ DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
             const __m512 row = _mm512_loadu_ps(scores + (int64_t)j * CHUNK);
             const float chunk_max = fmaxf(maxes[j], _mm512_reduce_max_ps(row));
             const float correction = exp_nonpositive(maxes[j] - chunk_max);
-            const __m512 p = _mm512_maskz_mov_ps(valid, (__m512)exp16((vf16)_mm512_sub_ps(row, _mm512_set1_ps(chunk_max))));
+            const __m512 p = _mm512_maskz_mov_ps(valid, (__m512)exp16((v16)_mm512_sub_ps(row, _mm512_set1_ps(chunk_max))));
             sums[j] = sums[j] * correction + _mm512_reduce_add_ps(p);
             maxes[j] = chunk_max;
             _mm512_storeu_ps(scores + (int64_t)j * CHUNK, p);
