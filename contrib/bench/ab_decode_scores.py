@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
 import time
 
-from vlmd.config import ServeConfig
-from vlmd.engine.builder import build_engine
-from vlmd.layers.cpu import paged_decode
-from vlmd.types import EngineRequest, SamplingParams
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # huge pages, as `vlmd serve` has them (the caches' TLB misses)
+
+from vlmd.config import ServeConfig  # noqa: E402
+from vlmd.engine.builder import build_engine  # noqa: E402
+from vlmd.layers.cpu import paged_decode  # noqa: E402
+from vlmd.types import EngineRequest, SamplingParams  # noqa: E402
 
 
 def main() -> None:
