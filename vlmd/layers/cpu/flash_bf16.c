@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_host.h"
 #include "kernels.h"
 #include "prefill_checks.h"
 
@@ -158,13 +159,8 @@ FLASH_TARGET static void flash_tile(const Packed *packed, const uint16_t *q, int
     }
 }
 
-static int host_has_bf16(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
-}
-
 int vlmd_flash_bf16_serves(int dim) {
-    return host_has_bf16() && dim > 0 && dim % 8 == 0 && dim <= MAX_DIM;
+    return host_runs_avx512bf16() && dim > 0 && dim % 8 == 0 && dim <= MAX_DIM;
 }
 
 /* q: n query tokens, token t's head h at q + t * q_stride + h * dim (bfloat16); caches

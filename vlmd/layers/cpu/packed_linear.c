@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_host.h"
 #include "kernels.h"
 #include "panels.h"
 
@@ -407,24 +408,12 @@ static int dot_products(const float *x, int64_t x_stride, const uint16_t *w, int
 }
 #endif
 
-/* Whether bfloat16 panels take the dot-product kernel: -1 not yet decided (the host's CPU
- * decides on first use), 0 no, 1 yes. */
+/* Whether bfloat16 panels take the dot-product kernel (bf16_switch's setting). */
 static int bf16_dot = -1;
 
 /* Asked with -1: whether bfloat16 products of 2 or more rows take the AVX512-BF16 dot
- * kernel (1) or widen to float32 (0). 0 or 1 sets it (1 only where this variant built it and the host has the
- * instruction; a test or bench compares the two); returns the setting then in force. */
-int vlmd_packed_bf16_dot(int wanted) {
-#ifdef __AVX512F__
-    __builtin_cpu_init();
-    const int host_can = __builtin_cpu_supports("avx512bf16") != 0;
-#else
-    const int host_can = 0;
-#endif
-    if (bf16_dot < 0) bf16_dot = host_can;
-    if (wanted >= 0) bf16_dot = wanted && host_can;
-    return bf16_dot;
-}
+ * kernel (1) or widen to float32 (0); 0 or 1 sets it (bf16_host.h). */
+int vlmd_packed_bf16_dot(int wanted) { return bf16_switch(&bf16_dot, wanted); }
 
 /* As vlmd_packed_linear, for bfloat16 panels (w) and float32 rows and output. */
 int vlmd_packed_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, int64_t panel_width,

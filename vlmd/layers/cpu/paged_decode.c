@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_host.h"
 #include "kernels.h"
 
 #include "vector_exp.h"
@@ -800,24 +801,12 @@ DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
 }
 #endif
 
-/* Whether bfloat16 caches take attend_part_dot: -1 not yet decided (the host decides on
- * first use), 0 no, 1 yes. */
+/* Whether bfloat16 caches take attend_part_dot (bf16_switch's setting). */
 static int decode_dot = -1;
 
-/* Asked with -1: whether bfloat16 caches are read by the AVX512-BF16 kernel (1) or widened
- * to float32 (0). 0 or 1 sets it (1 only where this variant built it and the host has the
- * instruction; a test or bench compares the two); returns the setting then in force. */
-int vlmd_paged_decode_bf16_dot(int wanted) {
-#ifdef __AVX512F__
-    __builtin_cpu_init();
-    const int host_can = __builtin_cpu_supports("avx512bf16") != 0;
-#else
-    const int host_can = 0;
-#endif
-    if (decode_dot < 0) decode_dot = host_can;
-    if (wanted >= 0) decode_dot = wanted && host_can;
-    return decode_dot;
-}
+/* Asked with -1: whether bfloat16 caches' scores are the AVX512-BF16 kernel's (1) or the
+ * widening copy's (0); 0 or 1 sets it (bf16_host.h). */
+int vlmd_paged_decode_bf16_dot(int wanted) { return bf16_switch(&decode_dot, wanted); }
 
 #ifdef __AVX512F__
 #define SPECIALISE_DOT(D) \
