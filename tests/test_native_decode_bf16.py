@@ -1,8 +1,9 @@
 """The bfloat16 decode scores by AVX512-BF16 (``attend_part_dot`` in vlmd/layers/cpu/paged_decode.c)
 against a float64 reference of the same arithmetic (the query rounded to bfloat16, the
 cache's own values), at every head size it serves, GQA ratio, block size, split, window and
-beside a shared prefix's stacked queries; and the widening path it replaces, still taken
-when switched off."""
+beside a shared prefix's stacked queries; the widening path it replaces, still taken
+when switched off; and that the host turns each AVX512-BF16 kernel on where it can
+(``bf16_host.h``)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,24 @@ def test_stacked_decodes_on_a_shared_prefix(heads, kv_heads, dim, block_size, ro
     assert tables.group_tokens.tolist() == [blocks * block_size]
     got = paged_decode(q, k, v, tables, scale).double()
     torch.testing.assert_close(got, _reference(q, k, v, tables, scale, round_query=True), rtol=2e-5, atol=2e-5)
+
+
+def test_the_host_turns_each_bfloat16_kernel_on_where_it_can(each_kernel_variant):
+    # A fresh process, so no test's setting lingers: each AVX512-BF16 kernel's switch starts
+    # on exactly where the loaded variant has AVX-512 and the CPU lists avx512_bf16 (a host
+    # check that always said no would only turn the other tests into skips).
+    import subprocess
+    import sys
+
+    from vlmd.layers.cpu import library, variants
+
+    if each_kernel_variant == "none":
+        pytest.skip("no kernel library was built in this install")
+    expected = "avx512_bf16" in variants.cpu_flags() and each_kernel_variant == "x86-64-v4"
+    code = ("from vlmd.layers.cpu import library, packed_linear, paged_decode, flash_bf16\n"
+            f"library.use({each_kernel_variant!r})\n"
+            "print(packed_linear.bf16_dot_products(), paged_decode.bf16_dot_scores(), flash_bf16.serves(64))")
+    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    last_line = answer.stdout.strip().splitlines()[-1]  # after the library's log line
+    assert last_line.split() == [str(expected)] * 3, (answer.stdout, answer.stderr[-2000:])
+    assert library.built_variants()  # the variant under test was built here
