@@ -3,7 +3,7 @@ against a float64 reference of the same arithmetic (the query rounded to bfloat1
 cache's own values), at every head size it serves, GQA ratio, block size, split, window and
 beside a shared prefix's stacked queries; the widening path it replaces, still taken
 when switched off; and that the host turns each AVX512-BF16 kernel on where it can
-(``bf16_host.h``)."""
+(``bfloat16.h``)."""
 
 from __future__ import annotations
 

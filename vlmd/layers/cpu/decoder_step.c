@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "kernels.h"
 
 enum { WEIGHT_FLOAT32 = 0, WEIGHT_BFLOAT16 = 1, WEIGHT_INT8 = 2 };
@@ -103,14 +104,6 @@ static int product(const Product *p, const float *x, int64_t rows, float *out, i
     }
 }
 
-/* float32 -> bfloat16, to nearest with ties to even, any NaN the quiet NaN 0x7fc0: torch's rounding. */
-static inline uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* count floats into a cache row of the layer's dtype, at element offset `at`. */
 static void write_cache(void *cache, int64_t dtype, int64_t at, const float *values, int64_t count) {
     if (dtype == CACHE_FLOAT32) {
@@ -118,7 +111,7 @@ static void write_cache(void *cache, int64_t dtype, int64_t at, const float *val
         return;
     }
     uint16_t *target = (uint16_t *)cache + at;
-    for (int64_t i = 0; i < count; i++) target[i] = to_bf16(values[i]);
+    for (int64_t i = 0; i < count; i++) target[i] = bf16_from_float(values[i]);
 }
 
 /* embeds [rows, hidden] -> out [rows, hidden], the final norm's output; every layer's K/V

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "kernels.h"
 
 #include "vector_exp.h"
@@ -202,13 +203,6 @@ static inline float widen1(uint16_t h) {
     return value;
 }
 
-static inline uint16_t narrow1(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* As vlmd_add_rms_norm on bfloat16: hidden = bf16(hidden + delta); out = bf16(weight *
  * bf16(hidden * inverse rms)), torch's RMSNorm module in bfloat16 (vlmd/layers/norm.py). */
 int vlmd_add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
@@ -231,7 +225,7 @@ int vlmd_add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16
         }
         float squares = sum_lanes(acc);
         for (; c < width; c++) {
-            if (d) h[c] = narrow1(widen1(h[c]) + widen1(d[c]));
+            if (d) h[c] = bf16_from_float(widen1(h[c]) + widen1(d[c]));
             float x = widen1(h[c]);
             squares += x * x;
         }
@@ -239,7 +233,7 @@ int vlmd_add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16
         for (c = 0; c + VEC <= width; c += VEC) {
             narrow(o + c, round_to_bf16(widen(h + c) * inverse) * widen(weight + c));
         }
-        for (; c < width; c++) o[c] = narrow1(widen1(narrow1(widen1(h[c]) * inverse)) * widen1(weight[c]));
+        for (; c < width; c++) o[c] = bf16_from_float(widen1(bf16_from_float(widen1(h[c]) * inverse)) * widen1(weight[c]));
     }
     return 0;
 }
@@ -265,9 +259,9 @@ int vlmd_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t heads, int64_t dim
             }
             for (; c < half; c++) {
                 float low = widen1(head[c]), high = widen1(head[half + c]);
-                head[c] = narrow1(widen1(narrow1(low * widen1(cos_row[c]))) - widen1(narrow1(high * widen1(sin_row[c]))));
-                head[half + c] = narrow1(widen1(narrow1(high * widen1(cos_row[half + c]))) +
-                                         widen1(narrow1(low * widen1(sin_row[half + c]))));
+                head[c] = bf16_from_float(widen1(bf16_from_float(low * widen1(cos_row[c]))) - widen1(bf16_from_float(high * widen1(sin_row[c]))));
+                head[half + c] = bf16_from_float(widen1(bf16_from_float(high * widen1(cos_row[half + c]))) +
+                                         widen1(bf16_from_float(low * widen1(sin_row[half + c]))));
             }
         }
     }
@@ -294,7 +288,7 @@ int vlmd_silu_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out
         }
         for (; c < width; c++) {
             float g = widen1(gate[c]);
-            o[c] = narrow1(widen1(narrow1(g / (1.0f + expf(-g)))) * widen1(up[c]));
+            o[c] = bf16_from_float(widen1(bf16_from_float(g / (1.0f + expf(-g)))) * widen1(up[c]));
         }
     }
     return 0;

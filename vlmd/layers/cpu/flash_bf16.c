@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16_host.h"
+#include "bfloat16.h"
 #include "kernels.h"
 #include "prefill_checks.h"
 

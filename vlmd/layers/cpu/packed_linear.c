@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16_host.h"
+#include "bfloat16.h"
 #include "kernels.h"
 #include "panels.h"
 
@@ -412,7 +412,7 @@ static int dot_products(const float *x, int64_t x_stride, const uint16_t *w, int
 static int bf16_dot = -1;
 
 /* Asked with -1: whether bfloat16 products of 2 or more rows take the AVX512-BF16 dot
- * kernel (1) or widen to float32 (0); 0 or 1 sets it (bf16_host.h). */
+ * kernel (1) or widen to float32 (0); 0 or 1 sets it (bfloat16.h). */
 int vlmd_packed_bf16_dot(int wanted) { return bf16_switch(&bf16_dot, wanted); }
 
 /* As vlmd_packed_linear, for bfloat16 panels (w) and float32 rows and output. */

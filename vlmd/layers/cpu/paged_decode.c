@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16_host.h"
+#include "bfloat16.h"
 #include "kernels.h"
 
 #include "vector_exp.h"
@@ -63,13 +63,6 @@ static inline const float *rows_as_float(const void *cache, int64_t offset, int6
         buffer[i] = v.f;
     }
     return buffer;
-}
-
-/* float32 -> bfloat16 bits, to nearest with ties to even (torch's rounding; a NaN stays a NaN). */
-static inline uint16_t bf16_bits(float value) {
-    union { float f; uint32_t u; } v = {value};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 typedef struct {
@@ -423,7 +416,7 @@ static void attend_stacked(const Shape *s, const int DIM, const float *queries, 
                 for (int d = 0; d < DIM; d += 2) {
                     const float *query = queries + (int64_t)QUERY_ROW(g, u) * DIM + d;
                     ((uint32_t *)qt)[(int64_t)(d / 2) * qp + u] =
-                        u < nq ? (uint32_t)bf16_bits(query[0]) | (uint32_t)bf16_bits(query[1]) << 16 : 0u;
+                        u < nq ? (uint32_t)bf16_from_float(query[0]) | (uint32_t)bf16_from_float(query[1]) << 16 : 0u;
                 }
         else
             for (int u = 0; u < qp; u++)
@@ -638,8 +631,8 @@ static AttendPart attend_part_for(int dim) {
  * together (reduce16: a transpose by shuffles) into one vector of 16 scores. The query is
  * rounded to bfloat16 (to nearest even) for it, as a bfloat16 model's query already is on
  * the module path; products are exact and summed in float32 (the instruction flushes
- * subnormals). P x V stays float32 (each KV head's value rows widened once a chunk, every
- * query of the head against them, unrounded weights): rounding the weights to bfloat16
+ * subnormals). P x V stays float32 (the chunk's value rows widened once, rows_as_float, every
+ * query of a head against its head's, unrounded weights): rounding the weights to bfloat16
  * for a second VDPBF16PS product was ~9 % faster on this case and put the Gemma 3 fused
  * step's bfloat16 error past the module path's. Same case: 216-254 us a layer. Stacked
  * decodes (a shared prefix) keep attend_stacked, whose product across queries was as fast
@@ -702,9 +695,8 @@ DOT_TARGET static void stacked_scores_dot(const uint32_t *qt, int qp, const uint
     }
 }
 
-/* The item as attend_part_vec's contract: acc [Q, D] unnormalised, maxes [Q], sums [Q];
- * query j is head j % H of its decode. scratch:
- * dot_scratch_floats(D) floats. Each chunk takes three passes: every query's scores, then
+/* One decode's item (Q = H queries, query j its head j) as attend_part_vec's contract: acc
+ * [Q, D] unnormalised, maxes [Q], sums [Q]. scratch: dot_scratch_floats(D) floats. Each chunk takes three passes: every query's scores, then
  * every query's softmax (independent of one another, so their chains of reductions and exp
  * can overlap), then P x V a KV head at a time. */
 DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
@@ -712,11 +704,11 @@ DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
         const void *v_cache, const int32_t *table, int first, int end, float *acc, float *maxes, float *sums,
         float *scratch) {
     const int PAIRS = DIM / 2, QV = DIM / 32, AV = DIM / 16; /* pairs a row; vectors a row: of pairs, of sums */
-    const int group = s->group, heads = s->heads, kv_heads = s->kv_heads, rows = num_queries / heads;
+    const int group = s->group, kv_heads = s->kv_heads;
     const int64_t token_floats = (int64_t)kv_heads * DIM;
     float *scores = scratch;                                                    /* [Q][CHUNK]: then the weights */
     uint32_t *query_pairs = (uint32_t *)(scores + (int64_t)num_queries * CHUNK); /* [Q][PAIRS] */
-    float *widened = (float *)(query_pairs + (int64_t)num_queries * PAIRS);     /* [CHUNK][DIM]: one KV head's values */
+    float *widened = (float *)(query_pairs + (int64_t)num_queries * PAIRS);     /* the chunk's values, float32 */
     start_part(acc, maxes, sums, num_queries, DIM);
     for (int j = 0; j < num_queries; j++)
         for (int c = 0; c < QV; c++)
@@ -730,26 +722,25 @@ DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
         const __mmask16 valid = (__mmask16)((1u << count) - 1);
         const int64_t at = chunk_offset(s, table, token, token_floats);
         const Upcoming upcoming = upcoming_chunk(s, k_cache, v_cache, table, token, end, token_floats, num_queries);
-        const uint16_t *keys = (const uint16_t *)k_cache + at, *values = (const uint16_t *)v_cache + at;
-        for (int r = 0; r < rows; r++)
-            for (int g = 0; g < kv_heads; g++) {
-                const uint16_t *key0 = keys + g * DIM;
-                for (int j = r * heads + g * group; j < r * heads + (g + 1) * group; j++) {
-                    prefetch_share(&upcoming, upcoming.keys, j);
-                    __m512bh q[MAX_DIM / 32];
-                    for (int c = 0; c < QV; c++)
-                        q[c] = (__m512bh)_mm512_loadu_si512(query_pairs + (int64_t)j * PAIRS + c * 16);
-                    __m512 partial[CHUNK];
-                    for (int t = 0; t < CHUNK; t++) {
-                        partial[t] = _mm512_setzero_ps();
-                        if (t < count) /* rows past the chunk may lie past the cache */
-                            for (int c = 0; c < QV; c++)
-                                partial[t] = _mm512_dpbf16_ps(
-                                    partial[t], (__m512bh)_mm512_loadu_si512(key0 + t * token_floats + c * 32), q[c]);
-                    }
-                    _mm512_storeu_ps(scores + (int64_t)j * CHUNK, _mm512_mask_mov_ps(minus_inf, valid, reduce16(partial)));
+        const uint16_t *keys = (const uint16_t *)k_cache + at;
+        for (int g = 0; g < kv_heads; g++) {
+            const uint16_t *key0 = keys + g * DIM;
+            for (int j = g * group; j < (g + 1) * group; j++) {
+                prefetch_share(&upcoming, upcoming.keys, j);
+                __m512bh q[MAX_DIM / 32];
+                for (int c = 0; c < QV; c++)
+                    q[c] = (__m512bh)_mm512_loadu_si512(query_pairs + (int64_t)j * PAIRS + c * 16);
+                __m512 partial[CHUNK];
+                for (int t = 0; t < CHUNK; t++) {
+                    partial[t] = _mm512_setzero_ps();
+                    if (t < count) /* rows past the chunk may lie past the cache */
+                        for (int c = 0; c < QV; c++)
+                            partial[t] = _mm512_dpbf16_ps(
+                                partial[t], (__m512bh)_mm512_loadu_si512(key0 + t * token_floats + c * 32), q[c]);
                 }
+                _mm512_storeu_ps(scores + (int64_t)j * CHUNK, _mm512_mask_mov_ps(minus_inf, valid, reduce16(partial)));
             }
+        }
         for (int j = 0; j < num_queries; j++) {
             const __m512 row = _mm512_loadu_ps(scores + (int64_t)j * CHUNK);
             const float chunk_max = fmaxf(maxes[j], _mm512_reduce_max_ps(row));
@@ -764,37 +755,31 @@ DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
                     _mm512_storeu_ps(a + v * 16, _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), _mm512_set1_ps(correction)));
             }
         }
+        const float *values = rows_as_float(v_cache, at, count * token_floats, s->dtype, widened);
         for (int g = 0; g < kv_heads; g++) {
-            /* the chunk's value rows of KV head g as float32 (bfloat16 is float32's top half) */
-            const uint16_t *value0 = values + g * DIM;
-            for (int t = 0; t < count; t++)
-                for (int v = 0; v < AV; v++)
-                    _mm512_storeu_ps(widened + t * DIM + v * 16,
-                                     (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                         (const __m256i *)(value0 + t * token_floats + v * 16))), 16));
-            for (int r = 0; r < rows; r++)
-                for (int j = r * heads + g * group; j < r * heads + (g + 1) * group; j++) {
-                    prefetch_share(&upcoming, upcoming.values, j);
-                    float *a = acc + (int64_t)j * DIM;
-                    const float *p = scores + (int64_t)j * CHUNK;
-                    __m512 even[MAX_DIM / 16], odd[MAX_DIM / 16]; /* two chains a vector: half as deep */
-                    for (int v = 0; v < AV; v++) {
-                        even[v] = _mm512_loadu_ps(a + v * 16);
-                        odd[v] = _mm512_setzero_ps();
-                    }
-                    int t = 0;
-                    for (; t + 1 < count; t += 2) {
-                        const __m512 pe = _mm512_set1_ps(p[t]), po = _mm512_set1_ps(p[t + 1]);
-                        for (int v = 0; v < AV; v++) {
-                            even[v] = _mm512_fmadd_ps(pe, _mm512_loadu_ps(widened + t * DIM + v * 16), even[v]);
-                            odd[v] = _mm512_fmadd_ps(po, _mm512_loadu_ps(widened + (t + 1) * DIM + v * 16), odd[v]);
-                        }
-                    }
-                    if (t < count)
-                        for (int v = 0; v < AV; v++)
-                            even[v] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(widened + t * DIM + v * 16), even[v]);
-                    for (int v = 0; v < AV; v++) _mm512_storeu_ps(a + v * 16, _mm512_add_ps(even[v], odd[v]));
+            const float *value0 = values + g * DIM; /* KV head g's value rows, token_floats apart */
+            for (int j = g * group; j < (g + 1) * group; j++) {
+                prefetch_share(&upcoming, upcoming.values, j);
+                float *a = acc + (int64_t)j * DIM;
+                const float *p = scores + (int64_t)j * CHUNK;
+                __m512 even[MAX_DIM / 16], odd[MAX_DIM / 16]; /* two chains a vector: half as deep */
+                for (int v = 0; v < AV; v++) {
+                    even[v] = _mm512_loadu_ps(a + v * 16);
+                    odd[v] = _mm512_setzero_ps();
                 }
+                int t = 0;
+                for (; t + 1 < count; t += 2) {
+                    const __m512 pe = _mm512_set1_ps(p[t]), po = _mm512_set1_ps(p[t + 1]);
+                    for (int v = 0; v < AV; v++) {
+                        even[v] = _mm512_fmadd_ps(pe, _mm512_loadu_ps(value0 + t * token_floats + v * 16), even[v]);
+                        odd[v] = _mm512_fmadd_ps(po, _mm512_loadu_ps(value0 + (t + 1) * token_floats + v * 16), odd[v]);
+                    }
+                }
+                if (t < count)
+                    for (int v = 0; v < AV; v++)
+                        even[v] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(value0 + t * token_floats + v * 16), even[v]);
+                for (int v = 0; v < AV; v++) _mm512_storeu_ps(a + v * 16, _mm512_add_ps(even[v], odd[v]));
+            }
         }
         token += count;
     }
@@ -805,7 +790,7 @@ DOT_TARGET static inline __attribute__((always_inline)) void attend_part_dot(
 static int decode_dot = -1;
 
 /* Asked with -1: whether bfloat16 caches' scores are the AVX512-BF16 kernel's (1) or the
- * widening copy's (0); 0 or 1 sets it (bf16_host.h). */
+ * widening copy's (0); 0 or 1 sets it (bfloat16.h). */
 int vlmd_paged_decode_bf16_dot(int wanted) { return bf16_switch(&decode_dot, wanted); }
 
 #ifdef __AVX512F__
@@ -813,7 +798,7 @@ int vlmd_paged_decode_bf16_dot(int wanted) { return bf16_switch(&decode_dot, wan
     DOT_TARGET static void attend_dot_##D(const Shape *s, const float *q, int nq, const void *k, const void *v, \
                                           const int32_t *table, int first, int end, float *acc, float *maxes, \
                                           float *sums, float *buffer, float *work) { \
-        if (nq > s->heads) /* stacked decodes: the widening copy's product across queries was the faster */ \
+        if (nq > s->heads) /* stacked decodes: attend_stacked, its scores by stacked_scores_dot */ \
             attend_part_for(D)(s, q, nq, k, v, table, first, end, acc, maxes, sums, buffer, work); \
         else \
             attend_part_dot(s, D, q, nq, k, v, table, first, end, acc, maxes, sums, buffer); \
@@ -838,11 +823,10 @@ static AttendPart attend_part_dot_for(int dim, int dtype) {
     return NULL;
 }
 
-/* Floats of attend_part_dot's scratch for an item of up to MAX_QUERIES queries: their
- * scores (then weights) of a chunk, their bfloat16 pairs, one KV head's values of a chunk
- * widened. */
-static int64_t dot_scratch_floats(int dim) {
-    return (int64_t)MAX_QUERIES * (CHUNK + dim / 2) + (int64_t)CHUNK * dim;
+/* Floats of attend_part_dot's scratch for an item of up to MAX_HEADS queries: their scores
+ * (then weights) of a chunk, their bfloat16 pairs, the chunk's values widened. */
+static int64_t dot_scratch_floats(int dim, int kv_heads) {
+    return (int64_t)MAX_HEADS * (CHUNK + dim / 2) + (int64_t)CHUNK * kv_heads * dim;
 }
 
 typedef struct {
@@ -992,9 +976,10 @@ int vlmd_paged_decode(const float *q, const void *k_cache, const void *v_cache, 
     const AttendPart dot = attend_part_dot_for(dim, dtype), attend = dot ? dot : attend_part_for(dim);
     const Shape shape = {heads, kv_heads, heads / kv_heads, dim, block_size, dtype, dot != NULL};
     const int64_t widened_floats = dtype == KV_FLOAT32 ? 1 : (int64_t)CHUNK * kv_heads * dim;
-    const int64_t buffer_floats = dot && dot_scratch_floats(dim) > widened_floats ? dot_scratch_floats(dim) : widened_floats;
-    /* attend_stacked's work: a tile's queries of one KV head, rounded up to vectors of 8 */
-    const int stacked_qp = (tile * (heads / kv_heads) + 15) / 16 * 16; /* the dot scores' vectors are 16 */
+    const int64_t buffer_floats = dot ? dot_scratch_floats(dim, kv_heads) : widened_floats; /* the larger */
+    /* attend_stacked's work: a tile's queries of one KV head, rounded up to vectors of 16 (the
+     * dot scores' width; the widening copy's 8 divides it) */
+    const int stacked_qp = (tile * (heads / kv_heads) + 15) / 16 * 16;
     const int64_t work_floats = num_groups > 0 ? (int64_t)kv_heads * stacked_qp * (dim + CHUNK + 3) : 1;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)

@@ -1,8 +1,21 @@
-/* Whether AVX512-BF16 kernels may run here, and the switch each of them keeps: shared by
- * packed_linear.c (the batch products), paged_decode.c (the decode scores) and
- * flash_bf16.c (prefill attention). Not bound from Python (kernels.h lists what is). */
-#ifndef VLMD_BF16_HOST_H
-#define VLMD_BF16_HOST_H
+/* What the kernels share about bfloat16: torch's rounding of one value (decoder_step.c,
+ * elementwise.c, paged_decode.c), whether AVX512-BF16 kernels may run here and the switch
+ * each of them keeps (packed_linear.c: the batch products, paged_decode.c: the decode
+ * scores, flash_bf16.c: prefill attention). Not bound from Python (kernels.h lists what is). */
+#ifndef VLMD_BFLOAT16_H
+#define VLMD_BFLOAT16_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* float32 -> bfloat16 bits, to nearest with ties to even, any NaN the quiet NaN 0x7fc0:
+ * torch's rounding. */
+static inline uint16_t bf16_from_float(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 /* 1 where this variant was built with AVX-512 (its AVX512-BF16 code exists) and the CPU
  * has the instruction, else 0. */
