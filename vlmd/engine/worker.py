@@ -127,6 +127,9 @@ class EngineWorker:
                 log.exception("engine loop failed")
                 deltas = self.core.fail_running(f"engine error: {type(exc).__name__}: {exc}")
             self.stats = self.core.stats()
+            # Posted as the step ends: the loop streams them while this thread prepares the
+            # next step (waiting for the GIL where the loop holds it), never during the
+            # native step, whose team would lose a core to it (D122).
             if deltas:
                 self.post_deltas(deltas)
 
