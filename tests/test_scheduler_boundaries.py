@@ -1,6 +1,6 @@
 """The scheduler at its edges, torch-free (vlmd/sched/scheduler.py): an item that starts
 exactly where a chunk starts or ends, items that fill the encoder budget exactly, a request
-that shared a failed step without sharing its blocks. Found by mutating the scheduler one
+that shared a failed step without sharing its blocks, a decode behind a prefill that waits. Found by mutating the scheduler one
 operator at a time against its tests: each case fails under a mutant they let through.
 """
 
@@ -81,3 +81,17 @@ def test_a_failed_later_chunk_unregisters_its_own_blocks_only():
     sched.fail_requests({"culprit": "boom"}, out.num_scheduled_tokens)
     found = [sched.kv.pool.lookup((0, block_hash)) is not None for block_hash in hashes[:8]]
     assert found == [True] * 4 + [False] * 4
+
+
+def test_a_decode_behind_a_prefill_that_waits_for_the_encoder_still_runs():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=64)
+    runner = FakeRunner(sched)
+    # Two prompts of text, an image, text, an image, text (36 tokens); then a short text prompt.
+    sched.add_request(make_request("a", 36, items=(image("a1", 4, 12), image("a2", 20, 12)), max_tokens=2))
+    sched.add_request(make_request("b", 36, items=(image("b1", 4, 12), image("b2", 20, 12)), max_tokens=2))
+    sched.add_request(make_request("d", 4, max_tokens=8))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 20, "b": 4, "d": 4}
+    out, _ = runner.step()  # a's second image takes the encoder budget: b waits, d decodes
+    assert out.num_scheduled_tokens == {"a": 16, "d": 1}
+    runner.run()
